@@ -1,0 +1,26 @@
+"""Aggregation strategies (one small class each, streaming interface in :mod:`.base`)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from fedclinic.errors import ConfigError
+from fedclinic.strategies.base import Strategy
+from fedclinic.strategies.fedavg import FedAvg
+
+STRATEGIES: dict[str, type[Strategy]] = {FedAvg.name: FedAvg}
+
+
+def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strategy:
+    """Build a strategy by name with keyword parameters; unknown names or parameters are a ConfigError."""
+    try:
+        cls = STRATEGIES[name or "fedavg"]
+    except KeyError:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}") from None
+    try:
+        return cls(**dict(params or {}))
+    except TypeError as exc:
+        raise ConfigError(f"strategy {name!r}: bad parameters {dict(params or {})}: {exc}") from None
+
+
+__all__ = ["STRATEGIES", "FedAvg", "Strategy", "make_strategy"]

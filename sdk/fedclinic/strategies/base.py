@@ -1,0 +1,35 @@
+"""The streaming strategy interface shared by the simulator and the aggregator service.
+
+A strategy sees one round as::
+
+    strategy.begin(global_tensors)            # the model the round started from
+    strategy.accept(update, weight, site=...) # once per site, in arrival order
+    new_tensors = strategy.finalize()         # tensors that changed; the rest stay as they were
+
+Updates are deltas (local - global) over a subset of tensor names. ``accept`` must not keep references to
+``update`` (it may be a memory map that is closed right after), so memory stays O(model size) whatever the
+number of sites. A strategy that needs every site's update at once sets ``needs_per_site_updates``;
+the engine then spills updates to disk instead of holding them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Mapping
+
+import numpy as np
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+    #: True when the strategy cannot work on a sum alone (refused under secure aggregation).
+    needs_per_site_updates: ClassVar[bool] = False
+
+    @abstractmethod
+    def begin(self, global_tensors: Mapping[str, np.ndarray]) -> None: ...
+
+    @abstractmethod
+    def accept(self, update: Mapping[str, np.ndarray], weight: float, *, site: str) -> None: ...
+
+    @abstractmethod
+    def finalize(self) -> dict[str, np.ndarray]: ...
