@@ -36,7 +36,9 @@ def raw_bytes(array: np.ndarray) -> memoryview:
     arr = np.ascontiguousarray(array)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return memoryview(arr).cast("B")
+    if arr.size == 0:
+        return memoryview(b"")
+    return memoryview(arr.reshape(-1)).cast("B")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The fedclinic aggregator service: gRPC wiring, authorization, round engine, durable store."""

@@ -1,0 +1,141 @@
+"""AgentService: what hospital agents call. The site id is the name in the caller's certificate."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import grpc
+import structlog
+
+import fedclinic
+from fedclinic.errors import IntegrityError
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
+from fedclinic.wire import ChunkAssembler
+
+from aggregator_service.auth import peer_identity
+from aggregator_service.engine import Engine, Refused
+from aggregator_service.transfer import SpillWriter, send_model
+
+log = structlog.get_logger("fedclinic.aggregator.agents")
+
+ACCEPTED_CODECS = ["raw"]
+
+
+def abort(context: grpc.ServicerContext, exc: Refused) -> None:
+    context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+
+
+class AgentApi(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, engine: Engine, heartbeat_s: float = 15.0) -> None:
+        self.engine = engine
+        self.heartbeat_s = heartbeat_s
+
+    def Hello(self, request: agent_pb2.HelloRequest, context) -> agent_pb2.HelloResponse:
+        site = peer_identity(context).name
+        if request.protocol_version != fedclinic.PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"agent speaks protocol v{request.protocol_version}, this aggregator speaks "
+                          f"v{fedclinic.PROTOCOL_VERSION}; upgrade the older side")
+        log.info("agent hello", site=site, agent_version=request.agent_version,
+                 devices=list(request.capabilities.devices))
+        return agent_pb2.HelloResponse(protocol_version=fedclinic.PROTOCOL_VERSION,
+                                       aggregator_version=fedclinic.__version__, site_id=site, codecs=ACCEPTED_CODECS)
+
+    def WatchWork(self, request: agent_pb2.WatchWorkRequest, context) -> Iterator[agent_pb2.WorkItem]:
+        site = peer_identity(context).name
+        delivered: dict[tuple[str, int, int], bool] = {}
+        self.engine.site_connected(site)
+        log.info("work stream opened", site=site)
+        last_beat = 0.0
+        try:
+            while context.is_active() and not self.engine.stopping:
+                items = self.engine.next_work(site, delivered)
+                yield from items
+                now = time.monotonic()
+                if now - last_beat >= self.heartbeat_s:
+                    yield agent_pb2.WorkItem(heartbeat=agent_pb2.Heartbeat(unix_ms=int(time.time() * 1000)))
+                    last_beat = now
+                if not items:
+                    self.engine.wait_for_change(timeout=min(self.heartbeat_s, 1.0))
+        finally:
+            self.engine.site_disconnected(site)
+            log.info("work stream closed", site=site)
+
+    def FetchModel(self, request: agent_pb2.FetchModelRequest, context) -> Iterator[tensors_pb2.ModelChunk]:
+        site = peer_identity(context).name
+        manifest = self.engine.store.model(request.model_hash)
+        task = self.engine.store.one("SELECT 1 FROM assignments WHERE task_id=? AND site=?", (request.task_id, site))
+        if manifest is None or task is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"model {request.model_hash[:12]} of task {request.task_id} is not available to {site}; "
+                          "models are served only to sites assigned to the task")
+        counter = [0]
+        try:
+            yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256),
+                                  include_files=request.include_files, counter=counter)
+        finally:
+            self.engine.add_downlink(request.task_id, counter[0])
+
+    def SubmitUpdate(self, request_iterator, context) -> agent_pb2.UpdateReceipt:
+        site = peer_identity(context).name
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("item") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its UpdateHeader")
+        h = first.header
+        if not h.idempotency_key or len(h.idempotency_key) > 255:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key must be 1-255 characters")
+        prior = self.engine.existing_update(h.task_id, h.idempotency_key)
+        if prior is not None:
+            if prior.site != site:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, "this idempotency key belongs to another site's update")
+            log.info("duplicate update acknowledged", site=site, task_id=h.task_id, round=h.round)
+            return agent_pb2.UpdateReceipt(update_id=prior.update_id, duplicate=True, stored_nbytes=prior.nbytes,
+                                           round=prior.round)
+        try:
+            self.engine.check_update_header(site, h)
+        except Refused as exc:
+            abort(context, exc)
+        spill = SpillWriter(self.engine.spill_path(h.task_id, h.round))
+        assembler = ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True)
+        committed = False
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("item")
+                if kind == "tensor":
+                    assembler.add(msg.tensor)
+                elif kind == "commit":
+                    assembler.finish()
+                    if msg.commit.total_encoded_nbytes != assembler.nbytes:
+                        raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
+                                             f"{assembler.nbytes} arrived")
+                    committed = True
+                    break
+                else:
+                    raise IntegrityError(f"unexpected {kind!r} message inside an update stream")
+            if not committed:
+                raise IntegrityError("the update stream ended before its commit message; nothing was stored")
+            nbytes = spill.finish()
+        except IntegrityError as exc:
+            assembler.abort()
+            spill.discard()
+            log.warning("update rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"update rejected: {exc}")
+        except BaseException:
+            assembler.abort()
+            spill.discard()
+            raise
+        try:
+            update_id = self.engine.accept_update(site, h, spill.path, spill.layout, nbytes)
+        except Refused as exc:
+            spill.path.unlink(missing_ok=True)
+            abort(context, exc)
+        return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
+
+    def Decline(self, request: agent_pb2.DeclineRequest, context) -> agent_pb2.DeclineResponse:
+        site = peer_identity(context).name
+        try:
+            self.engine.decline(site, request.task_id, request.round, request.reason, request.permanent)
+        except Refused as exc:
+            abort(context, exc)
+        return agent_pb2.DeclineResponse()

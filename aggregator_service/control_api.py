@@ -1,0 +1,138 @@
+"""Control: what data scientists (role ``scientist``) and administrators (role ``admin``) call.
+
+A scientist sees and manages only the tasks it submitted; an admin sees and manages all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+import structlog
+
+from fedclinic.errors import IntegrityError
+from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
+from fedclinic.wire import manifest_from_proto
+
+from aggregator_service.auth import peer_identity
+from aggregator_service.engine import TERMINAL, Engine, Refused, status_of, validate_spec
+from aggregator_service.transfer import receive_model, send_model
+
+log = structlog.get_logger("fedclinic.aggregator.control")
+
+
+class ControlApi(control_pb2_grpc.ControlServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _visible(self, context, task_id: str) -> None:
+        ident = peer_identity(context)
+        row = self.engine.store.one("SELECT owner FROM tasks WHERE task_id=?", (task_id,))
+        if row is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no task {task_id!r} on this aggregator; list tasks with `fedclinic task list`")
+        if ident.role != "admin" and row.owner != ident.name:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"task {task_id} belongs to {row.owner}; only its owner or an admin may use it")
+
+    def SubmitTask(self, request_iterator, context) -> control_pb2.TaskStatus:
+        owner = peer_identity(context).name
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("item") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a task submission must start with SubmitTaskHeader")
+        h = first.header
+        if not h.idempotency_key:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key is required")
+        existing = self.engine.store.one("SELECT task_id FROM tasks WHERE owner=? AND idempotency_key=?",
+                                         (owner, h.idempotency_key))
+        if existing is not None:
+            return status_of(self.engine.store, existing.task_id)
+        try:
+            manifest = manifest_from_proto(h.model)
+            validate_spec(h.spec, manifest)
+            items = _payload(request_iterator)
+            nbytes = receive_model(self.engine.blobs, manifest, items)
+            task_id = self.engine.create_task(owner, h.idempotency_key, h.spec, manifest)
+        except IntegrityError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model upload rejected: {exc}")
+        except Refused as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+        log.info("task submitted", task_id=task_id, owner=owner, model_bytes=nbytes)
+        return status_of(self.engine.store, task_id)
+
+    def GetTask(self, request, context) -> control_pb2.TaskStatus:
+        self._visible(context, request.task_id)
+        return status_of(self.engine.store, request.task_id)
+
+    def ListTasks(self, request, context) -> control_pb2.ListTasksResponse:
+        ident = peer_identity(context)
+        sql = "SELECT task_id, state, owner FROM tasks ORDER BY created_ms"
+        out = control_pb2.ListTasksResponse()
+        for row in self.engine.store.all(sql):
+            if ident.role != "admin" and row.owner != ident.name:
+                continue
+            if not request.include_finished and row.state in TERMINAL:
+                continue
+            out.tasks.append(status_of(self.engine.store, row.task_id))
+        return out
+
+    def WatchTask(self, request, context) -> Iterator[control_pb2.TaskEvent]:
+        self._visible(context, request.task_id)
+        after = request.after_seq
+        while context.is_active() and not self.engine.stopping:
+            events = self.engine.store.all("SELECT * FROM events WHERE task_id=? AND seq>? ORDER BY seq",
+                                           (request.task_id, after))
+            if events:
+                status = status_of(self.engine.store, request.task_id)
+                for e in events:
+                    yield control_pb2.TaskEvent(seq=e.seq, kind=e.kind, message=e.message, status=status,
+                                                unix_ms=e.unix_ms)
+                    after = e.seq
+                if status.state in TERMINAL:
+                    return
+                continue
+            self.engine.wait_for_change(timeout=1.0)
+
+    def CancelTask(self, request, context) -> control_pb2.TaskStatus:
+        self._visible(context, request.task_id)
+        try:
+            self.engine.cancel(request.task_id, peer_identity(context).name, request.reason)
+        except Refused as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+        return status_of(self.engine.store, request.task_id)
+
+    def FetchModel(self, request, context) -> Iterator[tensors_pb2.ModelChunk]:
+        self._visible(context, request.task_id)
+        task = self.engine.store.one("SELECT * FROM tasks WHERE task_id=?", (request.task_id,))
+        if request.round > 0:
+            row = self.engine.store.one("SELECT model_hash FROM rounds WHERE task_id=? AND round=? AND model_hash!=''",
+                                        (request.task_id, request.round))
+            if row is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {request.round} of task {request.task_id} has no model yet")
+            model_hash = row.model_hash
+        elif request.round < 0:
+            model_hash = task.initial_model
+        else:
+            row = self.engine.store.one("SELECT model_hash FROM rounds WHERE task_id=? AND model_hash!='' "
+                                        "ORDER BY round DESC LIMIT 1", (request.task_id,))
+            model_hash = task.final_model or (row.model_hash if row else "")
+            if not model_hash:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"task {request.task_id} has finished no round yet; nothing to download")
+        manifest = self.engine.store.model(model_hash)
+        yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256), include_files=True)
+
+
+def _payload(request_iterator) -> Iterator[tensors_pb2.FileChunk | tensors_pb2.TensorChunk]:
+    for msg in request_iterator:
+        kind = msg.WhichOneof("item")
+        if kind == "file":
+            yield msg.file
+        elif kind == "tensor":
+            yield msg.tensor
+        elif kind == "commit":
+            return
+        else:
+            raise IntegrityError(f"unexpected {kind!r} message inside a task submission")
+    raise IntegrityError("the submission stream ended before its commit message; nothing was stored")

@@ -1,0 +1,582 @@
+"""The round engine: task lifecycle, site assignment, streaming aggregation, quorum and deadlines.
+
+State machine of a task: QUEUED -> RUNNING -> COMPLETED | FAILED | CANCELLED. A running task has exactly
+one OPEN round. A round closes (CLOSED) when ``sites_target`` updates have arrived, or at its deadline if
+at least ``min_sites`` have; otherwise the task's quorum policy either reopens it (new attempt, new
+deadline, up to ``max_round_retries`` times; updates already received are kept, they were computed on the
+same global model) or fails the task. Nothing waits without a deadline.
+
+Every accepted update is folded into the task's strategy accumulator right after it is durable; the
+accumulator (O(model size)) is rebuilt from the durable updates after a restart. All state changes happen
+under one lock and wake waiters through one condition variable (work streams, task watchers, the ticker).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import structlog
+
+from fedclinic.blobstore import BlobStore
+from fedclinic.errors import ConfigError
+from fedclinic.package import Manifest, TensorEntry, raw_bytes, tensor_sha256
+from fedclinic.proto import agent_pb2, control_pb2, task_pb2
+from fedclinic.selection import select_names
+from fedclinic.strategies import Strategy, make_strategy
+from aggregator_service.store import Store, now_ms
+
+log = structlog.get_logger("fedclinic.aggregator.engine")
+
+S = control_pb2  # state enums
+TERMINAL = (S.TASK_STATE_COMPLETED, S.TASK_STATE_FAILED, S.TASK_STATE_CANCELLED)
+
+
+class Refused(Exception):
+    """A request the engine will not carry out; ``code`` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class UpdateLayout:
+    """Where each tensor of an update lives inside its spill file."""
+
+    tensors: list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, offset, nbytes
+
+    def to_json(self) -> str:
+        return json.dumps([[n, d, list(s), o, b] for n, d, s, o, b in self.tensors])
+
+    @classmethod
+    def from_json(cls, text: str) -> "UpdateLayout":
+        return cls([(n, d, tuple(s), o, b) for n, d, s, o, b in json.loads(text)])
+
+    def arrays(self, path: Path) -> dict[str, np.ndarray]:
+        """Read-only memory-mapped views of the update's tensors."""
+        out = {}
+        for name, dtype, shape, offset, nbytes in self.tensors:
+            if nbytes == 0:
+                out[name] = np.zeros(shape, dtype=dtype)
+            else:
+                out[name] = np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
+        return out
+
+
+@dataclass
+class _Accumulator:
+    round: int
+    strategy: Strategy
+    global_arrays: dict[str, np.ndarray]
+    folded: set[str] = field(default_factory=set)  # update ids
+
+
+def weighted_mean(reports: Iterable[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for n, metrics in reports:
+        for k, v in metrics.items():
+            if math.isfinite(v):
+                totals[k] = totals.get(k, 0.0) + n * v
+                weights[k] = weights.get(k, 0.0) + n
+    return {k: totals[k] / weights[k] for k in totals if weights[k] > 0}
+
+
+class Engine:
+    def __init__(self, store: Store, blobs: BlobStore, *, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.spill_root = store.state_dir / "updates"
+        self.spill_root.mkdir(exist_ok=True)
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self._acc: dict[str, _Accumulator] = {}
+        self._connected: dict[str, int] = {}
+        self._stopping = False
+        self._ticker: threading.Thread | None = None
+
+    # lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self.lock:
+            self._recover()
+        self._ticker = threading.Thread(target=self._tick_loop, name="round-ticker", daemon=True)
+        self._ticker.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self.changed.notify_all()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _recover(self) -> None:
+        """Rebuild accumulators of open rounds from durable updates; drop spill files nobody references."""
+        referenced = {r.spill_path for r in self.store.all("SELECT spill_path FROM updates")}
+        for path in self.spill_root.rglob("*"):
+            if path.is_file() and str(path) not in referenced:
+                path.unlink()
+        for task in self.store.all("SELECT task_id FROM tasks WHERE state=?", (S.TASK_STATE_RUNNING,)):
+            rnd = self._open_round(task.task_id)
+            if rnd is None:
+                continue
+            acc = self._accumulator(task.task_id)
+            rows = self.store.all("SELECT * FROM updates WHERE task_id=? AND round=? ORDER BY received_ms",
+                                  (task.task_id, rnd.round))
+            for u in rows:
+                self._fold(acc, u.update_id, Path(u.spill_path), UpdateLayout.from_json(u.layout), u.num_samples,
+                           u.site)
+            log.info("round recovered", task_id=task.task_id, round=rnd.round, updates=len(rows))
+            self._maybe_close(task.task_id)
+
+    # tasks ----------------------------------------------------------------------------------------------
+    def create_task(self, owner: str, idempotency_key: str, spec: task_pb2.TaskSpec, manifest: Manifest) -> str:
+        """Record a task whose model blobs are already durable, and open its first round."""
+        validate_spec(spec, manifest)
+        with self.lock:
+            existing = self.store.one("SELECT task_id FROM tasks WHERE owner=? AND idempotency_key=?",
+                                      (owner, idempotency_key))
+            if existing is not None:
+                return existing.task_id
+            task_id = "t-" + uuid.uuid4().hex[:12]
+            ts = now_ms()
+            with self.store.tx() as c:
+                model_hash = self.store.put_model(c, manifest)
+                c.execute("INSERT INTO tasks(task_id, owner, idempotency_key, spec, state, created_ms, updated_ms,"
+                          " initial_model) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (task_id, owner, idempotency_key, spec.SerializeToString(), S.TASK_STATE_QUEUED, ts, ts,
+                           model_hash))
+                self.store.add_event(c, task_id, "submitted", f"task {spec.name!r} submitted by {owner}")
+                self._open_round_tx(c, task_id, spec, 1, 1, model_hash)
+            log.info("task created", task_id=task_id, owner=owner, name=spec.name)
+            self.changed.notify_all()
+            return task_id
+
+    def spec(self, task_id: str) -> task_pb2.TaskSpec:
+        row = self.store.one("SELECT spec FROM tasks WHERE task_id=?", (task_id,))
+        if row is None:
+            raise Refused("NOT_FOUND", f"no task {task_id!r} on this aggregator; list tasks with `fedclinic task list`")
+        return task_pb2.TaskSpec.FromString(row.spec)
+
+    def cancel(self, task_id: str, by: str, reason: str) -> None:
+        with self.lock:
+            task = self._task(task_id)
+            if task.state in TERMINAL:
+                raise Refused("FAILED_PRECONDITION",
+                              f"task {task_id} already ended ({S.TaskState.Name(task.state)}); nothing to cancel")
+            with self.store.tx() as c:
+                c.execute("UPDATE tasks SET state=?, error=?, updated_ms=? WHERE task_id=?",
+                          (S.TASK_STATE_CANCELLED, f"cancelled by {by}: {reason}".strip(": "), now_ms(), task_id))
+                self.store.add_event(c, task_id, "cancelled", f"cancelled by {by}" + (f": {reason}" if reason else ""))
+            self._drop_round_data(task_id)
+            self.changed.notify_all()
+
+    def _task(self, task_id: str):
+        task = self.store.one("SELECT * FROM tasks WHERE task_id=?", (task_id,))
+        if task is None:
+            raise Refused("NOT_FOUND", f"no task {task_id!r} on this aggregator; list tasks with `fedclinic task list`")
+        return task
+
+    def _open_round(self, task_id: str):
+        return self.store.one("SELECT * FROM rounds WHERE task_id=? AND state=?", (task_id, S.ROUND_STATE_OPEN))
+
+    def _open_round_tx(self, c, task_id: str, spec: task_pb2.TaskSpec, rnd: int, attempt: int, base_model: str) -> None:
+        rc = spec.rounds
+        connected = [s for s in self._connected if self._eligible(task_id, spec, s)]
+        target = max(rc.min_sites, math.ceil(rc.participation_fraction * len(connected)))
+        opened = now_ms()
+        deadline = opened + int(rc.round_timeout_s * 1000)
+        c.execute("INSERT OR REPLACE INTO rounds(task_id, round, attempt, state, sites_target, opened_ms, deadline_ms,"
+                  " base_model) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                  (task_id, rnd, attempt, S.ROUND_STATE_OPEN, target, opened, deadline, base_model))
+        c.execute("UPDATE tasks SET state=?, current_round=?, updated_ms=? WHERE task_id=?",
+                  (S.TASK_STATE_RUNNING, rnd, opened, task_id))
+        self.store.add_event(c, task_id, "round-opened",
+                             f"round {rnd} opened (attempt {attempt}); waiting for {target} site(s), "
+                             f"deadline in {rc.round_timeout_s:g} s")
+
+    def _eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool:
+        if spec.sites and site not in spec.sites:
+            return False
+        return self.store.one("SELECT 1 FROM site_declines WHERE task_id=? AND site=?", (task_id, site)) is None
+
+    # agents -------------------------------------------------------------------------------------------
+    def site_connected(self, site: str) -> None:
+        with self.lock:
+            self._connected[site] = self._connected.get(site, 0) + 1
+            self.changed.notify_all()
+
+    def site_disconnected(self, site: str) -> None:
+        with self.lock:
+            n = self._connected.get(site, 0) - 1
+            if n <= 0:
+                self._connected.pop(site, None)
+            else:
+                self._connected[site] = n
+
+    def next_work(self, site: str, delivered: dict[tuple[str, int, int], bool]) -> list[agent_pb2.WorkItem]:
+        """Work for ``site`` not yet delivered on this stream: new assignments and cancellations."""
+        items: list[agent_pb2.WorkItem] = []
+        with self.lock:
+            for key in list(delivered):
+                task = self.store.one("SELECT state, error FROM tasks WHERE task_id=?", (key[0],))
+                rnd = self.store.one("SELECT state FROM rounds WHERE task_id=? AND round=?", (key[0], key[1]))
+                if task is not None and task.state in (S.TASK_STATE_CANCELLED, S.TASK_STATE_FAILED):
+                    items.append(agent_pb2.WorkItem(cancel=agent_pb2.CancelWork(task_id=key[0], reason=task.error)))
+                    del delivered[key]
+                elif rnd is None or rnd.state != S.ROUND_STATE_OPEN:
+                    del delivered[key]
+            for task in self.store.all("SELECT task_id, spec FROM tasks WHERE state=? ORDER BY created_ms",
+                                       (S.TASK_STATE_RUNNING,)):
+                spec = task_pb2.TaskSpec.FromString(task.spec)
+                rnd = self._open_round(task.task_id)
+                if rnd is None or not self._eligible(task.task_id, spec, site):
+                    continue
+                if (task.task_id, rnd.round, rnd.attempt) in delivered:
+                    continue
+                if self.store.one("SELECT 1 FROM updates WHERE task_id=? AND round=? AND site=?",
+                                  (task.task_id, rnd.round, site)):
+                    continue
+                a = self.store.one("SELECT * FROM assignments WHERE task_id=? AND round=? AND site=?",
+                                   (task.task_id, rnd.round, site))
+                if a is not None and a.declined:
+                    continue
+                if a is None or a.attempt != rnd.attempt:
+                    active = self.store.one(
+                        "SELECT COUNT(*) AS n FROM assignments WHERE task_id=? AND round=? AND declined='' "
+                        "AND (attempt=? OR site IN (SELECT site FROM updates WHERE task_id=? AND round=?))",
+                        (task.task_id, rnd.round, rnd.attempt, task.task_id, rnd.round)).n
+                    if active >= rnd.sites_target:
+                        continue
+                    with self.store.tx() as c:
+                        c.execute("INSERT OR REPLACE INTO assignments(task_id, round, site, attempt, assigned_ms) "
+                                  "VALUES (?, ?, ?, ?, ?)", (task.task_id, rnd.round, site, rnd.attempt, now_ms()))
+                        self.store.add_event(c, task.task_id, "site-assigned", f"{site} joined round {rnd.round}")
+                manifest = self.store.model(rnd.base_model)
+                assert manifest is not None
+                send = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
+                                    spec.update.frozen_patterns, spec.update.private_patterns)
+                from fedclinic.wire import manifest_to_proto  # local import keeps engine importable alone
+
+                items.append(agent_pb2.WorkItem(assignment=agent_pb2.Assignment(
+                    task_id=task.task_id, round=rnd.round, attempt=rnd.attempt, spec=spec,
+                    model=manifest_to_proto(manifest), deadline_unix_ms=rnd.deadline_ms, send_tensors=send)))
+                delivered[(task.task_id, rnd.round, rnd.attempt)] = True
+        return items
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self.changed:
+            if not self._stopping:
+                self.changed.wait(timeout)
+
+    def decline(self, site: str, task_id: str, rnd: int, reason: str, permanent: bool) -> None:
+        with self.lock:
+            self._task(task_id)
+            reason = reason.strip() or "no reason given"
+            with self.store.tx() as c:
+                c.execute("UPDATE assignments SET declined=? WHERE task_id=? AND round=? AND site=?",
+                          (reason, task_id, rnd, site))
+                if permanent:
+                    c.execute("INSERT OR REPLACE INTO site_declines(task_id, site, reason) VALUES (?, ?, ?)",
+                              (task_id, site, reason))
+                self.store.add_event(c, task_id, "declined", f"{site} declined round {rnd}: {reason}")
+            log.warning("site declined", task_id=task_id, round=rnd, site=site, reason=reason)
+            self.changed.notify_all()
+
+    def add_downlink(self, task_id: str, nbytes: int) -> None:
+        with self.lock:
+            self.store.execute("UPDATE rounds SET downlink_bytes = downlink_bytes + ? WHERE task_id=? AND state=?",
+                               (nbytes, task_id, S.ROUND_STATE_OPEN))
+
+    # updates ------------------------------------------------------------------------------------------
+    def existing_update(self, task_id: str, idempotency_key: str):
+        return self.store.one("SELECT * FROM updates WHERE task_id=? AND idempotency_key=?", (task_id, idempotency_key))
+
+    def check_update_header(self, site: str, h: agent_pb2.UpdateHeader) -> dict[str, TensorEntry]:
+        """Validate an update header before its bytes are read; returns the expected global tensors."""
+        with self.lock:
+            task = self._task(h.task_id)
+            if task.state != S.TASK_STATE_RUNNING:
+                raise Refused("FAILED_PRECONDITION",
+                              f"task {h.task_id} is {S.TaskState.Name(task.state)}; it takes no more updates")
+            rnd = self._open_round(h.task_id)
+            if rnd is None or rnd.round != h.round:
+                current = rnd.round if rnd is not None else task.current_round
+                raise Refused("FAILED_PRECONDITION",
+                              f"round {h.round} of task {h.task_id} is closed (the task is at round {current}); "
+                              "the update was not stored")
+            a = self.store.one("SELECT * FROM assignments WHERE task_id=? AND round=? AND site=?",
+                               (h.task_id, h.round, site))
+            if a is None or a.declined:
+                raise Refused("PERMISSION_DENIED", f"site {site} is not a participant of round {h.round} of "
+                                                   f"task {h.task_id}; wait for an assignment")
+            if self.store.one("SELECT 1 FROM updates WHERE task_id=? AND round=? AND site=?", (h.task_id, h.round, site)):
+                raise Refused("ALREADY_EXISTS", f"site {site} already sent an update for round {h.round} of task "
+                                                f"{h.task_id} with another idempotency key")
+            if h.base_model_hash != rnd.base_model:
+                raise Refused("FAILED_PRECONDITION", f"the update was computed against model {h.base_model_hash[:12]}"
+                                                     f" but round {h.round} started from {rnd.base_model[:12]}")
+            if h.num_samples <= 0:
+                raise Refused("INVALID_ARGUMENT", "num_samples must be positive (it is the FedAvg weight)")
+            if h.kind != task_pb2.UPDATE_KIND_DELTA:
+                raise Refused("INVALID_ARGUMENT", "only delta updates (UPDATE_KIND_DELTA) are accepted")
+            spec = task_pb2.TaskSpec.FromString(task.spec)
+            manifest = self.store.model(rnd.base_model)
+            assert manifest is not None
+            allowed = set(select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
+                                       spec.update.frozen_patterns, spec.update.private_patterns))
+            by_name = {t.name: t for t in manifest.tensors}
+            seen: set[str] = set()
+            for t in h.tensors:
+                ref = by_name.get(t.name)
+                if ref is None or t.name not in allowed:
+                    raise Refused("INVALID_ARGUMENT", f"tensor {t.name!r} is not one this task trains and sends")
+                if t.name in seen:
+                    raise Refused("INVALID_ARGUMENT", f"tensor {t.name!r} appears twice in the update")
+                seen.add(t.name)
+                if tuple(t.shape) != tuple(ref.shape):
+                    raise Refused("INVALID_ARGUMENT", f"tensor {t.name!r} has shape {list(t.shape)}; the model's is "
+                                                      f"{list(ref.shape)}")
+                if t.dtype != "float32":
+                    raise Refused("INVALID_ARGUMENT", f"tensor {t.name!r}: deltas must be float32, got {t.dtype}")
+            if not seen:
+                raise Refused("INVALID_ARGUMENT", "the update carries no tensor")
+            return {n: by_name[n] for n in seen}
+
+    def spill_path(self, task_id: str, rnd: int) -> Path:
+        d = self.spill_root / task_id / str(rnd)
+        d.mkdir(parents=True, exist_ok=True)
+        return d / f"u-{uuid.uuid4().hex}.bin"
+
+    def accept_update(self, site: str, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout,
+                      nbytes: int) -> str:
+        """Record a verified, fsync'd update and fold it into the round. Returns its update id."""
+        with self.lock:
+            prior = self.existing_update(h.task_id, h.idempotency_key)
+            if prior is not None:
+                spill.unlink(missing_ok=True)
+                return prior.update_id
+            self.check_update_header(site, h)  # the round may have closed while the bytes streamed in
+            update_id = "u-" + uuid.uuid4().hex[:16]
+            with self.store.tx() as c:
+                c.execute("INSERT INTO updates(update_id, task_id, round, site, idempotency_key, num_samples, nbytes,"
+                          " spill_path, layout, metrics, eval_metrics, received_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                          (update_id, h.task_id, h.round, site, h.idempotency_key, h.num_samples, nbytes, str(spill),
+                           layout.to_json(), json.dumps(dict(h.metrics)), json.dumps(dict(h.eval_metrics)), now_ms()))
+                c.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
+                          (nbytes, h.task_id, h.round))
+                self.store.add_event(c, h.task_id, "update-received",
+                                     f"{site} sent its round {h.round} update ({nbytes} bytes, {h.num_samples} samples)")
+            acc = self._accumulator(h.task_id)
+            self._fold(acc, update_id, spill, layout, h.num_samples, site)
+            log.info("update accepted", task_id=h.task_id, round=h.round, site=site, nbytes=nbytes)
+            self._maybe_close(h.task_id)
+            self.changed.notify_all()
+            return update_id
+
+    def _accumulator(self, task_id: str) -> _Accumulator:
+        rnd = self._open_round(task_id)
+        assert rnd is not None
+        acc = self._acc.get(task_id)
+        if acc is None or acc.round != rnd.round:
+            spec = self.spec(task_id)
+            manifest = self.store.model(rnd.base_model)
+            assert manifest is not None
+            arrays = {t.name: self.blobs.array(t.sha256, t.dtype, t.shape) for t in manifest.tensors}
+            strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
+            strategy.begin(arrays)
+            acc = self._acc[task_id] = _Accumulator(rnd.round, strategy, arrays)
+        return acc
+
+    @staticmethod
+    def _fold(acc: _Accumulator, update_id: str, spill: Path, layout: UpdateLayout, weight: int, site: str) -> None:
+        if update_id in acc.folded:
+            return
+        acc.strategy.accept(layout.arrays(spill), float(weight), site=site)
+        acc.folded.add(update_id)
+
+    # closing rounds -------------------------------------------------------------------------------------
+    def _maybe_close(self, task_id: str) -> None:
+        rnd = self._open_round(task_id)
+        if rnd is None:
+            return
+        n = self.store.one("SELECT COUNT(*) AS n FROM updates WHERE task_id=? AND round=?", (task_id, rnd.round)).n
+        if n >= rnd.sites_target:
+            self._close_round(task_id)
+
+    def _close_round(self, task_id: str) -> None:
+        rnd = self._open_round(task_id)
+        assert rnd is not None
+        spec = self.spec(task_id)
+        acc = self._accumulator(task_id)
+        new_arrays = acc.strategy.finalize()
+        base = self.store.model(rnd.base_model)
+        assert base is not None
+        entries = []
+        for t in base.tensors:
+            arr = new_arrays.get(t.name)
+            if arr is None:
+                entries.append(t)
+                continue
+            sha = self.blobs.put(raw_bytes(arr))
+            entries.append(TensorEntry(t.name, t.dtype, t.shape, sha, t.nbytes))
+        manifest = Manifest(tuple(entries), base.files)
+        reports = self.store.all("SELECT num_samples, metrics, eval_metrics FROM updates WHERE task_id=? AND round=?",
+                                 (task_id, rnd.round))
+        metrics = weighted_mean((r.num_samples, json.loads(r.metrics)) for r in reports)
+        metrics.update({f"eval_{k}": v for k, v in
+                        weighted_mean((r.num_samples, json.loads(r.eval_metrics)) for r in reports).items()})
+        with self.store.tx() as c:
+            model_hash = self.store.put_model(c, manifest)
+            c.execute("UPDATE rounds SET state=?, closed_ms=?, model_hash=?, metrics=? WHERE task_id=? AND round=?",
+                      (S.ROUND_STATE_CLOSED, now_ms(), model_hash, json.dumps(metrics), task_id, rnd.round))
+            self.store.add_event(c, task_id, "round-closed",
+                                 f"round {rnd.round} closed with {len(reports)} update(s); model {model_hash[:12]}")
+            if rnd.round >= spec.rounds.num_rounds:
+                c.execute("UPDATE tasks SET state=?, final_model=?, updated_ms=? WHERE task_id=?",
+                          (S.TASK_STATE_COMPLETED, model_hash, now_ms(), task_id))
+                self.store.add_event(c, task_id, "completed", f"task completed after {rnd.round} round(s)")
+            else:
+                self._open_round_tx(c, task_id, spec, rnd.round + 1, 1, model_hash)
+        log.info("round closed", task_id=task_id, round=rnd.round, updates=len(reports), model=model_hash[:12])
+        self._acc.pop(task_id, None)
+        shutil.rmtree(self.spill_root / task_id / str(rnd.round), ignore_errors=True)
+
+    def _fail(self, c, task_id: str, message: str) -> None:
+        c.execute("UPDATE tasks SET state=?, error=?, updated_ms=? WHERE task_id=?",
+                  (S.TASK_STATE_FAILED, message, now_ms(), task_id))
+        self.store.add_event(c, task_id, "failed", message)
+
+    def _drop_round_data(self, task_id: str) -> None:
+        self._acc.pop(task_id, None)
+        shutil.rmtree(self.spill_root / task_id, ignore_errors=True)
+
+    def tick(self) -> float:
+        """Apply deadlines; returns seconds until the next deadline (capped at 1 s)."""
+        wait = 1.0
+        with self.lock:
+            now = now_ms()
+            for rnd in self.store.all("SELECT r.* FROM rounds r JOIN tasks t USING (task_id) WHERE r.state=? AND t.state=?",
+                                      (S.ROUND_STATE_OPEN, S.TASK_STATE_RUNNING)):
+                if now < rnd.deadline_ms:
+                    wait = min(wait, (rnd.deadline_ms - now) / 1000)
+                    continue
+                self._deadline_passed(rnd)
+            self.changed.notify_all()
+        return max(wait, 0.01)
+
+    def _deadline_passed(self, rnd) -> None:
+        task_id = rnd.task_id
+        spec = self.spec(task_id)
+        rc = spec.rounds
+        n = self.store.one("SELECT COUNT(*) AS n FROM updates WHERE task_id=? AND round=?", (task_id, rnd.round)).n
+        if n >= rc.min_sites:
+            self._close_round(task_id)
+            return
+        missed = (f"round {rnd.round} got {n} of the {rc.min_sites} update(s) it needs by its deadline "
+                  f"({rc.round_timeout_s:g} s, attempt {rnd.attempt})")
+        retry = rc.on_quorum_miss == task_pb2.QUORUM_POLICY_RETRY and rnd.attempt <= rc.max_round_retries
+        with self.store.tx() as c:
+            if retry:
+                self.store.add_event(c, task_id, "round-failed", missed + "; quorum policy is 'retry': reopening")
+                deadline = now_ms() + int(rc.round_timeout_s * 1000)
+                c.execute("UPDATE rounds SET attempt=attempt+1, deadline_ms=? WHERE task_id=? AND round=?",
+                          (deadline, task_id, rnd.round))
+            else:
+                policy = "retry, and the retries are used up" if rc.on_quorum_miss == task_pb2.QUORUM_POLICY_RETRY else "fail"
+                c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
+                          (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd.round))
+                self._fail(c, task_id, f"{missed}; quorum policy is '{policy}'. Check that enough agents are "
+                                       "connected and allowed to join (see declined events), or lower min_sites")
+        if not retry:
+            self._drop_round_data(task_id)
+        log.warning("round missed quorum", task_id=task_id, round=rnd.round, updates=n, retry=retry)
+
+    def _tick_loop(self) -> None:
+        while not self._stopping:
+            try:
+                wait = self.tick()
+            except Exception:  # keep deadlines alive whatever happens; the error is logged
+                log.exception("round ticker failed")
+                wait = 1.0
+            with self.changed:
+                if not self._stopping:
+                    self.changed.wait(wait)
+
+
+def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
+    """Reject task specs that cannot run, with a message that says what to change."""
+    rc = spec.rounds
+    problems = []
+    if not spec.name:
+        problems.append("name is empty")
+    if not spec.family:
+        problems.append("family is empty")
+    if not spec.dataset:
+        problems.append("dataset is empty (name a dataset of the sites' registries)")
+    if rc.num_rounds < 1:
+        problems.append("rounds.num_rounds must be >= 1")
+    if rc.min_sites < 1:
+        problems.append("rounds.min_sites must be >= 1")
+    if not 0 < rc.participation_fraction <= 1:
+        problems.append("rounds.participation_fraction must be in (0, 1]")
+    if rc.round_timeout_s <= 0:
+        problems.append("rounds.round_timeout_s must be > 0")
+    if rc.on_quorum_miss == task_pb2.QUORUM_POLICY_UNSPECIFIED:
+        problems.append("rounds.on_quorum_miss must be 'retry' or 'fail'")
+    if spec.secure_aggregation.enabled:
+        problems.append("secure aggregation is not available in this release")
+    if spec.privacy.level:
+        problems.append("differential privacy is not available in this release")
+    if spec.update.codec not in ("", "raw"):
+        problems.append(f"codec {spec.update.codec!r} is not available in this release (use 'raw')")
+    try:
+        make_strategy(spec.strategy, dict(spec.strategy_params))
+        select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns, spec.update.frozen_patterns,
+                     spec.update.private_patterns)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise Refused("INVALID_ARGUMENT", "task spec rejected: " + "; ".join(problems))
+
+
+def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
+    """The task as the control API reports it."""
+    t = store.one("SELECT * FROM tasks WHERE task_id=?", (task_id,))
+    if t is None:
+        raise Refused("NOT_FOUND", f"no task {task_id!r} on this aggregator; list tasks with `fedclinic task list`")
+    out = control_pb2.TaskStatus(task_id=t.task_id, spec=task_pb2.TaskSpec.FromString(t.spec), state=t.state,
+                                 current_round=t.current_round, error=t.error, owner=t.owner,
+                                 created_unix_ms=t.created_ms, updated_unix_ms=t.updated_ms,
+                                 initial_model_hash=t.initial_model, final_model_hash=t.final_model)
+    for r in store.all("SELECT * FROM rounds WHERE task_id=? ORDER BY round", (task_id,)):
+        assigned = store.all("SELECT site, declined FROM assignments WHERE task_id=? AND round=? ORDER BY site",
+                             (task_id, r.round))
+        rs = control_pb2.RoundSummary(
+            round=r.round, state=r.state, attempt=r.attempt, sites_target=r.sites_target,
+            sites_assigned=[a.site for a in assigned if not a.declined],
+            declined=[f"{a.site}: {a.declined}" for a in assigned if a.declined],
+            metrics=json.loads(r.metrics), uplink_bytes=r.uplink_bytes, downlink_bytes=r.downlink_bytes,
+            opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
+            model_hash=r.model_hash)
+        for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics FROM updates "
+                           "WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round)):
+            rs.reports.append(control_pb2.SiteReport(site_id=u.site, num_samples=u.num_samples, uplink_bytes=u.nbytes,
+                                                     metrics=json.loads(u.metrics),
+                                                     eval_metrics=json.loads(u.eval_metrics)))
+        out.rounds.append(rs)
+    return out

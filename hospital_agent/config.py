@@ -1,0 +1,121 @@
+"""Agent configuration (``agent.toml`` + ``FEDCLINIC_AGENT_*`` environment overrides) and site policy.
+
+Example::
+
+    aggregator = "aggregator.example.org:7443"
+    work_dir = "/var/lib/hospital-agent"
+    device = "auto"            # "cpu", "cuda", "cuda:1"; auto = CUDA when present
+    mixed_precision = false    # allow autocast on CUDA when a task asks for it
+
+    [tls]
+    cert = "/etc/hospital-agent/site-a.crt"
+    key = "/etc/hospital-agent/site-a.key"
+    ca = "/etc/hospital-agent/ca.crt"
+
+    [datasets.notes]           # name used by tasks
+    path = "/data/notes/train.jsonl"
+    format = "jsonl"           # jsonl | csv | tsv (default: from the file extension)
+    text_field = "text"
+    label_field = "label"
+    eval_path = "/data/notes/val.jsonl"   # optional: the site's held-out split, used to evaluate global models
+
+    [policy]
+    allowed_families = ["text-classification"]
+    allowed_datasets = ["notes"]
+
+The site policy is enforced here, at the hospital, whatever the aggregator asks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedclinic.errors import ConfigError
+from fedclinic.proto import task_pb2
+from fedclinic.rpc import TlsFiles
+from fedclinic.tomlconfig import env_overrides, load_toml, require
+
+ENV_PREFIX = "FEDCLINIC_AGENT"
+FORMATS = ("jsonl", "csv", "tsv")
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    name: str
+    path: Path
+    format: str | None
+    text_field: str = "text"
+    label_field: str = "label"
+    eval_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    allowed_families: tuple[str, ...] = ()
+    allowed_datasets: tuple[str, ...] = ()
+
+    def refusal(self, spec: task_pb2.TaskSpec, datasets: dict[str, DatasetEntry]) -> str | None:
+        """Why this site will not run ``spec`` (None when it may). Checked before anything is downloaded."""
+        if spec.family not in self.allowed_families:
+            return (f"site policy does not allow model family {spec.family!r} "
+                    f"(allowed: {', '.join(self.allowed_families) or 'none'})")
+        if spec.dataset not in self.allowed_datasets:
+            return f"site policy does not allow tasks on dataset {spec.dataset!r}"
+        if spec.dataset not in datasets:
+            return f"this site has no dataset named {spec.dataset!r} in its registry"
+        if spec.privacy.level:
+            return "the task asks for differential privacy, which this agent version cannot provide"
+        if spec.secure_aggregation.enabled:
+            return "the task asks for secure aggregation, which this agent version cannot provide"
+        return None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    aggregator: str
+    work_dir: Path
+    tls: TlsFiles
+    datasets: dict[str, DatasetEntry] = field(default_factory=dict)
+    policy: SitePolicy = SitePolicy()
+    server_name: str | None = None
+    device: str = "auto"
+    mixed_precision: bool = False
+    log_level: str = "info"
+    source: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AgentConfig":
+        doc = env_overrides(load_toml(path), ENV_PREFIX)
+        return cls.from_dict(doc, base=Path(path).resolve().parent, source=str(path))
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], *, base: Path, source: str) -> "AgentConfig":
+        def p(value: str) -> Path:
+            q = Path(value).expanduser()
+            return q if q.is_absolute() else base / q
+
+        tls = TlsFiles(p(require(doc, "tls.cert", str, source)), p(require(doc, "tls.key", str, source)),
+                       p(require(doc, "tls.ca", str, source)))
+        datasets = {}
+        for name, entry in (doc.get("datasets") or {}).items():
+            if not isinstance(entry, dict) or "path" not in entry:
+                raise ConfigError(f"{source}: [datasets.{name}] needs a 'path'")
+            fmt = entry.get("format")
+            if fmt is not None and fmt not in FORMATS:
+                raise ConfigError(f"{source}: [datasets.{name}] format must be one of {', '.join(FORMATS)}")
+            datasets[name] = DatasetEntry(name, p(entry["path"]), fmt, entry.get("text_field", "text"),
+                                          entry.get("label_field", "label"),
+                                          p(entry["eval_path"]) if entry.get("eval_path") else None)
+        pol = doc.get("policy") or {}
+        policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
+                            tuple(pol.get("allowed_datasets", list(datasets))))
+        unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
+                              "mixed_precision", "log_level"}
+        if unknown:
+            raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
+        return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
+                   tls=tls, datasets=datasets, policy=policy, server_name=doc.get("server_name"),
+                   device=str(doc.get("device", "auto")), mixed_precision=bool(doc.get("mixed_precision", False)),
+                   log_level=str(doc.get("log_level", "info")), source=source)

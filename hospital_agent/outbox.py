@@ -1,0 +1,73 @@
+"""The agent's outbox: an update is written to disk (durably) before it is sent, and removed only once
+the aggregator has acknowledged it. After a crash or SIGTERM the agent resends what is still here with the
+same idempotency key, so the aggregator stores it exactly once.
+
+Layout: ``outbox/<task_id>.<round>/header.pb`` (a serialized ``UpdateHeader`` protobuf message: plain data,
+never pickle) and ``tensors.bin`` (the tensors' raw bytes back to back, in header order).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from fedclinic.blobstore import fsync_dir
+from fedclinic.package import raw_bytes
+from fedclinic.proto import agent_pb2
+
+
+@dataclass
+class OutboxEntry:
+    folder: Path
+    header: agent_pb2.UpdateHeader
+
+    @property
+    def tensors_path(self) -> Path:
+        return self.folder / "tensors.bin"
+
+
+class Outbox:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        for partial in self.root.glob("*.tmp"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def put(self, header: agent_pb2.UpdateHeader, tensors: dict[str, np.ndarray]) -> OutboxEntry:
+        """Persist an update (header tensors must be in the same order as ``tensors``)."""
+        final = self.root / f"{header.task_id}.{header.round}"
+        tmp = self.root / f"{header.task_id}.{header.round}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with open(tmp / "tensors.bin", "wb") as fh:
+            for t in header.tensors:
+                fh.write(raw_bytes(tensors[t.name]))
+            fh.flush()
+            os.fsync(fh.fileno())
+        with open(tmp / "header.pb", "wb") as fh:
+            fh.write(header.SerializeToString())
+            fh.flush()
+            os.fsync(fh.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        return OutboxEntry(final, header)
+
+    def get(self, task_id: str, rnd: int) -> OutboxEntry | None:
+        folder = self.root / f"{task_id}.{rnd}"
+        if not (folder / "header.pb").is_file():
+            return None
+        return OutboxEntry(folder, agent_pb2.UpdateHeader.FromString((folder / "header.pb").read_bytes()))
+
+    def entries(self) -> Iterator[OutboxEntry]:
+        for folder in sorted(self.root.iterdir()):
+            if folder.is_dir() and not folder.name.endswith(".tmp") and (folder / "header.pb").is_file():
+                yield OutboxEntry(folder, agent_pb2.UpdateHeader.FromString((folder / "header.pb").read_bytes()))
+
+    def remove(self, entry: OutboxEntry) -> None:
+        shutil.rmtree(entry.folder, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""A content-addressed store of immutable blobs on local disk (used by the aggregator and the agent).
+
+A blob's id is the hex sha256 of its bytes; it lives at ``root/ab/cdef...``. Writes go to a temporary
+file in the same folder, are hashed while written, fsync'd, checked against the expected hash, and only
+then renamed into place (followed by an fsync of the folder), so a crash never leaves a partial blob under
+a valid name and a blob that exists is always complete and correct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from fedclinic.errors import IntegrityError
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlobWriter:
+    """Streams bytes into a new blob; :meth:`commit` verifies and publishes it, :meth:`abort` drops it."""
+
+    def __init__(self, store: "BlobStore", expected_sha256: str | None, expected_nbytes: int | None) -> None:
+        self._store = store
+        self.expected_sha256 = expected_sha256
+        self.expected_nbytes = expected_nbytes
+        fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="blob-")
+        self._tmp = Path(name)
+        self._file: BinaryIO | None = os.fdopen(fd, "wb")
+        self._hash = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self._file is not None, "writer already closed"
+        if self.expected_nbytes is not None and self.nbytes + len(data) > self.expected_nbytes:
+            raise IntegrityError(f"blob is longer than the declared {self.expected_nbytes} bytes")
+        self._hash.update(data)
+        self._file.write(data)
+        self.nbytes += len(data)
+
+    def commit(self) -> str:
+        """Verify size and hash, make the blob durable and visible; returns its sha256."""
+        assert self._file is not None, "writer already closed"
+        digest = self._hash.hexdigest()
+        try:
+            if self.expected_nbytes is not None and self.nbytes != self.expected_nbytes:
+                raise IntegrityError(f"blob has {self.nbytes} bytes, {self.expected_nbytes} were declared")
+            if self.expected_sha256 is not None and digest != self.expected_sha256:
+                raise IntegrityError(f"blob sha256 {digest[:12]}... does not match declared {self.expected_sha256[:12]}...")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            self._store._publish(self._tmp, digest)
+        except BaseException:
+            self.abort()
+            raise
+        return digest
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._tmp.unlink(missing_ok=True)
+
+
+class BlobStore:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.tmp_dir = self.root / "tmp"
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.tmp_dir.iterdir():  # partial writes of a process that died
+            stale.unlink(missing_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+            raise IntegrityError(f"{sha256!r} is not a sha256 hex digest")
+        return self.root / sha256[:2] / sha256[2:]
+
+    def has(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def writer(self, expected_sha256: str | None = None, expected_nbytes: int | None = None) -> BlobWriter:
+        return BlobWriter(self, expected_sha256, expected_nbytes)
+
+    def put(self, data: bytes | memoryview, expected_sha256: str | None = None) -> str:
+        if expected_sha256 is not None and self.has(expected_sha256):
+            return expected_sha256
+        w = self.writer(expected_sha256, len(data))
+        w.write(data)
+        return w.commit()
+
+    def read(self, sha256: str) -> bytes:
+        return self.path(sha256).read_bytes()
+
+    def array(self, sha256: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only memory map of a raw tensor blob (no copy; the OS pages it in)."""
+        path = self.path(sha256)
+        if int(np.prod(shape, dtype=np.int64)) == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=tuple(shape))
+
+    def delete(self, sha256: str) -> None:
+        self.path(sha256).unlink(missing_ok=True)
+
+    def _publish(self, tmp: Path, digest: str) -> None:
+        dst = self.path(digest)
+        dst.parent.mkdir(exist_ok=True)
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)

@@ -1,0 +1,141 @@
+"""``fedclinic``: the data scientist's and administrator's command line.
+
+    fedclinic pki init-ca | issue | request | revoke | list
+    fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT
+    fedclinic demo [--report report.json]
+
+Connection settings for ``task`` commands come from flags or the environment:
+FEDCLINIC_ADDRESS, FEDCLINIC_CERT, FEDCLINIC_KEY, FEDCLINIC_CA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from google.protobuf import json_format
+
+from fedclinic.errors import FedclinicError
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("FEDCLINIC_ADDRESS"), help="aggregator host:port")
+    p.add_argument("--cert", default=os.environ.get("FEDCLINIC_CERT"), help="your certificate (PEM)")
+    p.add_argument("--key", default=os.environ.get("FEDCLINIC_KEY"), help="your private key (PEM)")
+    p.add_argument("--ca", default=os.environ.get("FEDCLINIC_CA"), help="the fedclinic CA certificate (PEM)")
+
+
+def _client(args):
+    from fedclinic.client import connect
+
+    missing = [n for n in ("address", "cert", "key", "ca") if not getattr(args, n)]
+    if missing:
+        raise FedclinicError(f"missing connection setting(s) {missing}: pass --{missing[0]} or set "
+                             f"FEDCLINIC_{missing[0].upper()}")
+    return connect(args.address, cert=args.cert, key=args.key, ca=args.ca)
+
+
+def _print_status(st, as_json: bool) -> None:
+    from fedclinic.client import state_name
+
+    if as_json:
+        print(json_format.MessageToJson(st, preserving_proto_field_name=True))
+        return
+    print(f"{st.task_id}  {st.spec.name!r}  {state_name(st.state)}  round {st.current_round}/"
+          f"{st.spec.rounds.num_rounds}  owner {st.owner}")
+    if st.error:
+        print(f"  error: {st.error}")
+    for r in st.rounds:
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
+        print(f"  round {r.round}: {len(r.reports)}/{r.sites_target} sites, up {r.uplink_bytes} B, "
+              f"down {r.downlink_bytes} B {metrics}")
+        for d in r.declined:
+            print(f"    declined: {d}")
+
+
+def _task_command(args) -> int:
+    from fedclinic.client import state_name
+    from fedclinic.task import Task
+
+    with _client(args) as client:
+        if args.task_cmd == "submit":
+            st = client.submit(Task.from_toml(args.file))
+            print(f"submitted {st.task_id} ({st.spec.name!r})")
+            if args.wait:
+                st = client.wait(st.task_id, progress=True)
+                _print_status(st, False)
+                return 0 if state_name(st.state) == "completed" else 1
+        elif args.task_cmd == "status":
+            _print_status(client.status(args.task_id), args.json)
+        elif args.task_cmd == "list":
+            for st in client.list(include_finished=args.all):
+                _print_status(st, args.json)
+        elif args.task_cmd == "watch":
+            st = client.wait(args.task_id, progress=True)
+            _print_status(st, False)
+        elif args.task_cmd == "cancel":
+            _print_status(client.cancel(args.task_id, args.reason), False)
+        elif args.task_cmd == "download":
+            path = client.download(args.task_id, args.out, round=args.round)
+            print(f"model written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedclinic", description="fedclinic: federated learning for hospitals")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from fedclinic.pki import add_pki_commands
+
+    add_pki_commands(sub)
+
+    task = sub.add_parser("task", help="submit and follow federated tasks")
+    tsub = task.add_subparsers(dest="task_cmd", required=True)
+    p = tsub.add_parser("submit", help="submit task.toml")
+    p.add_argument("file")
+    p.add_argument("--wait", action="store_true", help="follow progress until the task ends")
+    _connection_args(p)
+    for name in ("status", "watch", "cancel"):
+        p = tsub.add_parser(name)
+        p.add_argument("task_id")
+        _connection_args(p)
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+        if name == "cancel":
+            p.add_argument("--reason", default="")
+    p = tsub.add_parser("list")
+    p.add_argument("--all", action="store_true", help="include finished tasks")
+    p.add_argument("--json", action="store_true")
+    _connection_args(p)
+    p = tsub.add_parser("download", help="download the final model (or a round's)")
+    p.add_argument("task_id")
+    p.add_argument("out")
+    p.add_argument("--round", type=int, default=0)
+    _connection_args(p)
+    for p in tsub.choices.values():
+        p.set_defaults(func=_task_command)
+
+    demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
+    from fedclinic.demo import add_demo_arguments, run_demo
+
+    add_demo_arguments(demo)
+    demo.set_defaults(func=run_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FedclinicError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

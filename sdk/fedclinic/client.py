@@ -1,0 +1,227 @@
+"""The data scientist's client: submit tasks, watch them, fetch results.
+
+    import fedclinic
+    client = fedclinic.connect("agg.example.org:7443", cert="me.crt", key="me.key", ca="ca.crt")
+    status = client.submit(fedclinic.Task(name="demo", dataset="notes", labels=["a", "b"], model="/models/minilm"))
+    final = client.wait(status.task_id)          # live progress in a terminal
+    client.download(status.task_id, "final-model/")
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import grpc
+
+from fedclinic.errors import FedclinicError
+from fedclinic.package import ModelPackage
+from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
+from fedclinic.rpc import TlsFiles, explain_rpc_error, secure_channel
+from fedclinic.task import Task
+from fedclinic.wire import ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, manifest_to_proto, package_items
+
+TERMINAL = (control_pb2.TASK_STATE_COMPLETED, control_pb2.TASK_STATE_FAILED, control_pb2.TASK_STATE_CANCELLED)
+
+
+def state_name(state: int) -> str:
+    return control_pb2.TaskState.Name(state).removeprefix("TASK_STATE_").lower()
+
+
+class Client:
+    def __init__(self, address: str, tls: TlsFiles, *, server_name: str | None = None) -> None:
+        self.address = address
+        self._channel = secure_channel(address, tls, server_name=server_name)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, fn: Callable, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            raise explain_rpc_error(exc, self.address) from None
+
+    # tasks ------------------------------------------------------------------------------------------------
+    def submit(self, task: Task, *, package: ModelPackage | None = None,
+               idempotency_key: str | None = None) -> control_pb2.TaskStatus:
+        """Package the initial model (unless given), stream it with the spec; returns the new task's status.
+
+        Retrying with the same ``idempotency_key`` returns the task the first call created.
+        """
+        task.validate()
+        if package is None:
+            if not task.model:
+                raise FedclinicError("the task names no model folder; set Task.model or pass package=")
+            from fedclinic.models import package_pretrained  # needs the [train] extra
+
+            package = package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                                         multi_label=task.multi_label, max_length=task.max_length, seed=task.seed)
+        manifest = package.manifest()
+        import hashlib
+
+        tok = package.files.get("tokenizer.json")
+        spec = task.to_spec(tokenizer_sha256=hashlib.sha256(tok).hexdigest() if tok else "")
+        header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=idempotency_key or uuid.uuid4().hex,
+                                              model=manifest_to_proto(manifest))
+
+        def stream() -> Iterator[control_pb2.SubmitTaskChunk]:
+            yield control_pb2.SubmitTaskChunk(header=header)
+            for item in package_items(package, manifest):
+                if isinstance(item, tensors_pb2.TensorChunk):
+                    yield control_pb2.SubmitTaskChunk(tensor=item)
+                else:
+                    yield control_pb2.SubmitTaskChunk(file=item)
+            yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit())
+
+        return self._call(self._stub.SubmitTask, stream(), timeout=3600)
+
+    def status(self, task_id: str) -> control_pb2.TaskStatus:
+        return self._call(self._stub.GetTask, control_pb2.GetTaskRequest(task_id=task_id), timeout=60)
+
+    def list(self, include_finished: bool = False) -> list[control_pb2.TaskStatus]:
+        resp = self._call(self._stub.ListTasks, control_pb2.ListTasksRequest(include_finished=include_finished),
+                          timeout=60)
+        return list(resp.tasks)
+
+    def cancel(self, task_id: str, reason: str = "") -> control_pb2.TaskStatus:
+        return self._call(self._stub.CancelTask, control_pb2.CancelTaskRequest(task_id=task_id, reason=reason),
+                          timeout=60)
+
+    def watch(self, task_id: str, after_seq: int = 0) -> Iterator[control_pb2.TaskEvent]:
+        """Progress events until the task ends. Reconnects and resumes after the last event seen."""
+        seq = after_seq
+        failures = 0
+        while True:
+            try:
+                for event in self._stub.WatchTask(control_pb2.WatchTaskRequest(task_id=task_id, after_seq=seq)):
+                    failures = 0
+                    seq = event.seq
+                    yield event
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or failures >= 10:
+                    raise explain_rpc_error(exc, self.address) from None
+                failures += 1
+                time.sleep(min(2 ** failures, 30))  # reconnect backoff while the aggregator restarts
+
+    def wait(self, task_id: str, *, timeout: float | None = None, progress: bool | None = None,
+             out=None) -> control_pb2.TaskStatus:
+        """Block until the task ends, drawing progress (a bar in a terminal, lines otherwise)."""
+        out = out or sys.stderr
+        progress = out.isatty() if progress is None else progress
+        deadline = None if timeout is None else time.monotonic() + timeout
+        display = ProgressDisplay(out, tty=out.isatty()) if progress else None
+        status = None
+        for event in self.watch(task_id):
+            status = event.status
+            if display:
+                display.update(event)
+            if deadline is not None and time.monotonic() > deadline:
+                raise FedclinicError(f"task {task_id} did not finish within {timeout:g} s; it keeps running "
+                                     "(watch it with `fedclinic task watch`)")
+        if display:
+            display.close()
+        return status if status is not None else self.status(task_id)
+
+    # models -----------------------------------------------------------------------------------------------
+    def fetch_package(self, task_id: str, round: int = 0) -> ModelPackage:
+        """The final model (round=0), the model after ``round``, or the initial one (round=-1)."""
+        writers: dict[str, MemoryWriter] = {}
+
+        def begin(h):
+            writers[h.name] = MemoryWriter()
+            return writers[h.name]
+
+        tensors = ChunkAssembler(begin)
+        files = FileAssembler()
+        stream = self._stub.FetchModel(control_pb2.ControlFetchModelRequest(task_id=task_id, round=round))
+        manifest = None
+        try:
+            for chunk in stream:
+                kind = chunk.WhichOneof("item")
+                if kind == "manifest":
+                    manifest = chunk.manifest
+                elif kind == "tensor":
+                    tensors.add(chunk.tensor)
+                else:
+                    files.add(chunk.file)
+            tensors.finish()
+            files.finish()
+        except grpc.RpcError as exc:
+            raise explain_rpc_error(exc, self.address) from None
+        if manifest is None:
+            raise FedclinicError("the aggregator sent no model manifest")
+        arrays = {name: array_from_bytes(tensors.done[name], w.data) for name, w in writers.items()}
+        package = ModelPackage(arrays, files.files)
+        if package.manifest().model_hash != manifest.model_hash:
+            raise FedclinicError("the downloaded model does not match its manifest hash; download it again")
+        return package
+
+    def download(self, task_id: str, out_dir: str | Path, round: int = 0) -> Path:
+        """Write the model as a package folder (``model.safetensors`` + config + tokenizer)."""
+        return self.fetch_package(task_id, round).save(out_dir)
+
+
+def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,
+            server_name: str | None = None, check: bool = True) -> Client:
+    """Open an mTLS connection to an aggregator with a ``scientist`` (or ``admin``) certificate.
+
+    With ``check`` (default) the local credentials are verified first, so an expired or mismatched
+    certificate is reported plainly instead of as a failed TLS handshake.
+    """
+    tls = TlsFiles(Path(cert), Path(key), Path(ca))
+    if check:
+        from fedclinic.pki import check_own_certificate
+
+        ident = check_own_certificate(tls.cert, tls.key, tls.ca)
+        if ident.role not in ("scientist", "admin"):
+            raise FedclinicError(f"certificate {cert} has role {ident.role!r}; the control API needs a 'scientist' "
+                                 "or 'admin' certificate (`fedclinic pki issue --role scientist ...`)")
+    return Client(address, tls, server_name=server_name)
+
+
+class ProgressDisplay:
+    """Renders task events: a one-line bar on a terminal, one line per event otherwise."""
+
+    def __init__(self, out, *, tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+
+    def update(self, event: control_pb2.TaskEvent) -> None:
+        st = event.status
+        total = st.spec.rounds.num_rounds or 1
+        done = sum(1 for r in st.rounds if r.state == control_pb2.ROUND_STATE_CLOSED)
+        current = st.rounds[-1] if st.rounds else None
+        reported = len(current.reports) if current else 0
+        target = current.sites_target if current else 0
+        closed = [r for r in st.rounds if r.state == control_pb2.ROUND_STATE_CLOSED]
+        acc = closed[-1].metrics.get("eval_accuracy") if closed else None
+        acc_txt = f" site-eval acc {acc:.3f}" if acc is not None else ""
+        if self.tty:
+            width = 20
+            filled = int(width * done / total)
+            bar = "#" * filled + "-" * (width - filled)
+            line = (f"\r{st.task_id} [{bar}] round {min(done + 1, total)}/{total} sites {reported}/{target}"
+                    f"{acc_txt} {state_name(st.state)}")
+            self.out.write(line.ljust(100))
+            if event.kind in ("declined", "round-failed", "failed"):
+                self.out.write(f"\n  {event.message}\n")
+        else:
+            self.out.write(f"[{st.task_id}] {event.kind}: {event.message}{acc_txt}\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()

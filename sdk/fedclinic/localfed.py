@@ -1,0 +1,210 @@
+"""A federation on one machine: a throwaway PKI, the aggregator and hospital agents as real processes on
+127.0.0.1. Used by ``fedclinic demo`` and by the integration tests; nothing here is a mock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedclinic.errors import FedclinicError
+
+
+@dataclass
+class SiteSetup:
+    name: str
+    datasets: dict[str, dict[str, Any]] = field(default_factory=dict)   # [datasets.NAME] tables
+    policy: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)                  # other agent.toml settings
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def to_toml(doc: dict[str, Any]) -> str:
+    """Minimal TOML writer for our flat configs (scalars, lists, nested tables)."""
+    lines: list[str] = []
+    tables: list[tuple[str, dict]] = []
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+
+    def emit(prefix: str, table: dict) -> None:
+        lines.append(f"\n[{prefix}]")
+        sub = []
+        for k, v in table.items():
+            if isinstance(v, dict):
+                sub.append((f"{prefix}.{json.dumps(k) if not k.isidentifier() else k}", v))
+            else:
+                lines.append(f"{k} = {_toml_value(v)}")
+        for p, t in sub:
+            emit(p, t)
+
+    for k, v in tables:
+        emit(k, v)
+    return "\n".join(lines) + "\n"
+
+
+def wait_until(predicate, timeout: float, what: str, *, interval: float = 0.05, check=None) -> None:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass (then raise naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+class LocalFederation:
+    def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
+                 aggregator_settings: dict[str, Any] | None = None, log_level: str = "info") -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sites = {s.name: s for s in sites}
+        self.agent_threads = agent_threads
+        self.aggregator_settings = aggregator_settings or {}
+        self.log_level = log_level
+        self.pki_dir = self.root / "pki"
+        self.ca_dir = self.pki_dir / "ca"
+        self.logs = self.root / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.aggregator: subprocess.Popen | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.address = ""
+        self._log_files: list = []
+
+    # PKI --------------------------------------------------------------------------------------------------
+    def make_pki(self) -> None:
+        from fedclinic import pki
+
+        if not (self.ca_dir / "ca.crt").exists():
+            pki.init_ca(self.ca_dir, common_name="fedclinic local demo CA", days=30)
+        pki.issue(self.ca_dir, role="aggregator", name="aggregator", out_dir=self.pki_dir / "aggregator", days=7)
+        pki.issue(self.ca_dir, role="scientist", name="scientist", out_dir=self.pki_dir / "scientist", days=7)
+        for site in self.sites:
+            pki.issue(self.ca_dir, role="agent", name=site, out_dir=self.pki_dir / site, days=7)
+
+    def creds(self, name: str) -> dict[str, str]:
+        d = self.pki_dir / name
+        return {"cert": str(d / f"{name}.crt"), "key": str(d / f"{name}.key"), "ca": str(d / "ca.crt")}
+
+    # processes --------------------------------------------------------------------------------------------
+    def _env(self, threads: int | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        if threads:
+            env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+        return env
+
+    def _spawn(self, args: list[str], log_name: str, env: dict[str, str]) -> subprocess.Popen:
+        log = open(self.logs / log_name, "ab")
+        self._log_files.append(log)
+        return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=self.root, start_new_session=True)
+
+    def start_aggregator(self, timeout: float = 60) -> str:
+        state = self.root / "aggregator-state"
+        state.mkdir(exist_ok=True)
+        addr_file = state / "aggregator.addr"
+        addr_file.unlink(missing_ok=True)
+        cfg = {"listen": self.aggregator_settings.get("listen", "127.0.0.1:0"), "state_dir": str(state),
+               "log_level": self.log_level, "heartbeat_s": 2.0,
+               **{k: v for k, v in self.aggregator_settings.items() if k != "listen"},
+               "tls": {**self.creds("aggregator"), "crl": str(self.ca_dir / "crl.pem")}}
+        path = self.root / "aggregator.toml"
+        path.write_text(to_toml(cfg))
+        self.aggregator = self._spawn(["-m", "aggregator_service.cli", "serve", "--config", str(path)],
+                                      "aggregator.log", self._env())
+        proc = self.aggregator
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise FedclinicError(f"the aggregator exited with code {proc.returncode}; see {self.logs / 'aggregator.log'}")
+
+        wait_until(addr_file.exists, timeout, "the aggregator to listen", check=alive)
+        self.address = json.loads(addr_file.read_text())["address"]
+        return self.address
+
+    def agent_config_path(self, site: str) -> Path:
+        return self.root / f"agent-{site}.toml"
+
+    def write_agent_config(self, site: str) -> Path:
+        s = self.sites[site]
+        cfg: dict[str, Any] = {"aggregator": self.address, "work_dir": str(self.root / f"agent-{site}"),
+                               "log_level": self.log_level, "server_name": "localhost", **s.extra,
+                               "tls": self.creds(site), "datasets": s.datasets}
+        if s.policy is not None:
+            cfg["policy"] = s.policy
+        path = self.agent_config_path(site)
+        path.write_text(to_toml(cfg))
+        return path
+
+    def start_agent(self, site: str) -> subprocess.Popen:
+        path = self.write_agent_config(site)
+        proc = self._spawn(["-m", "hospital_agent.cli", "run", "--config", str(path)], f"agent-{site}.log",
+                           self._env(self.agent_threads))
+        self.agents[site] = proc
+        return proc
+
+    def start(self) -> None:
+        self.make_pki()
+        self.start_aggregator()
+        for site in self.sites:
+            self.start_agent(site)
+
+    def client(self):
+        from fedclinic.client import connect
+
+        c = self.creds("scientist")
+        return connect(self.address, cert=c["cert"], key=c["key"], ca=c["ca"], server_name="localhost")
+
+    def signal_aggregator(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        assert self.aggregator is not None
+        self.aggregator.send_signal(sig)
+        return self.aggregator.wait(timeout)
+
+    def signal_agent(self, site: str, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        proc = self.agents[site]
+        proc.send_signal(sig)
+        return proc.wait(timeout)
+
+    def log_text(self, name: str) -> str:
+        p = self.logs / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def close(self) -> None:
+        procs = [p for p in [*self.agents.values(), self.aggregator] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for f in self._log_files:
+            f.close()
+
+    def __enter__(self) -> "LocalFederation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,178 @@
+"""The typed, validated task definition a data scientist writes (in Python or as ``task.toml``).
+
+A task names a built-in model family, a dataset each site holds under the same registry name, the label
+set, the base model (a local pretrained folder) and the training/round settings. No code travels.
+
+``task.toml``::
+
+    name = "condition-classifier"
+    dataset = "drugreviews"
+    labels = ["Birth Control", "Depression", "Pain"]
+    model = "/models/minilm"          # local pretrained folder (config.json, model.safetensors, tokenizer)
+    architecture = "transformer"      # transformer | lstm | logreg
+
+    [training]
+    local_epochs = 1
+    batch_size = 16
+    learning_rate = 5e-5
+
+    [rounds]
+    num_rounds = 5
+    min_sites = 3
+    round_timeout_s = 1800
+    on_quorum_miss = "retry"          # retry | fail
+
+    [update]
+    trainable = ['classifier\\..*', 'bert\\.encoder\\.layer\\.[45]\\..*']
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fedclinic.errors import ConfigError
+from fedclinic.proto import task_pb2
+from fedclinic.tomlconfig import load_toml
+
+FAMILIES = {"text-classification": ("transformer", "lstm", "logreg")}
+OPTIMIZERS = ("adamw", "adam", "sgd")
+_TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
+          "mixed_precision", "proximal_mu", "max_length", "seed")
+_ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
+           "max_round_retries")
+
+
+@dataclass
+class Task:
+    name: str
+    dataset: str
+    labels: list[str]
+    model: str = ""                      # local pretrained folder; or pass a ModelPackage to Client.submit
+    family: str = "text-classification"
+    architecture: str = "transformer"
+    multi_label: bool = False
+    description: str = ""
+    sites: list[str] = field(default_factory=list)
+    # training (per site, per round)
+    local_epochs: int = 1
+    batch_size: int = 16
+    learning_rate: float = 5e-5
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_steps: int = 0
+    mixed_precision: bool = False
+    proximal_mu: float = 0.0
+    max_length: int = 128
+    seed: int = 0
+    # rounds
+    num_rounds: int = 3
+    min_sites: int = 2
+    participation_fraction: float = 1.0
+    round_timeout_s: float = 1800.0
+    on_quorum_miss: str = "retry"
+    max_round_retries: int = 2
+    # aggregation and what is sent
+    strategy: str = "fedavg"
+    strategy_params: dict[str, float] = field(default_factory=dict)
+    trainable: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise ConfigError listing every problem (and how to fix it)."""
+        p: list[str] = []
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}", self.name or ""):
+            p.append("name must be 1-100 letters, digits, spaces, '.', '_' or '-'")
+        if not self.dataset:
+            p.append("dataset must name a dataset in the sites' registries")
+        if self.family not in FAMILIES:
+            p.append(f"family {self.family!r} is unknown; choose one of {sorted(FAMILIES)}")
+        elif self.architecture not in FAMILIES[self.family]:
+            p.append(f"architecture {self.architecture!r} is not one of {FAMILIES[self.family]}")
+        if len(self.labels) < 2:
+            p.append("labels needs at least two classes")
+        if len(set(self.labels)) != len(self.labels):
+            p.append("labels contains duplicates")
+        if self.optimizer not in OPTIMIZERS:
+            p.append(f"optimizer must be one of {OPTIMIZERS}")
+        for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
+                         ("max_length", 8)):
+            if getattr(self, name) < lo:
+                p.append(f"{name} must be >= {lo}")
+        if not self.learning_rate > 0:
+            p.append("learning_rate must be > 0")
+        if not 0 < self.participation_fraction <= 1:
+            p.append("participation_fraction must be in (0, 1]")
+        if not self.round_timeout_s > 0:
+            p.append("round_timeout_s must be > 0")
+        if self.on_quorum_miss not in ("retry", "fail"):
+            p.append("on_quorum_miss must be 'retry' or 'fail'")
+        for pat in [*self.trainable, *self.frozen]:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                p.append(f"pattern {pat!r} is not a valid regular expression ({exc})")
+        if p:
+            raise ConfigError(f"task {self.name!r} is invalid: " + "; ".join(p))
+
+    def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
+        self.validate()
+        policy = {"retry": task_pb2.QUORUM_POLICY_RETRY, "fail": task_pb2.QUORUM_POLICY_FAIL}[self.on_quorum_miss]
+        return task_pb2.TaskSpec(
+            name=self.name, family=self.family, architecture=self.architecture, dataset=self.dataset,
+            labels=self.labels, multi_label=self.multi_label, description=self.description, sites=self.sites,
+            training=task_pb2.TrainingConfig(**{k: getattr(self, k) for k in _TRAIN}),
+            rounds=task_pb2.RoundConfig(num_rounds=self.num_rounds, min_sites=self.min_sites,
+                                        participation_fraction=self.participation_fraction,
+                                        round_timeout_s=self.round_timeout_s, on_quorum_miss=policy,
+                                        max_round_retries=self.max_round_retries),
+            strategy=self.strategy, strategy_params=self.strategy_params,
+            update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec="raw",
+                                         trainable_patterns=self.trainable, frozen_patterns=self.frozen),
+            tokenizer_sha256=tokenizer_sha256)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "Task":
+        doc = load_toml(path)
+        base = Path(path).resolve().parent
+        flat: dict[str, Any] = {}
+        for key, value in doc.items():
+            if key == "training":
+                flat.update(_section(value, _TRAIN, "training"))
+            elif key == "rounds":
+                flat.update(_section(value, _ROUNDS, "rounds"))
+            elif key == "update":
+                flat.update(_section(value, ("trainable", "frozen"), "update"))
+            elif key == "strategy" and isinstance(value, dict):
+                flat["strategy"] = value.get("name", "fedavg")
+                flat["strategy_params"] = {k: float(v) for k, v in value.items() if k != "name"}
+            else:
+                flat[key] = value
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(flat) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting(s) {unknown}")
+        missing = [k for k in ("name", "dataset", "labels") if k not in flat]
+        if missing:
+            raise ConfigError(f"{path}: missing required setting(s) {missing}")
+        if flat.get("model"):
+            model = Path(str(flat["model"])).expanduser()
+            flat["model"] = str(model if model.is_absolute() else base / model)
+        try:
+            task = cls(**flat)
+        except TypeError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        task.validate()
+        return task
+
+
+def _section(value: Any, allowed: tuple[str, ...], name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    bad = sorted(set(value) - set(allowed))
+    if bad:
+        raise ConfigError(f"[{name}] has unknown key(s) {bad}; allowed: {list(allowed)}")
+    return dict(value)

@@ -1,0 +1,55 @@
+"""Small helpers to read TOML configuration with environment overrides and clear errors."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fedclinic.errors import ConfigError
+
+
+def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: {exc}") from None
+
+
+def env_overrides(doc: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Apply ``PREFIX_SECTION__KEY=value`` (or ``PREFIX_KEY``) environment variables onto ``doc``.
+
+    Values are parsed as TOML scalars when possible (``7``, ``true``, ``"x"``), else taken as strings.
+    """
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
+    for name, raw in os.environ.items():
+        if not name.startswith(prefix + "_"):
+            continue
+        path = name[len(prefix) + 1:].lower().split("__")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {name} addresses a value, not a section")
+        node[path[-1]] = value
+    return out
+
+
+def require(doc: dict[str, Any], dotted: str, kind: type, source: str) -> Any:
+    node: Any = doc
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{source}: missing required setting {dotted!r}")
+        node = node[part]
+    if not isinstance(node, kind):
+        raise ConfigError(f"{source}: setting {dotted!r} must be a {kind.__name__}, got {type(node).__name__}")
+    return node
