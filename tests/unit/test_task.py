@@ -1,0 +1,50 @@
+import pytest
+
+from fedclinic.errors import ConfigError
+from fedclinic.proto import task_pb2
+from fedclinic.task import Task
+
+
+def test_task_to_spec():
+    spec = Task(name="t1", dataset="notes", labels=["a", "b"], num_rounds=4, min_sites=2,
+                on_quorum_miss="fail", trainable=["classifier.*"]).to_spec()
+    assert spec.rounds.num_rounds == 4 and spec.rounds.on_quorum_miss == task_pb2.QUORUM_POLICY_FAIL
+    assert list(spec.update.trainable_patterns) == ["classifier.*"]
+
+
+def test_task_validation_lists_every_problem():
+    with pytest.raises(ConfigError) as exc:
+        Task(name="", dataset="", labels=["a"], learning_rate=0, on_quorum_miss="maybe").validate()
+    msg = str(exc.value)
+    for part in ("name", "dataset", "two classes", "learning_rate", "on_quorum_miss"):
+        assert part in msg
+
+
+def test_task_from_toml(tmp_path):
+    (tmp_path / "task.toml").write_text('''
+name = "x"
+dataset = "notes"
+labels = ["a", "b"]
+model = "models/minilm"
+[training]
+local_epochs = 2
+[rounds]
+num_rounds = 3
+min_sites = 1
+[update]
+trainable = ['classifier\\..*']
+''')
+    task = Task.from_toml(tmp_path / "task.toml")
+    assert task.local_epochs == 2 and task.num_rounds == 3 and task.model == str(tmp_path / "models" / "minilm")
+
+
+@pytest.mark.parametrize("body, message", [
+    ('name = "x"\ndataset = "d"\nlabels = ["a","b"]\ncolour = 1\n', "unknown setting"),
+    ('name = "x"\ndataset = "d"\nlabels = ["a","b"]\n[training]\nepochs = 1\n', "unknown key"),
+    ('name = "x"\nlabels = ["a","b"]\n', "missing required"),
+    ('name = "x\n', "not valid TOML"),
+])
+def test_task_toml_errors(tmp_path, body, message):
+    (tmp_path / "t.toml").write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        Task.from_toml(tmp_path / "t.toml")

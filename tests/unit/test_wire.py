@@ -1,0 +1,116 @@
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import arrays
+
+from fedclinic.errors import IntegrityError
+from fedclinic.package import ModelPackage
+from fedclinic.proto import tensors_pb2 as pb
+from fedclinic.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, header_of,
+                            manifest_from_proto, manifest_to_proto, package_items, tensor_chunks)
+
+DTYPES = st.sampled_from([np.float32, np.float16, np.int64, np.int8, np.float64])
+
+
+def _collect(items, expect=None, finite=False):
+    writers = {}
+
+    def begin(h):
+        writers[h.name] = MemoryWriter()
+        return writers[h.name]
+
+    tensors, files = ChunkAssembler(begin, expect=expect, finite=finite), FileAssembler()
+    for it in items:
+        (tensors.add if isinstance(it, pb.TensorChunk) else files.add)(it)
+    tensors.finish()
+    files.finish()
+    return {n: array_from_bytes(tensors.done[n], w.data) for n, w in writers.items()}, files.files
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrs=st.lists(arrays(DTYPES, st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple),
+                            elements={"allow_nan": False, "allow_infinity": False}), min_size=1, max_size=4),
+       chunk_items=st.integers(1, 64),
+       files=st.dictionaries(st.text("abc", min_size=1, max_size=5), st.binary(max_size=300), max_size=3))
+def test_package_round_trips_through_chunks(arrs, chunk_items, files):
+    pkg = ModelPackage({f"t{i}": a for i, a in enumerate(arrs)}, {f"{k}.json": v for k, v in files.items()})
+    chunk = chunk_items * 8  # a multiple of every dtype size
+    manifest = pkg.manifest()
+    got, got_files = _collect(package_items(pkg, manifest, chunk_bytes=chunk),
+                              expect={t.name: header_of(t) for t in manifest.tensors}, finite=True)
+    for name, a in pkg.tensors.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape
+        assert np.array_equal(got[name], a)
+    assert got_files == pkg.files
+    assert manifest_from_proto(manifest_to_proto(manifest)).model_hash == manifest.model_hash
+
+
+def _chunks(a, name="w", chunk=16):
+    pkg = ModelPackage({name: a})
+    t = pkg.manifest().tensors[0]
+    return list(tensor_chunks(header_of(t), a.tobytes(), chunk))
+
+
+def test_corrupt_chunk_is_detected_and_discarded():
+    chunks = _chunks(np.arange(32, dtype=np.float32))
+    chunks[1].data = b"\x00" * len(chunks[1].data)
+    w = {}
+    asm = ChunkAssembler(lambda h: w.setdefault(h.name, MemoryWriter()))
+    with pytest.raises(IntegrityError, match="sha256.*corrupted"):
+        for c in chunks:
+            asm.add(c)
+    assert w["w"].data is None  # never committed
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda cs: cs.__delitem__(1), "offset"),
+    (lambda cs: cs.insert(0, cs[1]), "before its header"),
+    (lambda cs: setattr(cs[0].header, "encoded_nbytes", 12), "need"),
+    (lambda cs: setattr(cs[0].header, "dtype", "object"), "not allowed"),
+    (lambda cs: setattr(cs[0].header, "codec", "zip"), "codec"),
+])
+def test_protocol_violations_are_named(mutate, message):
+    chunks = _chunks(np.arange(32, dtype=np.float32))
+    mutate(chunks)
+    asm = ChunkAssembler(lambda h: MemoryWriter())
+    with pytest.raises(IntegrityError, match=message):
+        for c in chunks:
+            asm.add(c)
+        asm.finish()
+
+
+def test_nan_is_rejected_when_finite_check_is_on():
+    a = np.ones(16, dtype=np.float32)
+    a[7] = np.nan
+    with pytest.raises(IntegrityError, match="NaN or Inf"):
+        asm = ChunkAssembler(lambda h: MemoryWriter(), finite=True)
+        for c in _chunks(a):
+            asm.add(c)
+
+
+def test_chunk_splitting_a_value_is_rejected():
+    a = np.arange(8, dtype=np.float32)
+    chunks = _chunks(a, chunk=6)
+    with pytest.raises(IntegrityError, match="splits"):
+        asm = ChunkAssembler(lambda h: MemoryWriter())
+        for c in chunks:
+            asm.add(c)
+
+
+def test_unannounced_tensor_and_missing_tensor():
+    a = np.arange(8, dtype=np.float32)
+    with pytest.raises(IntegrityError, match="not announced"):
+        asm = ChunkAssembler(lambda h: MemoryWriter(), expect={})
+        asm.add(_chunks(a)[0])
+    hdr = pb.TensorHeader(name="other", dtype="float32", shape=[1], sha256="0" * 64, encoded_nbytes=4)
+    asm = ChunkAssembler(lambda h: MemoryWriter(), expect={"other": hdr})
+    with pytest.raises(IntegrityError, match="without tensors"):
+        asm.finish()
+
+
+def test_file_hash_mismatch():
+    f = FileAssembler()
+    with pytest.raises(IntegrityError, match="sha256"):
+        f.add(pb.FileChunk(path="a.json", offset=0, data=b"{}", total_nbytes=2, sha256=hashlib.sha256(b"[]").hexdigest()))
