@@ -295,6 +295,8 @@ class Engine:
                               (task_id, site, reason))
                 self.store.add_event(c, task_id, "declined", f"{site} declined round {rnd}: {reason}")
             log.warning("site declined", task_id=task_id, round=rnd, site=site, reason=reason)
+            if self._open_round(task_id) is not None:
+                self._maybe_close(task_id)
             self.changed.notify_all()
 
     def add_downlink(self, task_id: str, nbytes: int) -> None:
@@ -412,11 +414,26 @@ class Engine:
     # closing rounds -------------------------------------------------------------------------------------
     def _maybe_close(self, task_id: str) -> None:
         rnd = self._open_round(task_id)
-        if rnd is None:
+        if rnd is None or self._task(task_id).state != S.TASK_STATE_RUNNING:
             return
         n = self.store.one("SELECT COUNT(*) AS n FROM updates WHERE task_id=? AND round=?", (task_id, rnd.round)).n
         if n >= rnd.sites_target:
             self._close_round(task_id)
+        elif n >= self.spec(task_id).rounds.min_sites and not self._could_still_report(task_id, rnd):
+            self._close_round(task_id)  # quorum reached and nobody else can report: no point waiting
+
+    def _could_still_report(self, task_id: str, rnd) -> bool:
+        """Is some site assigned and not yet reported, or connected, eligible and not yet assigned?"""
+        outstanding = self.store.one(
+            "SELECT COUNT(*) AS n FROM assignments a WHERE task_id=? AND round=? AND declined='' AND NOT EXISTS "
+            "(SELECT 1 FROM updates u WHERE u.task_id=a.task_id AND u.round=a.round AND u.site=a.site)",
+            (task_id, rnd.round)).n
+        if outstanding:
+            return True
+        spec = self.spec(task_id)
+        assigned = {a.site for a in self.store.all("SELECT site FROM assignments WHERE task_id=? AND round=?",
+                                                   (task_id, rnd.round))}
+        return any(s not in assigned and self._eligible(task_id, spec, s) for s in self._connected)
 
     def _close_round(self, task_id: str) -> None:
         rnd = self._open_round(task_id)

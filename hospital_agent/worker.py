@@ -29,6 +29,7 @@ import structlog
 
 import fedclinic
 from fedclinic.blobstore import BlobStore
+from fedclinic.failpoints import failpoint
 from fedclinic.errors import DatasetError, FedclinicError, IntegrityError
 from fedclinic.package import Manifest, ModelPackage
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
@@ -68,6 +69,7 @@ class Agent:
         self._queue: "queue.Queue[agent_pb2.WorkItem]" = queue.Queue()
         self._cancelled: set[str] = set()
         self._tasks: dict[str, _TaskState] = {}
+        self._sent: set[tuple[str, int]] = set()  # (task, round) acknowledged by the aggregator
         self._channel: grpc.Channel | None = None
         self._stub: agent_pb2_grpc.AgentServiceStub | None = None
         self._watch_call = None
@@ -173,6 +175,8 @@ class Agent:
         if refusal:
             log.warning("assignment refused by site policy", reason=refusal)
             self._decline(a, refusal, permanent=True)
+            return
+        if (a.task_id, a.round) in self._sent:
             return
         pending = self.outbox.get(a.task_id, a.round)
         if pending is not None:
@@ -323,10 +327,13 @@ class Agent:
                 log.warning("upload interrupted; the update stays in the outbox", error=exc.details())
                 raise
             log.error("update refused by the aggregator; dropping it", code=code.name, error=exc.details())
+            self._sent.add((h.task_id, h.round))
             self.outbox.remove(entry)
             return
         finally:
             self._upload_call = None
+        failpoint("agent.after-receipt")
+        self._sent.add((h.task_id, h.round))
         self.outbox.remove(entry)
         log.info("update acknowledged", update_id=receipt.update_id, duplicate=receipt.duplicate,
                  nbytes=receipt.stored_nbytes)
@@ -341,6 +348,7 @@ class Agent:
                 offset = 0
                 while True:
                     data = fh.read(min(CHUNK_BYTES, remaining))
+                    failpoint("agent.upload.chunk")
                     yield agent_pb2.UpdateChunk(tensor=tensors_pb2.TensorChunk(
                         name=t.name, header=t if offset == 0 else None, offset=offset, data=data))
                     offset += len(data)

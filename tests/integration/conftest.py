@@ -1,0 +1,93 @@
+"""Fixtures for integration tests: real processes, real certificates, loopback only, tiny models."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from fedclinic.localfed import LocalFederation, SiteSetup
+
+pytestmark = pytest.mark.integration
+
+LABELS = ["cardio", "neuro"]
+WORDS = {
+    "cardio": ["heart", "chest", "pressure", "beta", "statin", "arrhythmia", "palpitations", "angina"],
+    "neuro": ["migraine", "seizure", "tremor", "numbness", "aura", "dizziness", "neuropathy", "stroke"],
+}
+FILLER = ["patient", "reports", "the", "after", "with", "daily", "mild", "severe", "since", "week"]
+
+
+def tiny_tokenizer_json() -> bytes:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str().encode()
+
+
+def tiny_package(architecture: str = "logreg", seed: int = 0):
+    from fedclinic.models import package_from_config
+
+    config = {}
+    if architecture == "transformer":
+        config = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "intermediate_size": 32, "max_position_embeddings": 64}
+    elif architecture == "lstm":
+        config = {"embedding_dim": 16, "hidden_size": 16, "num_layers": 1, "bidirectional": True}
+    return package_from_config(architecture=architecture, labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
+                               config=config, max_length=16, seed=seed)
+
+
+def make_examples(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = LABELS[i % 2]
+        words = rng.sample(WORDS[label], 3) + rng.sample(FILLER, 3)
+        rng.shuffle(words)
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_site_data(folder: Path, n: int, seed: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_examples(n, seed)))
+    return path
+
+
+@pytest.fixture
+def federation_factory(tmp_path, request):
+    """Build LocalFederations with N sites holding synthetic clinical-ish text; torn down after the test."""
+    made: list[LocalFederation] = []
+
+    def make(n_sites: int = 3, *, samples=(24, 32, 40), start: bool = True, **kwargs) -> LocalFederation:
+        sites = []
+        for i in range(n_sites):
+            name = f"site-{chr(ord('a') + i)}"
+            path = write_site_data(tmp_path / "data" / name, samples[i % len(samples)], seed=i)
+            sites.append(SiteSetup(name, datasets={"notes": {"path": str(path), "format": "jsonl"}}))
+        fed = LocalFederation(tmp_path / "fed", sites, agent_threads=1, **kwargs)
+        made.append(fed)
+        if start:
+            fed.start()
+        return fed
+
+    yield make
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for fed in made:
+        fed.close()
+        if failed:
+            for log in sorted(fed.logs.glob("*.log")):
+                print(f"----- {log.name} -----\n{log.read_text(errors='replace')[-4000:]}")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

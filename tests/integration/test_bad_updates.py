@@ -1,0 +1,94 @@
+"""Bad updates are refused with a clear status; nothing stored is corrupted; the round completes anyway."""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from fedclinic.client import state_name
+from fedclinic.localfed import wait_until
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
+from fedclinic.rpc import TlsFiles, secure_channel
+
+from tests.integration.conftest import tiny_package
+from tests.integration.test_federation import _task
+
+pytestmark = pytest.mark.integration
+
+
+def _stream(a: agent_pb2.Assignment, arrays: dict[str, np.ndarray], *, key: str, task_id=None, rnd=None,
+            corrupt=False, shape=None):
+    header = agent_pb2.UpdateHeader(task_id=task_id or a.task_id, round=rnd or a.round, attempt=a.attempt,
+                                    idempotency_key=key, base_model_hash=a.model.model_hash,
+                                    kind=task_pb2.UPDATE_KIND_DELTA, num_samples=10)
+    for name, arr in arrays.items():
+        header.tensors.append(tensors_pb2.TensorHeader(
+            name=name, dtype="float32", shape=list(shape or arr.shape), codec="raw",
+            sha256=hashlib.sha256(arr.tobytes()).hexdigest(), encoded_nbytes=arr.nbytes))
+    yield agent_pb2.UpdateChunk(header=header)
+    for h, arr in zip(header.tensors, arrays.values()):
+        data = bytearray(arr.tobytes())
+        if corrupt:
+            data[0] ^= 0xFF
+        yield agent_pb2.UpdateChunk(tensor=tensors_pb2.TensorChunk(name=h.name, header=h, offset=0, data=bytes(data)))
+    yield agent_pb2.UpdateChunk(commit=agent_pb2.UpdateCommit(total_encoded_nbytes=sum(a.nbytes for a in arrays.values())))
+
+
+def test_bad_updates_are_refused_and_the_round_completes(federation_factory):
+    fed = federation_factory(3, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    c = fed.creds("site-c")
+    channel = secure_channel(fed.address, TlsFiles(c["cert"], c["key"], c["ca"]), server_name="localhost")
+    rogue = agent_pb2_grpc.AgentServiceStub(channel)
+    work: queue.Queue = queue.Queue()
+    watch = rogue.WatchWork(agent_pb2.WatchWorkRequest(protocol_version=1))
+    threading.Thread(target=lambda: [work.put(i) for i in watch if i.WhichOneof("item") == "assignment"],
+                     daemon=True).start()
+    try:
+        with fed.client() as client:
+            st = client.submit(_task(num_rounds=2, min_sites=2, round_timeout_s=300), package=tiny_package())
+            a = work.get(timeout=60).assignment
+            fed.start_agent("site-a")
+            fed.start_agent("site-b")
+            good = {n: np.zeros([int(s) for s in t.shape], np.float32)
+                    for n in a.send_tensors for t in a.model.tensors if t.name == n}
+            nan = {n: np.full_like(v, np.nan) for n, v in good.items()}
+
+            def refused(stream):
+                with pytest.raises(grpc.RpcError) as exc:
+                    rogue.SubmitUpdate(stream, timeout=30)
+                return exc.value
+
+            e = refused(_stream(a, good, key="k1", corrupt=True))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "corrupted in transit" in e.details()
+            e = refused(_stream(a, good, key="k2", shape=[7, 7]))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "shape" in e.details()
+            e = refused(_stream(a, nan, key="k3"))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.details()
+            e = refused(_stream(a, good, key="k4", task_id="t-doesnotexist"))
+            assert e.code() == grpc.StatusCode.NOT_FOUND and "no task" in e.details()
+            rogue.Decline(agent_pb2.DeclineRequest(task_id=a.task_id, round=a.round, reason="testing refusals"),
+                          timeout=30)
+            wait_until(lambda: client.status(st.task_id).current_round >= 2, 120, "round 1 to close")
+            e = refused(_stream(a, good, key="k5"))
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "closed" in e.details()
+            a2 = work.get(timeout=60).assignment
+            rogue.Decline(agent_pb2.DeclineRequest(task_id=a2.task_id, round=a2.round, reason="leaving",
+                                                   permanent=True), timeout=30)
+            final = client.wait(st.task_id, timeout=300, progress=False)
+    finally:
+        watch.cancel()
+        channel.close()
+    assert state_name(final.state) == "completed", final.error
+    assert [sorted(r.site_id for r in rnd.reports) for rnd in final.rounds] == [["site-a", "site-b"]] * 2
+    assert any("testing refusals" in d for d in final.rounds[0].declined)
+    state = fed.root / "aggregator-state"
+    for blob in (state / "blobs").glob("??/*"):  # every stored blob is intact
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.parent.name + blob.name
+    assert not [p for p in (state / "updates").rglob("*") if p.is_file()]  # no spill left behind

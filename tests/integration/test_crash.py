@@ -1,0 +1,61 @@
+"""Crash safety: SIGKILLed aggregator resumes its round; a crashed agent never double-counts its update."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from fedclinic.client import state_name
+from fedclinic.localfed import wait_until
+
+from tests.integration.conftest import tiny_package
+from tests.integration.test_federation import _task
+
+pytestmark = pytest.mark.integration
+
+
+def _reports(client, task_id, rnd):
+    st = client.status(task_id)
+    return [r for r in st.rounds if r.round == rnd][0].reports if len(st.rounds) >= rnd else []
+
+
+def test_aggregator_sigkill_mid_round_resumes_with_exact_counts(federation_factory):
+    fed = federation_factory(3, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    port = fed.address.rsplit(":", 1)[1]
+    fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"  # agents reconnect to the same address
+    fed.start_agent("site-a")
+    fed.start_agent("site-b")
+    with fed.client() as client:
+        st = client.submit(_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
+        wait_until(lambda: len(_reports(client, st.task_id, 1)) == 2, 120, "two durable round-1 updates")
+    assert fed.signal_aggregator(signal.SIGKILL) == -signal.SIGKILL
+    fed.start_aggregator()
+    fed.start_agent("site-c")
+    with fed.client() as client:
+        final = client.wait(st.task_id, timeout=300, progress=False)
+    assert state_name(final.state) == "completed", final.error
+    assert [sorted(r.site_id for r in rnd.reports) for rnd in final.rounds] == [["site-a", "site-b", "site-c"]] * 2
+    assert "round recovered" in fed.log_text("aggregator")
+
+
+@pytest.mark.parametrize("failpoint", ["agent.upload.chunk:2", "agent.after-receipt"])
+def test_agent_killed_during_upload_never_duplicates(federation_factory, failpoint, monkeypatch):
+    fed = federation_factory(2, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    fed.start_agent("site-a")
+    monkeypatch.setenv("FEDCLINIC_FAILPOINTS", failpoint)
+    crashing = fed.start_agent("site-b")
+    monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
+    with fed.client() as client:
+        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=300), package=tiny_package())
+        assert crashing.wait(120) == 97  # died at the failpoint, mid-upload or before clearing its outbox
+        fed.start_agent("site-b")         # restarts and resends what its outbox still holds
+        final = client.wait(st.task_id, timeout=300, progress=False)
+    assert state_name(final.state) == "completed", final.error
+    assert sorted(r.site_id for r in final.rounds[0].reports) == ["site-a", "site-b"]
+    if failpoint == "agent.after-receipt":  # the resent update was acknowledged as a duplicate, not re-counted
+        wait_until(lambda: '"duplicate": true' in fed.log_text("agent-site-b"), 60, "the duplicate receipt")
