@@ -75,6 +75,13 @@ def explain_rpc_error(exc: grpc.RpcError, address: str) -> FedclinicError:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.UNAVAILABLE:
         low = (details or "").lower()
+        if "socket closed" in low:
+            # TLS 1.3: when the server rejects our client certificate we only see the socket close.
+            return FedclinicError(
+                f"the aggregator at {address} closed the connection during the TLS handshake: it most likely "
+                "refused this certificate (issued by another CA, expired, or not yet valid). Check it with "
+                "`fedclinic pki list` / `hospital-agent check-config`; the aggregator log names the reason"
+            )
         if "handshake" in low or "ssl" in low or "certificate" in low or "tls" in low:
             return FedclinicError(
                 f"the TLS handshake with {address} failed ({details}). The aggregator refused this "
