@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-import numpy as np
 import structlog
 
 from fedclinic.blobstore import BlobStore
@@ -32,6 +31,7 @@ from fedclinic.package import Manifest, TensorEntry, raw_bytes, tensor_sha256
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.selection import select_names
 from fedclinic.strategies import Strategy, make_strategy
+from fedclinic.strategies.tensorsource import FileTensor
 from aggregator_service.store import Store, now_ms
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
@@ -62,22 +62,16 @@ class UpdateLayout:
     def from_json(cls, text: str) -> "UpdateLayout":
         return cls([(n, d, tuple(s), o, b) for n, d, s, o, b in json.loads(text)])
 
-    def arrays(self, path: Path) -> dict[str, np.ndarray]:
-        """Read-only memory-mapped views of the update's tensors."""
-        out = {}
-        for name, dtype, shape, offset, nbytes in self.tensors:
-            if nbytes == 0:
-                out[name] = np.zeros(shape, dtype=dtype)
-            else:
-                out[name] = np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
-        return out
+    def tensors_in(self, path: Path) -> dict[str, FileTensor]:
+        """The update's tensors as block-readable file ranges (never loaded whole)."""
+        return {name: FileTensor(path, offset, dtype, shape) for name, dtype, shape, offset, _ in self.tensors}
 
 
 @dataclass
 class _Accumulator:
     round: int
     strategy: Strategy
-    global_arrays: dict[str, np.ndarray]
+    global_tensors: dict[str, FileTensor]
     folded: set[str] = field(default_factory=set)  # update ids
 
 
@@ -398,17 +392,17 @@ class Engine:
             spec = self.spec(task_id)
             manifest = self.store.model(rnd.base_model)
             assert manifest is not None
-            arrays = {t.name: self.blobs.array(t.sha256, t.dtype, t.shape) for t in manifest.tensors}
+            tensors = {t.name: FileTensor(self.blobs.path(t.sha256), 0, t.dtype, t.shape) for t in manifest.tensors}
             strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
-            strategy.begin(arrays)
-            acc = self._acc[task_id] = _Accumulator(rnd.round, strategy, arrays)
+            strategy.begin(tensors)
+            acc = self._acc[task_id] = _Accumulator(rnd.round, strategy, tensors)
         return acc
 
     @staticmethod
     def _fold(acc: _Accumulator, update_id: str, spill: Path, layout: UpdateLayout, weight: int, site: str) -> None:
         if update_id in acc.folded:
             return
-        acc.strategy.accept(layout.arrays(spill), float(weight), site=site)
+        acc.strategy.accept(layout.tensors_in(spill), float(weight), site=site)
         acc.folded.add(update_id)
 
     # closing rounds -------------------------------------------------------------------------------------

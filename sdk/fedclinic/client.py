@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import grpc
 
 from fedclinic.errors import FedclinicError
-from fedclinic.package import ModelPackage
+from fedclinic.package import Manifest, ModelPackage
 from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
 from fedclinic.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.task import Task
@@ -53,10 +53,11 @@ class Client:
             raise explain_rpc_error(exc, self.address) from None
 
     # tasks ------------------------------------------------------------------------------------------------
-    def submit(self, task: Task, *, package: ModelPackage | None = None,
+    def submit(self, task: Task, *, package: ModelPackage | None = None, manifest: Manifest | None = None,
                idempotency_key: str | None = None) -> control_pb2.TaskStatus:
         """Package the initial model (unless given), stream it with the spec; returns the new task's status.
 
+        ``manifest`` may be passed when the caller already hashed ``package`` (saves one pass over it).
         Retrying with the same ``idempotency_key`` returns the task the first call created.
         """
         task.validate()
@@ -67,7 +68,7 @@ class Client:
 
             package = package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
                                          multi_label=task.multi_label, max_length=task.max_length, seed=task.seed)
-        manifest = package.manifest()
+        manifest = manifest or package.manifest()
         import hashlib
 
         tok = package.files.get("tokenizer.json")

@@ -69,3 +69,19 @@ def test_selection_patterns():
         select_names(names, ["nothing"])
     with pytest.raises(ConfigError, match="not a valid regular expression"):
         select_names(names, ["("])
+
+
+def test_fedavg_reads_file_tensors_blockwise(tmp_path):
+    from fedclinic.strategies.tensorsource import FileTensor
+
+    rng = np.random.default_rng(1)
+    g = rng.normal(size=(300, 7)).astype(np.float32)
+    d1, d2 = (rng.normal(size=(300, 7)).astype(np.float32) for _ in range(2))
+    (tmp_path / "g.bin").write_bytes(g.tobytes())
+    (tmp_path / "u.bin").write_bytes(b"\0" * 12 + d1.tobytes() + d2.tobytes())
+    s = FedAvg()
+    s._scratch = np.empty(64, np.float32)  # force many blocks
+    s.begin({"w": FileTensor(tmp_path / "g.bin", 0, "float32", (300, 7))})
+    s.accept({"w": FileTensor(tmp_path / "u.bin", 12, "float32", (300, 7))}, 1.0, site="a")
+    s.accept({"w": FileTensor(tmp_path / "u.bin", 12 + d1.nbytes, "float32", (300, 7))}, 3.0, site="b")
+    np.testing.assert_allclose(s.finalize()["w"], g + (d1 + 3 * d2) / 4, rtol=1e-5, atol=1e-6)

@@ -6,9 +6,10 @@ A strategy sees one round as::
     strategy.accept(update, weight, site=...) # once per site, in arrival order
     new_tensors = strategy.finalize()         # tensors that changed; the rest stay as they were
 
-Updates are deltas (local - global) over a subset of tensor names. ``accept`` must not keep references to
-``update`` (it may be a memory map that is closed right after), so memory stays O(model size) whatever the
-number of sites. A strategy that needs every site's update at once sets ``needs_per_site_updates``;
+Updates are deltas (local - global) over a subset of tensor names, given as numpy arrays or as
+:class:`~fedclinic.strategies.tensorsource.FileTensor` (read block by block, see ``tensorsource.blocks``).
+``accept`` must not keep references to ``update``, so memory stays O(model size) whatever the number of
+sites. A strategy that needs every site's update at once sets ``needs_per_site_updates``;
 the engine then spills updates to disk instead of holding them.
 """
 
@@ -19,6 +20,8 @@ from typing import ClassVar, Mapping
 
 import numpy as np
 
+from fedclinic.strategies.tensorsource import TensorLike
+
 
 class Strategy(ABC):
     name: ClassVar[str]
@@ -26,10 +29,10 @@ class Strategy(ABC):
     needs_per_site_updates: ClassVar[bool] = False
 
     @abstractmethod
-    def begin(self, global_tensors: Mapping[str, np.ndarray]) -> None: ...
+    def begin(self, global_tensors: Mapping[str, TensorLike]) -> None: ...
 
     @abstractmethod
-    def accept(self, update: Mapping[str, np.ndarray], weight: float, *, site: str) -> None: ...
+    def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None: ...
 
     @abstractmethod
     def finalize(self) -> dict[str, np.ndarray]: ...

@@ -8,9 +8,10 @@ where d_{i,k} = local_{i,k} - global_k and eta is the server step size (1.0 = pl
 site sent is left unchanged. Accumulation is in float32 (the model dtype); the sum is arrival-order
 dependent at the last bit, as every streaming float sum is.
 
-Memory: one float32 accumulator per transmitted tensor plus a fixed scratch block, so it does not grow with
-the number of sites. ``accept`` folds each tensor in cache-sized blocks (multiply into scratch, add into the
-accumulator), which runs at memory bandwidth instead of allocating a full-size temporary per site.
+Memory: one float32 accumulator per transmitted tensor plus a fixed 1 MiB scratch block, so it does not
+grow with the number of sites. Updates and the global model are read block by block (arrays or
+:class:`FileTensor`), each block is scaled in the scratch buffer and added into the accumulator: memory
+bandwidth bound, no full-size temporary, no memory-mapped update pinned in RAM.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from fedclinic.errors import IntegrityError
 from fedclinic.strategies.base import Strategy
+from fedclinic.strategies.tensorsource import TensorLike, blocks
 
 _BLOCK = 1 << 18  # float32 elements per block: 1 MiB, stays in L2
 
@@ -35,12 +37,12 @@ class FedAvg(Strategy):
         self._weight: dict[str, float] = {}
         self._scratch = np.empty(_BLOCK, dtype=np.float32)
 
-    def begin(self, global_tensors: Mapping[str, np.ndarray]) -> None:
+    def begin(self, global_tensors: Mapping[str, TensorLike]) -> None:
         self._global = global_tensors
         self._acc = {}
         self._weight = {}
 
-    def accept(self, update: Mapping[str, np.ndarray], weight: float, *, site: str) -> None:
+    def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
         if not weight > 0:
             raise IntegrityError(f"update from {site} has non-positive weight {weight}")
         for name, delta in update.items():
@@ -54,7 +56,7 @@ class FedAvg(Strategy):
             acc = self._acc.get(name)
             if acc is None:
                 acc = self._acc[name] = np.zeros(ref.size, dtype=np.float32)
-            weighted_add(acc, delta.reshape(-1), float(weight), self._scratch)
+            weighted_add(acc, delta, float(weight), self._scratch)
             self._weight[name] = self._weight.get(name, 0.0) + float(weight)
 
     def finalize(self) -> dict[str, np.ndarray]:
@@ -62,18 +64,17 @@ class FedAvg(Strategy):
         for name, acc in self._acc.items():
             ref = self._global[name]
             acc *= np.float32(self.server_lr / self._weight[name])
-            acc += ref.reshape(-1).astype(np.float32, copy=False)
+            for start, block in blocks(ref, self._scratch):
+                acc[start:start + block.size] += block
             out[name] = acc.reshape(ref.shape).astype(ref.dtype, copy=False)
         self._acc = {}
         return out
 
 
-def weighted_add(acc: np.ndarray, x: np.ndarray, weight: float, scratch: np.ndarray) -> None:
-    """acc += weight * x, blockwise through ``scratch`` (no full-size temporary). Both 1-D."""
+def weighted_add(acc: np.ndarray, x: TensorLike, weight: float, scratch: np.ndarray) -> None:
+    """acc += weight * x over the flattened tensor, blockwise through ``scratch`` (acc is 1-D float32)."""
     w = np.float32(weight)
-    block = scratch.size
-    for start in range(0, x.size, block):
-        stop = min(start + block, x.size)
-        tmp = scratch[: stop - start]
-        np.multiply(x[start:stop], w, out=tmp, casting="unsafe")
-        np.add(acc[start:stop], tmp, out=acc[start:stop])
+    for start, block in blocks(x, scratch):
+        block *= w
+        target = acc[start:start + block.size]
+        np.add(target, block, out=target)
