@@ -62,7 +62,7 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
     against the manifest and written atomically, so a failed stream leaves only complete, correct blobs.
     """
     expect = {t.name: header_of(t) for t in manifest.tensors}
-    tensors = ChunkAssembler(lambda h: blobs.writer(h.sha256, h.encoded_nbytes), expect=expect)
+    tensors = ChunkAssembler(lambda h: blobs.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect)
     files = FileAssembler()
     try:
         for item in chunks:

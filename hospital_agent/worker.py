@@ -269,7 +269,7 @@ class Agent:
     def _fetch(self, task_id: str, manifest: Manifest, include_files: bool) -> None:
         have = [t.sha256 for t in manifest.tensors if self.cache.has(t.sha256)]
         expect = {t.name: header_of(t) for t in manifest.tensors if t.sha256 not in set(have)}
-        tensors = ChunkAssembler(lambda h: self.cache.writer(h.sha256, h.encoded_nbytes), expect=expect)
+        tensors = ChunkAssembler(lambda h: self.cache.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect)
         files = FileAssembler()
         stream = self._stub.FetchModel(agent_pb2.FetchModelRequest(
             task_id=task_id, model_hash=manifest.model_hash, have_sha256=have, include_files=include_files))

@@ -30,8 +30,12 @@ def fsync_dir(path: Path) -> None:
 class BlobWriter:
     """Streams bytes into a new blob; :meth:`commit` verifies and publishes it, :meth:`abort` drops it."""
 
-    def __init__(self, store: "BlobStore", expected_sha256: str | None, expected_nbytes: int | None) -> None:
+    def __init__(self, store: "BlobStore", expected_sha256: str | None, expected_nbytes: int | None,
+                 verified_by_caller: bool = False) -> None:
+        if verified_by_caller and expected_sha256 is None:
+            raise ValueError("verified_by_caller needs expected_sha256")
         self._store = store
+        self._verified_by_caller = verified_by_caller
         self.expected_sha256 = expected_sha256
         self.expected_nbytes = expected_nbytes
         fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="blob-")
@@ -44,14 +48,15 @@ class BlobWriter:
         assert self._file is not None, "writer already closed"
         if self.expected_nbytes is not None and self.nbytes + len(data) > self.expected_nbytes:
             raise IntegrityError(f"blob is longer than the declared {self.expected_nbytes} bytes")
-        self._hash.update(data)
+        if not self._verified_by_caller:
+            self._hash.update(data)
         self._file.write(data)
         self.nbytes += len(data)
 
     def commit(self) -> str:
         """Verify size and hash, make the blob durable and visible; returns its sha256."""
         assert self._file is not None, "writer already closed"
-        digest = self._hash.hexdigest()
+        digest = self.expected_sha256 if self._verified_by_caller else self._hash.hexdigest()
         try:
             if self.expected_nbytes is not None and self.nbytes != self.expected_nbytes:
                 raise IntegrityError(f"blob has {self.nbytes} bytes, {self.expected_nbytes} were declared")
@@ -90,8 +95,11 @@ class BlobStore:
     def has(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
 
-    def writer(self, expected_sha256: str | None = None, expected_nbytes: int | None = None) -> BlobWriter:
-        return BlobWriter(self, expected_sha256, expected_nbytes)
+    def writer(self, expected_sha256: str | None = None, expected_nbytes: int | None = None, *,
+               verified_by_caller: bool = False) -> BlobWriter:
+        """A writer for one blob. With ``verified_by_caller`` the caller (a ChunkAssembler) hashes the bytes
+        and only commits when they match ``expected_sha256``, so the writer skips its own second hash."""
+        return BlobWriter(self, expected_sha256, expected_nbytes, verified_by_caller)
 
     def put(self, data: bytes | memoryview, expected_sha256: str | None = None) -> str:
         if expected_sha256 is not None and self.has(expected_sha256):
