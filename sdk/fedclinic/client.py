@@ -219,7 +219,8 @@ class ProgressDisplay:
             if event.kind in ("declined", "round-failed", "failed"):
                 self.out.write(f"\n  {event.message}\n")
         else:
-            self.out.write(f"[{st.task_id}] {event.kind}: {event.message}{acc_txt}\n")
+            suffix = acc_txt if event.kind == "round-closed" else ""
+            self.out.write(f"[{st.task_id}] {event.kind}: {event.message}{suffix}\n")
         self.out.flush()
 
     def close(self) -> None:

@@ -1,0 +1,79 @@
+"""Model families: build a torch module from a :class:`~fedclinic.package.ModelPackage`, and package models.
+
+A package names its family in ``fedclinic_model.json``; :func:`build_model` dispatches on it through
+:data:`FAMILIES`. Only built-in families and architectures exist: a package carries tensors and JSON, never
+code. Families register here (``register_family``) — today "text-classification".
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.models import text_classification
+from fedclinic.models.text_classification import (
+    ALLOWED_MODEL_TYPES,
+    ARCHITECTURES,
+    LSTM_DEFAULTS,
+    LoadedModel,
+    load_tensors,
+    load_tokenizer,
+    module_tensors,
+    package_from_config,
+    package_pretrained,
+    tokenizer_pad_id,
+    wordlevel_tokenizer_json,
+)
+from fedclinic.package import META_FILE, ModelPackage
+
+SUPPORTED_FORMAT = 1
+
+#: family name -> builder(package) -> LoadedModel
+FAMILIES: dict[str, Callable[[ModelPackage], LoadedModel]] = {
+    text_classification.FAMILY: text_classification.build,
+}
+
+
+def register_family(name: str, builder: Callable[[ModelPackage], LoadedModel]) -> None:
+    """Add a built-in model family (called by fedclinic's own family modules)."""
+    FAMILIES[name] = builder
+
+
+def build_model(package: ModelPackage) -> LoadedModel:
+    """Build the package's module and load its tensors strictly (CPU, eval mode).
+
+    Raises ConfigError for an unknown family/architecture/model_type (listing the allowed ones) and
+    IntegrityError when the tensors do not match the declared model (naming the missing, unexpected or
+    mis-shaped tensors).
+    """
+    meta = package.meta
+    if not meta:
+        raise IntegrityError(f"the package has no {META_FILE}; package models with fedclinic.models."
+                             "package_pretrained() or package_from_config()")
+    fmt = meta.get("format")
+    if fmt != SUPPORTED_FORMAT:
+        raise ConfigError(f"{META_FILE} format {fmt!r} is not supported (this fedclinic reads format "
+                          f"{SUPPORTED_FORMAT}); upgrade fedclinic or re-package the model")
+    family = meta.get("family")
+    builder = FAMILIES.get(family)
+    if builder is None:
+        raise ConfigError(f"unknown model family {family!r}; supported families: {', '.join(sorted(FAMILIES))}")
+    return builder(package)
+
+
+__all__ = [
+    "ALLOWED_MODEL_TYPES",
+    "ARCHITECTURES",
+    "FAMILIES",
+    "LSTM_DEFAULTS",
+    "LoadedModel",
+    "build_model",
+    "load_tensors",
+    "load_tokenizer",
+    "module_tensors",
+    "package_from_config",
+    "package_pretrained",
+    "register_family",
+    "tokenizer_pad_id",
+    "wordlevel_tokenizer_json",
+]

@@ -1,0 +1,134 @@
+"""In-process federated simulation with the very code the agent and the aggregator run.
+
+Per round ``r``::
+
+    S_r   = the participating sites (all, or a seeded sample of ceil(participation * K), at least 1)
+    for i in S_r:                       # sequentially, one warm model shared by the simulated sites
+        load the global tensors -> train_local(seed_{r,i}) -> d_i = local - global on the trainable tensors
+        strategy.accept(d_i, weight=n_i, site=f"site-{i}")
+    global.update(strategy.finalize())  # e.g. FedAvg: w <- w + eta * sum n_i d_i / sum n_i
+    evaluate the new global model on eval_data (if given)
+
+Every site's examples are tokenized once (``encode``) and reused in every round. Per-site per-round
+training seeds are derived from ``seed`` with ``numpy.random.SeedSequence([seed, train.seed, round, site])``, so a run
+is reproducible and sites do not share shuffles.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from fedclinic.data import Example
+from fedclinic.errors import ConfigError
+from fedclinic.models import build_model, load_tensors, module_tensors
+from fedclinic.package import ModelPackage
+from fedclinic.strategies import make_strategy
+from fedclinic.training import (
+    TrainConfig,
+    compute_delta,
+    encode,
+    evaluate,
+    select_tensors,
+    train_local,
+)
+
+
+@dataclass
+class RoundRecord:
+    round: int                       # 1-based
+    sites: list[int]                 # indices into site_data of the sites that trained
+    train_loss: float                # sample-weighted mean of the sites' local training losses
+    num_samples: int                 # examples over the participating sites
+    metrics: dict[str, float] = field(default_factory=dict)  # global model on eval_data after the round
+    seconds: float = 0.0             # wall time of the round (training + aggregation + evaluation)
+
+
+@dataclass
+class SimulationResult:
+    rounds: list[RoundRecord]
+    package: ModelPackage            # the final global model
+    trainable: list[str]             # tensor names that were trained and aggregated
+    initial_metrics: dict[str, float] = field(default_factory=dict)  # global model on eval_data before round 1
+
+
+def site_seed(seed: int, train_seed: int, round_: int, site: int) -> int:
+    """The local training seed of ``site`` in ``round_`` (a 31-bit int from a SeedSequence)."""
+    keys = [int(seed) & 0xFFFFFFFF, int(train_seed) & 0xFFFFFFFF, round_, site]
+    return int(np.random.SeedSequence(keys).generate_state(1)[0] >> 1)
+
+
+def simulate(
+    package: ModelPackage,
+    site_data: Sequence[Sequence[Example]],
+    *,
+    rounds: int,
+    train: TrainConfig,
+    strategy: str = "fedavg",
+    strategy_params: Mapping[str, float] | None = None,
+    trainable_patterns: Sequence[str] = (),
+    frozen_patterns: Sequence[str] = (),
+    eval_data: Sequence[Example] | None = None,
+    participation: float = 1.0,
+    seed: int = 0,
+    progress: Callable[[RoundRecord], None] | None = None,
+) -> SimulationResult:
+    """Run ``rounds`` federated rounds over ``site_data`` starting from ``package``; returns the history."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
+    if not site_data:
+        raise ConfigError("site_data is empty; give one example list per simulated site")
+    if not (isinstance(participation, (int, float)) and 0 < participation <= 1):
+        raise ConfigError(f"participation must be in (0, 1], got {participation!r}")
+    train.validate()
+    strat = make_strategy(strategy, strategy_params)
+
+    loaded = build_model(package)
+    names = select_tensors(list(package.tensors), trainable_patterns, frozen_patterns)
+    encoded = [encode(list(rows), loaded, max_length=train.max_length) for rows in site_data]
+    eval_encoded = encode(list(eval_data), loaded, max_length=train.max_length) if eval_data else None
+    global_tensors: dict[str, np.ndarray] = {k: np.array(v, copy=True) for k, v in package.tensors.items()}
+    initial = evaluate(loaded, eval_encoded) if eval_encoded is not None else {}
+
+    k_sites = len(site_data)
+    per_round = max(1, math.ceil(participation * k_sites - 1e-9))
+    history: list[RoundRecord] = []
+    for r in range(1, rounds + 1):
+        started = time.perf_counter()
+        if per_round >= k_sites:
+            chosen = list(range(k_sites))
+        else:
+            rng = np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, r, 0x5E1EC7]))
+            chosen = sorted(int(i) for i in rng.choice(k_sites, size=per_round, replace=False))
+        strat.begin(global_tensors)
+        before = {n: global_tensors[n] for n in names}
+        loss_sum = 0.0
+        n_sum = 0
+        for i in chosen:
+            load_tensors(loaded.module, global_tensors)
+            cfg = replace(train, seed=site_seed(seed, train.seed, r, i))
+            result = train_local(loaded, encoded[i], cfg, trainable=names)
+            delta = compute_delta(before, module_tensors(loaded.module, names), names)
+            strat.accept(delta, weight=result.num_samples, site=f"site-{i}")
+            loss_sum += result.loss * result.num_samples
+            n_sum += result.num_samples
+        new = strat.finalize()
+        global_tensors = {**global_tensors, **new}
+        metrics: dict[str, float] = {}
+        if eval_encoded is not None:
+            load_tensors(loaded.module, global_tensors)
+            metrics = evaluate(loaded, eval_encoded)
+        record = RoundRecord(round=r, sites=chosen, train_loss=loss_sum / n_sum, num_samples=n_sum,
+                             metrics=metrics, seconds=time.perf_counter() - started)
+        history.append(record)
+        if progress is not None:
+            progress(record)
+    final = ModelPackage(tensors=global_tensors, files=dict(package.files))
+    return SimulationResult(rounds=history, package=final, trainable=names, initial_metrics=initial)
+
+
+__all__ = ["RoundRecord", "SimulationResult", "simulate", "site_seed"]

@@ -1,0 +1,135 @@
+"""fedclinic.simulate: federated runs learn, and one FedAvg round equals the weighted mean of the site deltas."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from fedclinic.data import Example
+from fedclinic.errors import ConfigError
+from fedclinic.models import build_model, module_tensors, package_from_config, wordlevel_tokenizer_json
+from fedclinic.partition import dirichlet_label_skew
+from fedclinic.simulate import simulate, site_seed
+from fedclinic.training import TrainConfig, compute_delta, encode, train_local
+
+KEYWORDS = {"resp": ["fever", "cough", "chills"], "skin": ["rash", "itch", "hives"], "gi": ["nausea", "vomit", "cramps"]}
+FILLER = "the patient reports today mild severe since yesterday and with no history of".split()
+LABELS = list(KEYWORDS)
+TOK = wordlevel_tokenizer_json(FILLER + [w for ws in KEYWORDS.values() for w in ws])
+TINY_BERT = dict(model_type="bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def examples(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lab = LABELS[rng.randrange(3)]
+        words = rng.sample(FILLER, 4) + rng.sample(KEYWORDS[lab], 1)
+        rng.shuffle(words)
+        out.append(Example(" ".join(words), (lab,)))
+    return out
+
+
+def package(arch="logreg", seed=0):
+    config = {"transformer": TINY_BERT, "logreg": {}, "lstm": {"embedding_dim": 8, "hidden_size": 8}}[arch]
+    return package_from_config(architecture=arch, labels=LABELS, tokenizer_json=TOK, config=config, max_length=16,
+                               seed=seed)
+
+
+def non_iid_sites(n=150, seed=0):
+    rows = examples(n, seed)
+    parts = dirichlet_label_skew([r.labels[0] for r in rows], 3, alpha=0.5, seed=seed, min_per_site=10)
+    return [[rows[i] for i in p] for p in parts]
+
+
+def test_federated_logreg_reaches_high_accuracy_on_non_iid_sites():
+    records = []
+    res = simulate(package("logreg"), non_iid_sites(), rounds=4, eval_data=examples(90, seed=99),
+                   train=TrainConfig(learning_rate=0.1, batch_size=8, max_length=16), progress=records.append)
+    assert [r.round for r in res.rounds] == [1, 2, 3, 4] and records == res.rounds
+    assert res.initial_metrics["accuracy"] < 0.5
+    assert res.rounds[-1].metrics["accuracy"] >= 0.95
+    assert res.rounds[-1].train_loss < res.rounds[0].train_loss
+    assert all(r.sites == [0, 1, 2] and r.num_samples == 150 for r in res.rounds)
+    assert build_model(res.package).labels == LABELS
+
+
+def test_federated_tiny_bert_learns_top_layers_only():
+    start = package("transformer")
+    patterns = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.1\..*"]
+    res = simulate(start, non_iid_sites(), rounds=5, eval_data=examples(90, seed=99), trainable_patterns=patterns,
+                   train=TrainConfig(learning_rate=3e-3, batch_size=8, max_length=16, local_epochs=3))
+    assert res.rounds[-1].metrics["accuracy"] >= 0.85
+    assert all(n.startswith(("classifier.", "bert.pooler.", "bert.encoder.layer.1.")) for n in res.trainable)
+    for name, arr in start.tensors.items():  # frozen tensors are bit-identical, trained ones moved
+        assert np.array_equal(arr, res.package.tensors[name]) == (name not in res.trainable)
+
+
+def test_one_fedavg_round_is_global_plus_weighted_mean_of_deltas():
+    start = package("lstm", seed=1)
+    sites = [examples(12, seed=1), examples(30, seed=2)]
+    cfg = TrainConfig(learning_rate=0.05, batch_size=4, max_length=16, seed=5)
+    res = simulate(start, sites, rounds=1, train=cfg, frozen_patterns=[r"embedding\..*"], seed=7)
+    names = res.trainable
+    assert "embedding.weight" not in names and "classifier.weight" in names
+
+    deltas = []
+    for i, rows in enumerate(sites):  # the same computation done by hand, site by site
+        loaded = build_model(start)
+        before = module_tensors(loaded.module, names)
+        site_cfg = TrainConfig(learning_rate=0.05, batch_size=4, max_length=16, seed=site_seed(7, 5, 1, i))
+        train_local(loaded, encode(rows, loaded, max_length=16), site_cfg, trainable=names)
+        deltas.append(compute_delta(before, module_tensors(loaded.module, names), names))
+    for name in names:
+        expected = start.tensors[name] + (12 * deltas[0][name] + 30 * deltas[1][name]) / 42
+        np.testing.assert_allclose(res.package.tensors[name], expected, rtol=1e-5, atol=1e-6)
+        assert np.abs(deltas[0][name]).max() > 0
+    np.testing.assert_array_equal(res.package.tensors["embedding.weight"], start.tensors["embedding.weight"])
+    assert res.package.files == start.files
+
+
+def test_server_learning_rate_is_passed_to_the_strategy():
+    start = package("logreg")
+    sites = [examples(20, seed=1), examples(20, seed=2)]
+    cfg = TrainConfig(learning_rate=0.1, batch_size=8, max_length=16)
+    full = simulate(start, sites, rounds=1, train=cfg)
+    half = simulate(start, sites, rounds=1, train=cfg, strategy="fedavg", strategy_params={"server_lr": 0.5})
+    for name, w0 in start.tensors.items():
+        np.testing.assert_allclose((half.package.tensors[name] - w0) * 2, full.package.tensors[name] - w0,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_partial_participation_is_seeded_and_reproducible():
+    sites = [examples(10, seed=s) for s in range(4)]
+    cfg = TrainConfig(learning_rate=0.1, batch_size=8, max_length=16)
+    a = simulate(package(), sites, rounds=4, train=cfg, participation=0.5, seed=3)
+    b = simulate(package(), sites, rounds=4, train=cfg, participation=0.5, seed=3)
+    assert [r.sites for r in a.rounds] == [r.sites for r in b.rounds]
+    assert all(len(r.sites) == 2 and r.num_samples == 20 for r in a.rounds)
+    assert len({tuple(r.sites) for r in a.rounds}) > 1
+    assert a.package.manifest().model_hash == b.package.manifest().model_hash
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"rounds": 0}, "rounds must be an integer >= 1"),
+    ({"participation": 0.0}, r"participation must be in \(0, 1\]"),
+    ({"strategy": "fedmagic"}, "unknown strategy 'fedmagic'; choose one of: fedavg"),
+    ({"trainable_patterns": ["nothing"]}, "trainable pattern 'nothing' matches no tensor"),
+])
+def test_simulate_argument_errors(kwargs, msg):
+    args = dict(rounds=1, train=TrainConfig(max_length=16))
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=msg):
+        simulate(package(), [examples(5, seed=0)], **args)
+    with pytest.raises(ConfigError, match="site_data is empty"):
+        simulate(package(), [], rounds=1, train=TrainConfig())
