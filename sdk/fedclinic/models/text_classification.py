@@ -31,6 +31,8 @@ Architectures
 
 from __future__ import annotations
 
+import warnings
+
 import contextlib
 import json
 import logging
@@ -277,7 +279,9 @@ def load_tensors(module: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -
             parts.append(f"shape mismatch: {_fmt(bad_shape)}")
         raise IntegrityError("cannot load weights: " + "; ".join(parts)
                              + ". The package does not belong to this model (check family/architecture/config)")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # Read-only arrays (downloads, memory maps) are fine here: the tensor is only read by copy_().
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, arr in tensors.items():
             dst = state[name]
             src = torch.from_numpy(np.ascontiguousarray(arr))
