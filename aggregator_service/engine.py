@@ -27,7 +27,7 @@ import structlog
 
 from fedclinic.blobstore import BlobStore
 from fedclinic.errors import ConfigError
-from fedclinic.package import Manifest, TensorEntry, raw_bytes, tensor_sha256
+from fedclinic.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.selection import select_names
 from fedclinic.strategies import Strategy, make_strategy

@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import structlog

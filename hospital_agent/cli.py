@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import tempfile
-from pathlib import Path
 
 from fedclinic import logs
 from fedclinic.errors import FedclinicError

@@ -11,7 +11,6 @@ FEDCLINIC_ADDRESS, FEDCLINIC_CERT, FEDCLINIC_KEY, FEDCLINIC_CA.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 

@@ -1,7 +1,8 @@
 """Which tensors a task trains and sends, from its regex patterns (no torch needed: the aggregator uses it).
 
 A tensor is selected when it fully matches some trainable pattern (or there are none) and matches no
-frozen or private pattern. Private tensors are trained at the site but never leave it.
+frozen or private pattern. Private tensors are trained at the site but never leave it. This is the one
+implementation: the aggregator, the agent, the simulator and the trainer all call it.
 """
 
 from __future__ import annotations
@@ -13,23 +14,35 @@ from fedclinic.errors import ConfigError
 
 
 def compile_patterns(patterns: Iterable[str], what: str) -> list[re.Pattern[str]]:
+    if isinstance(patterns, str):
+        raise ConfigError("trainable/frozen patterns must be lists of regular expressions, not one string")
     out = []
     for p in patterns:
         try:
             out.append(re.compile(p))
         except re.error as exc:
-            raise ConfigError(f"{what} pattern {p!r} is not a valid regular expression: {exc}") from None
+            raise ConfigError(f"{what} pattern {p!r} is not a valid regular expression ({exc})") from None
     return out
 
 
-def select_names(names: Sequence[str], trainable: Iterable[str] = (), frozen: Iterable[str] = (),
-                 private: Iterable[str] = ()) -> list[str]:
-    """Names (in the given order) that are trained and sent; ConfigError if nothing is left."""
+def select_names(names: Iterable[str], trainable: Sequence[str] = (), frozen: Sequence[str] = (),
+                 private: Sequence[str] = ()) -> list[str]:
+    """Names (in the given order) that are trained and sent.
+
+    ConfigError for an invalid regex, a trainable pattern that matches no tensor (a typo would otherwise
+    silently train less), or an empty selection.
+    """
+    names = list(names)
     keep = compile_patterns(trainable, "trainable")
     drop = compile_patterns(frozen, "frozen") + compile_patterns(private, "private")
+    for pat in keep:
+        if not any(pat.fullmatch(n) for n in names):
+            raise ConfigError(f"trainable pattern {pat.pattern!r} matches no tensor (patterns must match the whole "
+                              f"name); names look like {', '.join(repr(n) for n in names[:3])} ... "
+                              f"{', '.join(repr(n) for n in names[-2:])}")
     chosen = [n for n in names
               if (not keep or any(p.fullmatch(n) for p in keep)) and not any(p.fullmatch(n) for p in drop)]
     if not chosen:
-        raise ConfigError("the task's trainable/frozen patterns select no tensor of the model; "
-                          f"model tensors look like {list(names)[:4]}")
+        raise ConfigError(f"no tensor is left to train: trainable={list(trainable)} frozen={list(frozen)} "
+                          f"select nothing out of {len(names)} tensors")
     return chosen

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Seque
 
 import numpy as np
 
+from fedclinic.selection import select_names
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,33 +159,8 @@ def select_device(pref: str = "auto") -> "torch.device":
 
 def select_tensors(names: Iterable[str], trainable_patterns: Sequence[str] = (),
                    frozen_patterns: Sequence[str] = ()) -> list[str]:
-    """Names (in the given order) that fully match a trainable pattern (all if none) and no frozen pattern.
-
-    Raises ConfigError for an invalid regex, a trainable pattern that matches no tensor (a typo would
-    otherwise silently train less), or an empty selection.
-    """
-    names = list(names)
-    if isinstance(trainable_patterns, str) or isinstance(frozen_patterns, str):
-        raise ConfigError("trainable/frozen patterns must be lists of regular expressions, not one string")
-    compiled: dict[str, list[re.Pattern[str]]] = {"trainable": [], "frozen": []}
-    for kind, pats in (("trainable", trainable_patterns), ("frozen", frozen_patterns)):
-        for pat in pats:
-            try:
-                compiled[kind].append(re.compile(pat))
-            except re.error as exc:
-                raise ConfigError(f"{kind} pattern {pat!r} is not a valid regular expression ({exc})") from None
-    for pat in compiled["trainable"]:
-        if not any(pat.fullmatch(n) for n in names):
-            raise ConfigError(f"trainable pattern {pat.pattern!r} matches no tensor (patterns must match the whole "
-                              f"name); names look like {', '.join(repr(n) for n in names[:3])} ... "
-                              f"{', '.join(repr(n) for n in names[-2:])}")
-    chosen = [n for n in names
-              if (not compiled["trainable"] or any(p.fullmatch(n) for p in compiled["trainable"]))
-              and not any(p.fullmatch(n) for p in compiled["frozen"])]
-    if not chosen:
-        raise ConfigError(f"no tensor is left to train: trainable={list(trainable_patterns)} "
-                          f"frozen={list(frozen_patterns)} select nothing out of {len(names)} tensors")
-    return chosen
+    """Names that are trained and sent; see :func:`fedclinic.selection.select_names` (the one implementation)."""
+    return select_names(names, trainable_patterns, frozen_patterns)
 
 
 def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: int | None = None) -> EncodedData:

@@ -80,12 +80,13 @@ def test_check_config_reports_what_to_fix(federation_factory, tmp_path):
 
 def test_cli_submit_status_download(federation_factory, tmp_path):
     fed = federation_factory(2)
-    model_dir = tiny_package().save(tmp_path / "model")
-    (tmp_path / "task.toml").write_text(f'''
+    tiny_package().save(tmp_path / "model")  # a local model folder: the logreg family takes its tokenizer
+    (tmp_path / "task.toml").write_text("""
 name = "cli-task"
 dataset = "notes"
 labels = ["cardio", "neuro"]
 architecture = "logreg"
+model = "model"
 [training]
 optimizer = "sgd"
 learning_rate = 0.05
@@ -95,24 +96,28 @@ num_rounds = 1
 min_sites = 2
 round_timeout_s = 120
 on_quorum_miss = "fail"
-''')
-    del model_dir  # the CLI path below submits from a pretrained folder; here we use the SDK's package path
+""")
     c = fed.creds("scientist")
     env = {**os.environ, "FEDCLINIC_ADDRESS": fed.address, "FEDCLINIC_CERT": c["cert"], "FEDCLINIC_KEY": c["key"],
            "FEDCLINIC_CA": c["ca"]}
-    with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2), package=tiny_package())
-        client.wait(st.task_id, timeout=120, progress=False)
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "fedclinic.cli", *args], capture_output=True, text=True, env=env)
+        return subprocess.run([sys.executable, "-m", "fedclinic.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=300)
 
-    run = cli("task", "status", st.task_id)
+    run = cli("task", "submit", str(tmp_path / "task.toml"), "--wait")
+    assert run.returncode == 0, run.stderr
+    task_id = run.stdout.split()[1]
+    assert task_id.startswith("t-") and "completed" in run.stdout
+    run = cli("task", "status", task_id)
     assert run.returncode == 0, run.stderr
     assert "completed" in run.stdout and "round 1: 2/2 sites" in run.stdout
-    run = cli("task", "download", st.task_id, str(tmp_path / "out"))
+    run = cli("task", "download", task_id, str(tmp_path / "out"))
     assert run.returncode == 0 and (tmp_path / "out" / "model.safetensors").exists()
     run = cli("task", "status", "t-missing")
     assert run.returncode == 2 and "no task 't-missing'" in run.stderr
-    run = cli("task", "cancel", st.task_id)
+    run = cli("task", "cancel", task_id)
     assert run.returncode == 2 and "already ended" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "fedclinic.cli", "task", "list"], capture_output=True, text=True,
+                         env={k: v for k, v in env.items() if not k.startswith("FEDCLINIC_")})
+    assert run.returncode == 2 and "missing connection setting" in run.stderr

@@ -65,8 +65,10 @@ def test_selection_patterns():
     names = ["bert.embeddings.w", "bert.encoder.layer.4.w", "bert.encoder.layer.5.w", "classifier.weight"]
     assert select_names(names, [r"bert\.encoder\.layer\.[45]\..*", r"classifier\..*"]) == names[1:]
     assert select_names(names, frozen=[r"bert\..*"]) == ["classifier.weight"]
-    with pytest.raises(ConfigError, match="select no tensor"):
+    with pytest.raises(ConfigError, match="matches no tensor"):
         select_names(names, ["nothing"])
+    with pytest.raises(ConfigError, match="no tensor is left"):
+        select_names(names, private=[".*"])
     with pytest.raises(ConfigError, match="not a valid regular expression"):
         select_names(names, ["("])
 
