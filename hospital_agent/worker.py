@@ -34,12 +34,14 @@ from fedclinic.errors import DatasetError, FedclinicError, IntegrityError
 from fedclinic.package import Manifest, ModelPackage
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.rpc import explain_rpc_error, secure_channel
-from fedclinic.wire import CHUNK_BYTES, ChunkAssembler, FileAssembler, header_of, manifest_from_proto
+from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_tensor_chunk_in, header_of,
+                            manifest_from_proto)
 
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
 
 log = structlog.get_logger("fedclinic.agent")
+_UPDATE_TENSOR_FIELD = agent_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["tensor"].number
 
 
 class Stopped(Exception):
@@ -79,6 +81,9 @@ class Agent:
     def connect(self) -> None:
         self._channel = secure_channel(self.config.aggregator, self.config.tls, server_name=self.config.server_name)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        self._submit_update = self._channel.stream_unary(  # takes pre-serialized UpdateChunk bytes
+            "/fedclinic.v1.AgentService/SubmitUpdate", request_serializer=None,
+            response_deserializer=agent_pb2.UpdateReceipt.FromString)
 
     def hello(self) -> agent_pb2.HelloResponse:
         from fedclinic.training import select_device
@@ -319,7 +324,7 @@ class Agent:
     def _upload(self, entry: OutboxEntry) -> None:
         h = entry.header
         try:
-            self._upload_call = self._stub.SubmitUpdate.future(self._update_stream(entry))
+            self._upload_call = self._submit_update.future(self._update_stream(entry))
             receipt = self._upload_call.result()
         except grpc.RpcError as exc:
             code = exc.code()
@@ -339,24 +344,27 @@ class Agent:
                  nbytes=receipt.stored_nbytes)
 
     @staticmethod
-    def _update_stream(entry: OutboxEntry) -> Iterator[agent_pb2.UpdateChunk]:
-        yield agent_pb2.UpdateChunk(header=entry.header)
+    def _update_stream(entry: OutboxEntry) -> Iterator[bytes]:
+        """Header, tensor chunks read from the outbox file (one copy each, see wire.py), commit."""
+        yield agent_pb2.UpdateChunk(header=entry.header).SerializeToString()
         total = 0
-        with open(entry.tensors_path, "rb") as fh:
+        buf = bytearray(CHUNK_BYTES)
+        view = memoryview(buf)
+        with open(entry.tensors_path, "rb", buffering=0) as fh:
             for t in entry.header.tensors:
                 remaining = t.encoded_nbytes
                 offset = 0
                 while True:
-                    data = fh.read(min(CHUNK_BYTES, remaining))
+                    n = fh.readinto(view[:min(CHUNK_BYTES, remaining)]) if remaining else 0
                     failpoint("agent.upload.chunk")
-                    yield agent_pb2.UpdateChunk(tensor=tensors_pb2.TensorChunk(
-                        name=t.name, header=t if offset == 0 else None, offset=offset, data=data))
-                    offset += len(data)
-                    remaining -= len(data)
-                    total += len(data)
+                    yield encode_tensor_chunk_in(_UPDATE_TENSOR_FIELD, t.name, t if offset == 0 else None, offset,
+                                                 view[:n])
+                    offset += n
+                    remaining -= n
+                    total += n
                     if remaining <= 0:
                         break
-        yield agent_pb2.UpdateChunk(commit=agent_pb2.UpdateCommit(total_encoded_nbytes=total))
+        yield agent_pb2.UpdateChunk(commit=agent_pb2.UpdateCommit(total_encoded_nbytes=total)).SerializeToString()
 
 
 def _sha256(arr: np.ndarray) -> str:

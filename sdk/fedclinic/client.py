@@ -19,11 +19,14 @@ import grpc
 
 from fedclinic.errors import FedclinicError
 from fedclinic.package import Manifest, ModelPackage
-from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
+from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.task import Task
-from fedclinic.wire import ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, manifest_to_proto, package_items
+from fedclinic.package import raw_bytes
+from fedclinic.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, encoded_tensor_chunks,
+                            file_chunks, header_of, manifest_to_proto)
 
+_SUBMIT_TENSOR_FIELD = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
 TERMINAL = (control_pb2.TASK_STATE_COMPLETED, control_pb2.TASK_STATE_FAILED, control_pb2.TASK_STATE_CANCELLED)
 
 
@@ -36,6 +39,8 @@ class Client:
         self.address = address
         self._channel = secure_channel(address, tls, server_name=server_name)
         self._stub = control_pb2_grpc.ControlStub(self._channel)
+        self._submit_raw = self._channel.stream_unary("/fedclinic.v1.Control/SubmitTask", request_serializer=None,
+                                                      response_deserializer=control_pb2.TaskStatus.FromString)
 
     def __enter__(self) -> "Client":
         return self
@@ -76,16 +81,16 @@ class Client:
         header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=idempotency_key or uuid.uuid4().hex,
                                               model=manifest_to_proto(manifest))
 
-        def stream() -> Iterator[control_pb2.SubmitTaskChunk]:
-            yield control_pb2.SubmitTaskChunk(header=header)
-            for item in package_items(package, manifest):
-                if isinstance(item, tensors_pb2.TensorChunk):
-                    yield control_pb2.SubmitTaskChunk(tensor=item)
-                else:
-                    yield control_pb2.SubmitTaskChunk(file=item)
-            yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit())
+        def stream() -> Iterator[bytes]:  # pre-serialized: tensor payloads are copied once (see wire.py)
+            yield control_pb2.SubmitTaskChunk(header=header).SerializeToString()
+            for f in manifest.files:
+                for c in file_chunks(f.path, package.files[f.path]):
+                    yield control_pb2.SubmitTaskChunk(file=c).SerializeToString()
+            for t in manifest.tensors:
+                yield from encoded_tensor_chunks(_SUBMIT_TENSOR_FIELD, header_of(t), raw_bytes(package.tensors[t.name]))
+            yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()
 
-        return self._call(self._stub.SubmitTask, stream(), timeout=3600)
+        return self._call(self._submit_raw, stream(), timeout=3600)
 
     def status(self, task_id: str) -> control_pb2.TaskStatus:
         return self._call(self._stub.GetTask, control_pb2.GetTaskRequest(task_id=task_id), timeout=60)

@@ -290,3 +290,46 @@ def array_from_bytes(header: pb.TensorHeader, data: bytes | memoryview) -> np.nd
     if header.dtype == "bfloat16":
         return arr  # kept as raw 2-byte words; torch side reinterprets
     return arr.astype(np.dtype(header.dtype), copy=False)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+_DATA_FIELD = pb.TensorChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def encode_tensor_chunk_in(field_number: int, name: str, header: pb.TensorHeader | None, offset: int,
+                           data: bytes | memoryview) -> bytes:
+    """Serialized bytes of a wrapper message whose field ``field_number`` is this TensorChunk.
+
+    Equivalent to ``Wrapper(tensor=TensorChunk(name=..., header=..., offset=..., data=...)).SerializeToString()``
+    (protobuf allows fields in any order), but the payload is copied once, straight from ``data`` into the
+    output, instead of three times (bytes(), CopyFrom, serialize). The upload path is copy-bound.
+    """
+    small = pb.TensorChunk(name=name, header=header, offset=offset).SerializeToString()
+    data_len = len(data)
+    data_key = _varint((_DATA_FIELD << 3) | 2) + _varint(data_len)
+    inner_len = len(small) + len(data_key) + data_len
+    outer = _varint((field_number << 3) | 2) + _varint(inner_len)
+    return b"".join((outer, small, data_key, data))
+
+
+def encoded_tensor_chunks(field_number: int, header: pb.TensorHeader, data: bytes | memoryview,
+                          chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """:func:`tensor_chunks`, each already serialized inside a wrapper message at ``field_number``."""
+    view = memoryview(data).cast("B")
+    if len(view) == 0:
+        yield encode_tensor_chunk_in(field_number, header.name, header, 0, b"")
+        return
+    for off in range(0, len(view), chunk_bytes):
+        yield encode_tensor_chunk_in(field_number, header.name, header if off == 0 else None, off,
+                                     view[off:off + chunk_bytes])

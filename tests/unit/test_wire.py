@@ -114,3 +114,18 @@ def test_file_hash_mismatch():
     f = FileAssembler()
     with pytest.raises(IntegrityError, match="sha256"):
         f.add(pb.FileChunk(path="a.json", offset=0, data=b"{}", total_nbytes=2, sha256=hashlib.sha256(b"[]").hexdigest()))
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.binary(max_size=5000), offset=st.integers(0, 2**40), name=st.text(max_size=20),
+       with_header=st.booleans())
+def test_single_copy_chunk_encoding_parses_like_protobuf(data, offset, name, with_header):
+    from fedclinic.proto import agent_pb2, control_pb2
+    from fedclinic.wire import encode_tensor_chunk_in
+
+    header = pb.TensorHeader(name=name, dtype="uint8", shape=[len(data)], codec="raw",
+                             sha256=hashlib.sha256(data).hexdigest(), encoded_nbytes=len(data)) if with_header else None
+    for cls, field in ((control_pb2.SubmitTaskChunk, "tensor"), (agent_pb2.UpdateChunk, "tensor")):
+        number = cls.DESCRIPTOR.fields_by_name[field].number
+        expected = cls(**{field: pb.TensorChunk(name=name, header=header, offset=offset, data=data)})
+        assert cls.FromString(encode_tensor_chunk_in(number, name, header, offset, memoryview(data))) == expected
