@@ -35,6 +35,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--max-length", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=("iid", "dirichlet"), default="iid",
+                   help="how reviews are spread over sites: iid, or label-skewed (Dirichlet, see --alpha)")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration for --split dirichlet")
     p.add_argument("--no-baselines", action="store_true", help="skip the centralized and local-only baselines")
 
 
@@ -56,7 +59,7 @@ def run_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from fedclinic.datasets.drugreview import condition_classification, minilm_path
     from fedclinic.localfed import LocalFederation, SiteSetup
-    from fedclinic.partition import iid
+    from fedclinic.partition import dirichlet_label_skew, iid
     from fedclinic.task import Task
 
     t0 = time.monotonic()
@@ -69,7 +72,10 @@ def run_demo(args: argparse.Namespace) -> int:
          f"{', '.join(labels)}")
 
     site_names = [f"hospital-{chr(ord('a') + i)}" for i in range(args.sites)]
-    shards = iid(len(train), args.sites, args.seed)
+    if args.split == "iid":
+        shards = iid(len(train), args.sites, args.seed)
+    else:
+        shards = dirichlet_label_skew([ex.labels[0] for ex in train], args.sites, args.alpha, args.seed, min_per_site=10)
     site_train: dict[str, list] = {}
     sites = []
     for name, idx in zip(site_names, shards):
@@ -81,7 +87,9 @@ def run_demo(args: argparse.Namespace) -> int:
         sites.append(SiteSetup(name, datasets={DEMO_DATASET: {
             "path": str(out / "data" / name / "train.jsonl"), "eval_path": str(out / "data" / name / "eval.jsonl"),
             "format": "jsonl"}}))
-        _say(f"  {name}: {len(rows) - n_eval} training reviews, {n_eval} for local evaluation")
+        mix = {lab: sum(1 for ex in rows if ex.labels[0] == lab) for lab in labels}
+        _say(f"  {name}: {len(rows) - n_eval} training reviews, {n_eval} for local evaluation; label mix "
+             + ", ".join(f"{lab} {n}" for lab, n in mix.items()))
 
     task = Task(name="drug-review-conditions", dataset=DEMO_DATASET, labels=labels, model=str(minilm_path()),
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=16,
