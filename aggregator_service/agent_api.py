@@ -11,7 +11,7 @@ import structlog
 import fedclinic
 from fedclinic.errors import IntegrityError
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
-from fedclinic.wire import ChunkAssembler
+from fedclinic.wire import ChunkAssembler, PipelinedAssembler
 
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine, Refused
@@ -97,7 +97,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except Refused as exc:
             abort(context, exc)
         spill = SpillWriter(self.engine.spill_path(h.task_id, h.round))
-        assembler = ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True)
+        assembler = PipelinedAssembler(ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True))
         committed = False
         try:
             for msg in request_iterator:

@@ -10,7 +10,7 @@ from fedclinic.blobstore import BlobStore, fsync_dir
 from fedclinic.errors import IntegrityError
 from fedclinic.package import Manifest
 from fedclinic.proto import tensors_pb2
-from fedclinic.wire import CHUNK_BYTES, ChunkAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
+from fedclinic.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
 
 from aggregator_service.engine import UpdateLayout
 
@@ -62,7 +62,8 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
     against the manifest and written atomically, so a failed stream leaves only complete, correct blobs.
     """
     expect = {t.name: header_of(t) for t in manifest.tensors}
-    tensors = ChunkAssembler(lambda h: blobs.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect)
+    tensors = PipelinedAssembler(ChunkAssembler(
+        lambda h: blobs.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect))
     files = FileAssembler()
     try:
         for item in chunks:

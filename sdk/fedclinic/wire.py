@@ -333,3 +333,62 @@ def encoded_tensor_chunks(field_number: int, header: pb.TensorHeader, data: byte
     for off in range(0, len(view), chunk_bytes):
         yield encode_tensor_chunk_in(field_number, header.name, header if off == 0 else None, off,
                                      view[off:off + chunk_bytes])
+
+
+class PipelinedAssembler:
+    """Runs a ChunkAssembler's verify/hash/write on a worker thread, so they overlap with receiving and
+    parsing the next chunks (sha256 and file writes release the GIL). At most ``depth`` chunks wait in
+    between, which bounds memory to depth x chunk size. Errors surface on the next ``add`` or on ``finish``.
+    """
+
+    _DONE = object()
+
+    def __init__(self, inner: ChunkAssembler, depth: int = 4) -> None:
+        import queue
+        import threading
+
+        self.inner = inner
+        self._queue: "queue.Queue[object]" = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="chunk-assembler", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._DONE:
+                return
+            if self._error is None:
+                try:
+                    self.inner.add(item)  # type: ignore[arg-type]
+                except BaseException as exc:  # handed to the receiving thread
+                    self._error = exc
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        if self._error is not None:
+            self._stop()
+            raise self._error
+        self._queue.put(chunk)
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(self._DONE)
+            self._thread.join()
+
+    def finish(self) -> None:
+        self._stop()
+        if self._error is not None:
+            raise self._error
+        self.inner.finish()
+
+    def abort(self) -> None:
+        self._stop()
+        self.inner.abort()
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def done(self) -> dict[str, pb.TensorHeader]:
+        return self.inner.done

@@ -129,3 +129,24 @@ def test_single_copy_chunk_encoding_parses_like_protobuf(data, offset, name, wit
         number = cls.DESCRIPTOR.fields_by_name[field].number
         expected = cls(**{field: pb.TensorChunk(name=name, header=header, offset=offset, data=data)})
         assert cls.FromString(encode_tensor_chunk_in(number, name, header, offset, memoryview(data))) == expected
+
+
+def test_pipelined_assembler_matches_and_propagates_errors():
+    from fedclinic.wire import PipelinedAssembler
+
+    a = np.arange(4096, dtype=np.float32)
+    writers = {}
+    pipe = PipelinedAssembler(ChunkAssembler(lambda h: writers.setdefault(h.name, MemoryWriter())), depth=2)
+    for c in _chunks(a, chunk=1024):
+        pipe.add(c)
+    pipe.finish()
+    assert np.array_equal(np.frombuffer(writers["w"].data, np.float32), a)
+
+    bad = _chunks(a, chunk=1024)
+    bad[3].data = b"\0" * len(bad[3].data)
+    pipe = PipelinedAssembler(ChunkAssembler(lambda h: MemoryWriter()), depth=2)
+    with pytest.raises(IntegrityError, match="corrupted"):
+        for c in bad:
+            pipe.add(c)
+        pipe.finish()
+    pipe.abort()  # safe after a failure
