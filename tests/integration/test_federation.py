@@ -88,3 +88,19 @@ def test_large_model_goes_both_ways_without_raising_message_limits(federation_fa
         back = client.fetch_package(st.task_id, round=-1)
     assert back.manifest().model_hash == package.manifest().model_hash
     assert np.array_equal(back.tensors["extra.big"], package.tensors["extra.big"])
+
+
+def test_data_contract_violation_is_refused_with_file_and_row(federation_factory, tmp_path):
+    fed = federation_factory(2, start=False)
+    bad = fed.sites["site-b"].datasets["notes"]["path"]
+    with open(bad, "a") as fh:
+        fh.write('{"text": "gout flare in the big toe", "label": "rheumatology"}\n')
+    fed.start()
+    with fed.client() as client:
+        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=15), package=tiny_package())
+        final = client.wait(st.task_id, timeout=120, progress=False)
+    assert state_name(final.state) == "failed"
+    refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]
+    assert refusal and "rheumatology" in refusal[0] and "train.jsonl" in refusal[0] and "row" in refusal[0]
+    assert [r.site_id for r in final.rounds[0].reports] == ["site-a"]  # site-b trained and sent nothing
+    assert not list((fed.root / "agent-site-b" / "cache").glob("??/*"))  # and downloaded nothing

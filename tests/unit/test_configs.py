@@ -1,0 +1,82 @@
+"""Service configuration: every mistake is named with what to do; environment overrides apply."""
+
+import pytest
+
+from aggregator_service.config import AggregatorConfig
+from fedclinic.errors import ConfigError
+from fedclinic.proto import task_pb2
+from hospital_agent.config import AgentConfig
+
+AGENT = '''
+aggregator = "agg:7443"
+work_dir = "work"
+[tls]
+cert = "a.crt"
+key = "a.key"
+ca = "ca.crt"
+[datasets.notes]
+path = "notes.jsonl"
+'''
+
+
+def test_agent_config_defaults_and_relative_paths(tmp_path):
+    (tmp_path / "agent.toml").write_text(AGENT)
+    cfg = AgentConfig.load(tmp_path / "agent.toml")
+    assert cfg.work_dir == tmp_path / "work" and cfg.datasets["notes"].path == tmp_path / "notes.jsonl"
+    assert cfg.policy.allowed_datasets == ("notes",) and cfg.policy.allowed_families == ("text-classification",)
+
+
+def test_agent_env_override(tmp_path, monkeypatch):
+    (tmp_path / "agent.toml").write_text(AGENT)
+    monkeypatch.setenv("FEDCLINIC_AGENT_AGGREGATOR", "other:1")
+    monkeypatch.setenv("FEDCLINIC_AGENT_TLS__CA", "/etc/ca.crt")
+    cfg = AgentConfig.load(tmp_path / "agent.toml")
+    assert cfg.aggregator == "other:1" and str(cfg.tls.ca) == "/etc/ca.crt"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace('aggregator = "agg:7443"\n', ""), "missing required setting 'aggregator'"),
+    (lambda t: t.replace('ca = "ca.crt"\n', ""), "missing required setting 'tls.ca'"),
+    (lambda t: 'colour = "blue"\n' + t, "unknown setting"),
+    (lambda t: t.replace('path = "notes.jsonl"', 'path = "n.x"\nformat = "xml"'), "format must be one of"),
+    (lambda t: t.replace('path = "notes.jsonl"', 'file = "n"'), "needs a 'path'"),
+    (lambda t: t.replace('work_dir = "work"', "work_dir = 3"), "must be a str"),
+    (lambda t: t + "[broken", "not valid TOML"),
+])
+def test_agent_config_errors(tmp_path, edit, message):
+    (tmp_path / "agent.toml").write_text(edit(AGENT))
+    with pytest.raises(ConfigError, match=message):
+        AgentConfig.load(tmp_path / "agent.toml")
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        AgentConfig.load(tmp_path / "nope.toml")
+
+
+def test_site_policy_refusals(tmp_path):
+    (tmp_path / "agent.toml").write_text(AGENT + '[policy]\nallowed_families = ["text-classification"]\n'
+                                                 'allowed_datasets = ["notes"]\n')
+    cfg = AgentConfig.load(tmp_path / "agent.toml")
+    spec = task_pb2.TaskSpec(family="text-classification", dataset="notes")
+    assert cfg.policy.refusal(spec, cfg.datasets) is None
+    assert "family 'qa'" in cfg.policy.refusal(task_pb2.TaskSpec(family="qa", dataset="notes"), cfg.datasets)
+    assert "dataset 'x'" in cfg.policy.refusal(task_pb2.TaskSpec(family="text-classification", dataset="x"),
+                                               cfg.datasets)
+    dp = task_pb2.TaskSpec(family="text-classification", dataset="notes", privacy=task_pb2.PrivacyConfig(level="sample"))
+    assert "differential privacy" in cfg.policy.refusal(dp, cfg.datasets)
+
+
+def test_aggregator_config(tmp_path, monkeypatch):
+    body = 'listen = "127.0.0.1:0"\nstate_dir = "state"\n[tls]\ncert = "a"\nkey = "b"\nca = "c"\n'
+    (tmp_path / "agg.toml").write_text(body)
+    monkeypatch.setenv("FEDCLINIC_AGGREGATOR_MAX_WORKERS", "16")
+    cfg = AggregatorConfig.load(tmp_path / "agg.toml")
+    assert cfg.state_dir == tmp_path / "state" and cfg.max_workers == 16 and cfg.crl is None
+    monkeypatch.setenv("FEDCLINIC_AGGREGATOR_MAX_WORKERS", "2")
+    with pytest.raises(ConfigError, match="max_workers must be at least 4"):
+        AggregatorConfig.load(tmp_path / "agg.toml")
+    monkeypatch.delenv("FEDCLINIC_AGGREGATOR_MAX_WORKERS")
+    (tmp_path / "bad.toml").write_text(body.replace('listen = "127.0.0.1:0"\n', ""))
+    with pytest.raises(ConfigError, match="missing required setting 'listen'"):
+        AggregatorConfig.load(tmp_path / "bad.toml")
