@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
 import structlog
 
 from fedclinic.blobstore import BlobStore
@@ -394,9 +395,18 @@ class Engine:
             assert manifest is not None
             tensors = {t.name: FileTensor(self.blobs.path(t.sha256), 0, t.dtype, t.shape) for t in manifest.tensors}
             strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
+            strategy.load_state(self._saved_strategy_state(task_id, rnd.round - 1))
             strategy.begin(tensors)
             acc = self._acc[task_id] = _Accumulator(rnd.round, strategy, tensors)
         return acc
+
+    def _saved_strategy_state(self, task_id: str, rnd: int) -> dict[str, np.ndarray]:
+        """The strategy state stored with round ``rnd`` (empty for round 0 or a stateless strategy)."""
+        row = self.store.one("SELECT strategy_state FROM rounds WHERE task_id=? AND round=?", (task_id, rnd))
+        if row is None:
+            return {}
+        return {key: np.array(self.blobs.array(sha, dtype, tuple(shape)))
+                for key, (sha, dtype, shape) in json.loads(row.strategy_state).items()}
 
     @staticmethod
     def _fold(acc: _Accumulator, update_id: str, spill: Path, layout: UpdateLayout, weight: int, site: str) -> None:
@@ -446,6 +456,8 @@ class Engine:
             sha = self.blobs.put(raw_bytes(arr))
             entries.append(TensorEntry(t.name, t.dtype, t.shape, sha, t.nbytes))
         manifest = Manifest(tuple(entries), base.files)
+        saved_state = {key: [self.blobs.put(raw_bytes(arr)), str(arr.dtype), list(arr.shape)]
+                       for key, arr in acc.strategy.state().items()}
         reports = self.store.all("SELECT num_samples, metrics, eval_metrics FROM updates WHERE task_id=? AND round=?",
                                  (task_id, rnd.round))
         metrics = weighted_mean((r.num_samples, json.loads(r.metrics)) for r in reports)
@@ -453,8 +465,9 @@ class Engine:
                         weighted_mean((r.num_samples, json.loads(r.eval_metrics)) for r in reports).items()})
         with self.store.tx() as c:
             model_hash = self.store.put_model(c, manifest)
-            c.execute("UPDATE rounds SET state=?, closed_ms=?, model_hash=?, metrics=? WHERE task_id=? AND round=?",
-                      (S.ROUND_STATE_CLOSED, now_ms(), model_hash, json.dumps(metrics), task_id, rnd.round))
+            c.execute("UPDATE rounds SET state=?, closed_ms=?, model_hash=?, metrics=?, strategy_state=? "
+                      "WHERE task_id=? AND round=?", (S.ROUND_STATE_CLOSED, now_ms(), model_hash, json.dumps(metrics),
+                                                      json.dumps(saved_state), task_id, rnd.round))
             self.store.add_event(c, task_id, "round-closed",
                                  f"round {rnd.round} closed with {len(reports)} update(s); model {model_hash[:12]}")
             if rnd.round >= spec.rounds.num_rounds:

@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS rounds (
   sites_target INTEGER NOT NULL, opened_ms INTEGER NOT NULL, deadline_ms INTEGER NOT NULL,
   closed_ms INTEGER NOT NULL DEFAULT 0, base_model TEXT NOT NULL, model_hash TEXT NOT NULL DEFAULT '',
   uplink_bytes INTEGER NOT NULL DEFAULT 0, downlink_bytes INTEGER NOT NULL DEFAULT 0,
-  metrics TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (task_id, round));
+  metrics TEXT NOT NULL DEFAULT '{}', strategy_state TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (task_id, round));
 CREATE TABLE IF NOT EXISTS assignments (
   task_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, attempt INTEGER NOT NULL,
   assigned_ms INTEGER NOT NULL, declined TEXT NOT NULL DEFAULT '', PRIMARY KEY (task_id, round, site));
@@ -89,12 +89,19 @@ class Store:
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.executescript(SCHEMA)
+        self._migrate()
         version = self.one("SELECT value FROM meta WHERE key='schema_version'")
         if version is None:
             self.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(version.value) > SCHEMA_VERSION:
             raise RuntimeError(f"{self.db_path} has schema version {version.value}, newer than this aggregator "
                                f"({SCHEMA_VERSION}); upgrade fedclinic-aggregator")
+
+    def _migrate(self) -> None:
+        """Bring a database made by an earlier build of this schema version up to date (additive only)."""
+        columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(rounds)").fetchall()}
+        if "strategy_state" not in columns:
+            self._conn.execute("ALTER TABLE rounds ADD COLUMN strategy_state TEXT NOT NULL DEFAULT '{}'")
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:

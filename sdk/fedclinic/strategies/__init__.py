@@ -7,8 +7,9 @@ from typing import Mapping
 from fedclinic.errors import ConfigError
 from fedclinic.strategies.base import Strategy
 from fedclinic.strategies.fedavg import FedAvg
+from fedclinic.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 
-STRATEGIES: dict[str, type[Strategy]] = {FedAvg.name: FedAvg}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg, FedAvgM, FedAdagrad, FedAdam, FedYogi)}
 
 
 def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strategy:
@@ -23,4 +24,4 @@ def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strat
         raise ConfigError(f"strategy {name!r}: bad parameters {dict(params or {})}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "FedAvg", "Strategy", "make_strategy"]
+__all__ = ["STRATEGIES", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Strategy", "make_strategy"]

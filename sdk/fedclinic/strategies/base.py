@@ -36,3 +36,16 @@ class Strategy(ABC):
 
     @abstractmethod
     def finalize(self) -> dict[str, np.ndarray]: ...
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Server state carried to the next round (e.g. optimizer moments); empty for stateless strategies.
+
+        The aggregator stores it with the round that produced it and hands it to :meth:`load_state` of the
+        next round's strategy, so a restart in between changes nothing.
+        """
+        return {}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what :meth:`state` returned after the previous round."""
+        if state:
+            raise ValueError(f"strategy {self.name!r} keeps no state but was given {sorted(state)[:3]}")

@@ -63,12 +63,17 @@ class FedAvg(Strategy):
         out: dict[str, np.ndarray] = {}
         for name, acc in self._acc.items():
             ref = self._global[name]
-            acc *= np.float32(self.server_lr / self._weight[name])
+            acc *= np.float32(1.0 / self._weight[name])  # acc is now the weighted mean delta
+            self._server_step(name, acc)                 # ... and now the step to apply
             for start, block in blocks(ref, self._scratch):
                 acc[start:start + block.size] += block
             out[name] = acc.reshape(ref.shape).astype(ref.dtype, copy=False)
         self._acc = {}
         return out
+
+    def _server_step(self, name: str, mean_delta: np.ndarray) -> None:
+        """Turn the weighted mean delta of tensor ``name`` into the step added to the global (in place)."""
+        mean_delta *= np.float32(self.server_lr)
 
 
 def weighted_add(acc: np.ndarray, x: TensorLike, weight: float, scratch: np.ndarray) -> None:
