@@ -106,22 +106,26 @@ def test_data_contract_violation_is_refused_with_file_and_row(federation_factory
     assert not list((fed.root / "agent-site-b" / "cache").glob("??/*"))  # and downloaded nothing
 
 
-def test_server_optimizer_state_is_carried_between_rounds(federation_factory):
-    """FedAdam's moments live in the aggregator's store between rounds; the result matches a replay."""
+@pytest.mark.parametrize("strategy, params, n_sites", [
+    ("fedadam", {"server_lr": 0.05}, 2),       # state (moments) carried between rounds through the store
+    ("median", {}, 3),                          # per-site strategy reading every spill file in lockstep
+    ("norm-bounded", {"max_norm": 0.05}, 2),    # two passes over each streamed update
+])
+def test_strategies_through_the_service_match_an_in_memory_replay(federation_factory, strategy, params, n_sites):
     from fedclinic.strategies import make_strategy
 
-    fed = federation_factory(2, samples=(24, 32))
-    params = {"server_lr": 0.05}
+    samples = (24, 32, 40)[:n_sites]
+    fed = federation_factory(n_sites, samples=samples)
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=2, min_sites=2, strategy="fedadam", strategy_params=params),
+        st = client.submit(_task(num_rounds=2, min_sites=n_sites, strategy=strategy, strategy_params=params),
                            package=tiny_package())
         final = client.wait(st.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
         models = {r: client.fetch_package(st.task_id, round=r) for r in (-1, 1, 2)}
-    rows = [make_examples(24, seed=0), make_examples(32, seed=1)]
+    rows = [make_examples(n, seed=i) for i, n in enumerate(samples)]
     state: dict = {}
     for rnd, start in ((1, models[-1]), (2, models[1])):
-        s = make_strategy("fedadam", params)
+        s = make_strategy(strategy, params)
         s.load_state(state)
         s.begin(start.tensors)
         for i, r in enumerate(rows):
@@ -131,4 +135,4 @@ def test_server_optimizer_state_is_carried_between_rounds(federation_factory):
         state = s.state()
         for name, arr in expected.items():
             np.testing.assert_allclose(models[rnd].tensors[name], arr, rtol=1e-4, atol=1e-6,
-                                       err_msg=f"round {rnd} tensor {name}")
+                                       err_msg=f"{strategy} round {rnd} tensor {name}")

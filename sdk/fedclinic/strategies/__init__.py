@@ -8,8 +8,10 @@ from fedclinic.errors import ConfigError
 from fedclinic.strategies.base import Strategy
 from fedclinic.strategies.fedavg import FedAvg
 from fedclinic.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from fedclinic.strategies.robust import Median, NormBounded, TrimmedMean
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg, FedAvgM, FedAdagrad, FedAdam, FedYogi)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
+    FedAvg, FedAvgM, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded)}
 
 
 def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strategy:
@@ -20,8 +22,9 @@ def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strat
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}") from None
     try:
         return cls(**dict(params or {}))
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"strategy {name!r}: bad parameters {dict(params or {})}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Strategy", "make_strategy"]
+__all__ = ["STRATEGIES", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Median", "NormBounded", "Strategy",
+           "TrimmedMean", "make_strategy"]

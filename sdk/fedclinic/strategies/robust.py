@@ -1,0 +1,132 @@
+"""Robust aggregation: strategies that bound the influence of any single site.
+
+Coordinate-wise median and trimmed mean (Yin et al., ICML 2018) need every site's update at once. They
+keep references to the updates, which the aggregator has on disk anyway until the round closes (spill
+files). At finalize they read all of them block by block in lockstep, so memory is
+O(sites × block + model) instead of O(sites × model). The simulator passes in-memory arrays, which works
+the same way. These strategies look at individual updates, so they cannot run under secure aggregation.
+
+Per coordinate j, over the sites S that sent the tensor (weights are not used: robustness must not depend
+on a site-reported sample count)::
+
+    median:        Delta_j = median_{i in S} d_{i,j}
+    trimmed mean:  Delta_j = mean of the values left after dropping the k = floor(beta * |S|) largest and
+                   the k smallest of {d_{i,j}}
+    x_j <- x_j + eta * Delta_j
+
+Norm bounding (Sun et al. 2019, "Can you really backdoor FL?") streams like FedAvg. Each site's whole
+update is scaled by min(1, C / ||d_i||_2) before the sample-weighted mean, so one large update cannot
+dominate the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Mapping
+
+import numpy as np
+
+from fedclinic.errors import IntegrityError
+from fedclinic.strategies.base import Strategy
+from fedclinic.strategies.fedavg import _BLOCK, FedAvg, weighted_add
+from fedclinic.strategies.tensorsource import TensorLike, blocks
+
+
+def check_update(global_tensors: Mapping[str, TensorLike], update: Mapping[str, TensorLike], site: str) -> None:
+    for name, delta in update.items():
+        ref = global_tensors.get(name)
+        if ref is None:
+            raise IntegrityError(f"update from {site} carries unknown tensor {name!r}")
+        if tuple(delta.shape) != tuple(ref.shape):
+            raise IntegrityError(f"update from {site}: tensor {name!r} has shape {tuple(delta.shape)}, model has "
+                                 f"{tuple(ref.shape)}")
+
+
+class _CoordinateWise(Strategy):
+    needs_per_site_updates: ClassVar[bool] = True
+    _BLOCK_ELEMS: ClassVar[int] = _BLOCK // 4  # smaller blocks: one buffer per site is held at a time
+
+    def __init__(self, server_lr: float = 1.0) -> None:
+        self.server_lr = float(server_lr)
+        self._global: Mapping[str, TensorLike] = {}
+        self._updates: list[Mapping[str, TensorLike]] = []
+
+    def begin(self, global_tensors: Mapping[str, TensorLike]) -> None:
+        self._global = global_tensors
+        self._updates = []
+
+    def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
+        check_update(self._global, update, site)
+        self._updates.append(dict(update))
+
+    def _combine(self, stack: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def finalize(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for name, ref in self._global.items():
+            parts = [u[name] for u in self._updates if name in u]
+            if not parts:
+                continue
+            result = np.empty(int(np.prod(ref.shape, dtype=np.int64)), dtype=np.float32)
+            scratch = [np.empty(self._BLOCK_ELEMS, np.float32) for _ in parts]
+            for pieces in zip(*(blocks(x, s) for x, s in zip(parts, scratch))):
+                start = pieces[0][0]
+                stack = np.stack([b for _, b in pieces])
+                result[start:start + stack.shape[1]] = self._combine(stack)
+            result *= np.float32(self.server_lr)
+            own = np.empty(self._BLOCK_ELEMS, np.float32)
+            for start, block in blocks(ref, own):
+                result[start:start + block.size] += block
+            out[name] = result.reshape(ref.shape)
+        self._updates = []
+        return out
+
+
+class Median(_CoordinateWise):
+    name: ClassVar[str] = "median"
+
+    def _combine(self, stack: np.ndarray) -> np.ndarray:
+        return np.median(stack, axis=0)
+
+
+class TrimmedMean(_CoordinateWise):
+    name: ClassVar[str] = "trimmed-mean"
+
+    def __init__(self, server_lr: float = 1.0, beta: float = 0.2) -> None:
+        super().__init__(server_lr)
+        if not 0 <= beta < 0.5:
+            raise ValueError("beta must be in [0, 0.5)")
+        self.beta = float(beta)
+
+    def _combine(self, stack: np.ndarray) -> np.ndarray:
+        k = math.floor(self.beta * stack.shape[0])
+        if k == 0:
+            return stack.mean(axis=0)
+        return np.sort(stack, axis=0)[k:stack.shape[0] - k].mean(axis=0)
+
+
+class NormBounded(FedAvg):
+    name: ClassVar[str] = "norm-bounded"
+
+    def __init__(self, server_lr: float = 1.0, max_norm: float = 1.0) -> None:
+        super().__init__(server_lr)
+        if not max_norm > 0:
+            raise ValueError("max_norm must be > 0")
+        self.max_norm = float(max_norm)
+
+    def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
+        if not weight > 0:
+            raise IntegrityError(f"update from {site} has non-positive weight {weight}")
+        check_update(self._global, update, site)
+        sq = 0.0
+        for delta in update.values():  # first pass: the update's L2 norm over all its tensors
+            for _, block in blocks(delta, self._scratch):
+                sq += float(np.dot(block, block))
+        scale = min(1.0, self.max_norm / math.sqrt(sq)) if sq > 0 else 1.0
+        for name, delta in update.items():
+            acc = self._acc.get(name)
+            if acc is None:
+                acc = self._acc[name] = np.zeros(int(np.prod(self._global[name].shape, dtype=np.int64)), np.float32)
+            weighted_add(acc, delta, float(weight) * scale, self._scratch)
+            self._weight[name] = self._weight.get(name, 0.0) + float(weight)
