@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 
 from fedclinic.blobstore import BlobStore
-from fedclinic.errors import ConfigError
+from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.selection import select_names
@@ -361,7 +361,7 @@ class Engine:
 
     def accept_update(self, site: str, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout,
                       nbytes: int) -> str:
-        """Record a verified, fsync'd update and fold it into the round. Returns its update id."""
+        """Fold a verified, fsync'd update into the round, then record it durably. Returns its update id."""
         with self.lock:
             prior = self.existing_update(h.task_id, h.idempotency_key)
             if prior is not None:
@@ -369,17 +369,28 @@ class Engine:
                 return prior.update_id
             self.check_update_header(site, h)  # the round may have closed while the bytes streamed in
             update_id = "u-" + uuid.uuid4().hex[:16]
-            with self.store.tx() as c:
-                c.execute("INSERT INTO updates(update_id, task_id, round, site, idempotency_key, num_samples, nbytes,"
-                          " spill_path, layout, metrics, eval_metrics, received_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                          (update_id, h.task_id, h.round, site, h.idempotency_key, h.num_samples, nbytes, str(spill),
-                           layout.to_json(), json.dumps(dict(h.metrics)), json.dumps(dict(h.eval_metrics)), now_ms()))
-                c.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
-                          (nbytes, h.task_id, h.round))
-                self.store.add_event(c, h.task_id, "update-received",
-                                     f"{site} sent its round {h.round} update ({nbytes} bytes, {h.num_samples} samples)")
             acc = self._accumulator(h.task_id)
-            self._fold(acc, update_id, spill, layout, h.num_samples, site)
+            try:  # fold first: a strategy that rejects an update leaves itself unchanged (Strategy contract)
+                self._fold(acc, update_id, spill, layout, h.num_samples, site)
+            except (IntegrityError, ValueError) as exc:
+                spill.unlink(missing_ok=True)
+                raise Refused("INVALID_ARGUMENT", f"update rejected by the {acc.strategy.name} strategy: {exc}") from None
+            try:
+                with self.store.tx() as c:
+                    c.execute("INSERT INTO updates(update_id, task_id, round, site, idempotency_key, num_samples, "
+                              "nbytes, spill_path, layout, metrics, eval_metrics, received_ms) "
+                              "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                              (update_id, h.task_id, h.round, site, h.idempotency_key, h.num_samples, nbytes,
+                               str(spill), layout.to_json(), json.dumps(dict(h.metrics)),
+                               json.dumps(dict(h.eval_metrics)), now_ms()))
+                    c.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
+                              (nbytes, h.task_id, h.round))
+                    self.store.add_event(c, h.task_id, "update-received",
+                                         f"{site} sent its round {h.round} update ({nbytes} bytes, "
+                                         f"{h.num_samples} samples)")
+            except BaseException:
+                self._acc.pop(h.task_id, None)  # it holds an update the store does not: rebuild from disk
+                raise
             log.info("update accepted", task_id=h.task_id, round=h.round, site=site, nbytes=nbytes)
             self._maybe_close(h.task_id)
             self.changed.notify_all()
@@ -444,7 +455,17 @@ class Engine:
         assert rnd is not None
         spec = self.spec(task_id)
         acc = self._accumulator(task_id)
-        new_arrays = acc.strategy.finalize()
+        try:
+            new_arrays = acc.strategy.finalize()
+        except (IntegrityError, ValueError) as exc:
+            message = f"round {rnd.round}: the {spec.strategy or 'fedavg'} aggregation failed: {exc}"
+            with self.store.tx() as c:
+                c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
+                          (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd.round))
+                self._fail(c, task_id, message)
+            log.error("aggregation failed", task_id=task_id, round=rnd.round, error=str(exc))
+            self._drop_round_data(task_id)
+            return
         base = self.store.model(rnd.base_model)
         assert base is not None
         entries = []
@@ -569,7 +590,10 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
     if spec.update.codec not in ("", "raw"):
         problems.append(f"codec {spec.update.codec!r} is not available in this release (use 'raw')")
     try:
-        make_strategy(spec.strategy, dict(spec.strategy_params))
+        strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
+        if rc.min_sites < strategy.min_updates():
+            problems.append(f"strategy {strategy.name!r} needs at least {strategy.min_updates()} updates per round; "
+                            f"raise rounds.min_sites (now {rc.min_sites}) or change the strategy's parameters")
         select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns, spec.update.frozen_patterns,
                      spec.update.private_patterns)
     except ConfigError as exc:

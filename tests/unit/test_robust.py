@@ -68,3 +68,52 @@ def test_robust_parameters_are_validated():
     with pytest.raises(ConfigError, match="max_norm must be > 0"):
         make_strategy("norm-bounded", {"max_norm": 0})
     assert make_strategy("median").needs_per_site_updates
+
+
+def _krum_reference(deltas, weights, f, m):
+    n = len(deltas)
+    flat = [d.reshape(-1).astype(np.float64) for d in deltas]
+    dist = np.array([[np.sum((a - b) ** 2) for b in flat] for a in flat])
+    scores = [np.sort(np.delete(dist[i], i))[:n - f - 2].sum() for i in range(n)]
+    chosen = sorted(np.argsort(scores, kind="stable")[:m])
+    w = np.array([weights[i] for i in chosen])
+    return chosen, sum(wi * deltas[i] for wi, i in zip(w / w.sum(), chosen))
+
+
+def test_multi_krum_drops_the_poisoned_site(sites):
+    x, deltas, w = sites
+    s = make_strategy("multi-krum", {"byzantine": 1})
+    s.begin({"w": x})
+    for i, (d, wi) in enumerate(zip(deltas, w)):
+        s.accept({"w": d}, wi, site=f"s{i}")
+    out = s.finalize()["w"]
+    chosen, mean = _krum_reference(deltas, w, f=1, m=4)
+    assert s.selected == chosen and 2 not in s.selected
+    np.testing.assert_allclose(out, x + mean, rtol=1e-5, atol=1e-6)
+
+
+def test_multi_krum_needs_enough_sites_and_same_tensors(sites):
+    from fedclinic.errors import IntegrityError
+
+    x, deltas, w = sites
+    s = make_strategy("multi-krum", {"byzantine": 1})
+    s.begin({"w": x, "b": np.zeros(3, np.float32)})
+    for i in range(4):
+        s.accept({"w": deltas[i]}, 1.0, site=f"s{i}")
+    with pytest.raises(IntegrityError, match="needs at least 5 updates, got 4"):
+        s.finalize()
+    s.begin({"w": x, "b": np.zeros(3, np.float32)})
+    s.accept({"w": deltas[0]}, 1.0, site="a")
+    with pytest.raises(IntegrityError, match="same tensors"):
+        s.accept({"w": deltas[1], "b": np.zeros(3, np.float32)}, 1.0, site="b")
+
+
+def test_task_validation_checks_the_strategy_minimum():
+    from aggregator_service.engine import Refused, validate_spec
+    from fedclinic.package import ModelPackage
+    from fedclinic.task import Task
+
+    spec = Task(name="k", dataset="d", labels=["a", "b"], min_sites=3, strategy="multi-krum",
+                strategy_params={"byzantine": 1}).to_spec()
+    with pytest.raises(Refused, match="needs at least 5 updates per round; raise rounds.min_sites"):
+        validate_spec(spec, ModelPackage({"w": np.zeros(2, np.float32)}).manifest())

@@ -6,6 +6,9 @@ A strategy sees one round as::
     strategy.accept(update, weight, site=...) # once per site, in arrival order
     new_tensors = strategy.finalize()         # tensors that changed; the rest stay as they were
 
+``accept`` either takes the whole update or raises (IntegrityError/ValueError) *before* changing any
+state: the aggregator folds an update before recording it and relies on a refused update leaving no trace.
+
 Updates are deltas (local - global) over a subset of tensor names, given as numpy arrays or as
 :class:`~fedclinic.strategies.tensorsource.FileTensor` (read block by block, see ``tensorsource.blocks``).
 ``accept`` must not keep references to ``update``, so memory stays O(model size) whatever the number of
@@ -36,6 +39,10 @@ class Strategy(ABC):
 
     @abstractmethod
     def finalize(self) -> dict[str, np.ndarray]: ...
+
+    def min_updates(self) -> int:
+        """Fewest updates a round needs for this strategy to produce a model (checked against min_sites)."""
+        return 1
 
     def state(self) -> dict[str, np.ndarray]:
         """Server state carried to the next round (e.g. optimizer moments); empty for stateless strategies.

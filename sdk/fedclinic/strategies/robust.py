@@ -130,3 +130,63 @@ class NormBounded(FedAvg):
                 acc = self._acc[name] = np.zeros(int(np.prod(self._global[name].shape, dtype=np.int64)), np.float32)
             weighted_add(acc, delta, float(weight) * scale, self._scratch)
             self._weight[name] = self._weight.get(name, 0.0) + float(weight)
+
+
+class MultiKrum(_CoordinateWise):
+    """Multi-Krum (Blanchard et al., NeurIPS 2017): average the m updates closest to their neighbours.
+
+    With n updates and at most f Byzantine sites, each update i gets the score
+    ``s_i = sum of ||d_i - d_j||^2 over its n - f - 2 nearest other updates``; the m lowest-scoring updates
+    are averaged, weighted by sample count (m = 1 is Krum). Distances come from the Gram matrix
+    ``G = D D^T``, accumulated block by block over every tensor (``||d_i - d_j||^2 = G_ii + G_jj - 2 G_ij``),
+    so memory stays O(n^2 + n x block). Every site must send the same tensors.
+    """
+
+    name: ClassVar[str] = "multi-krum"
+
+    def __init__(self, server_lr: float = 1.0, byzantine: int = 1, keep: int = 0) -> None:
+        super().__init__(server_lr)
+        if byzantine < 0:
+            raise ValueError("byzantine must be >= 0")
+        self.byzantine = int(byzantine)
+        self.keep = int(keep)  # 0 = n - f
+        self._weights: list[float] = []
+        self.selected: list[int] = []
+
+    def min_updates(self) -> int:
+        return 2 * self.byzantine + 3
+
+    def begin(self, global_tensors: Mapping[str, TensorLike]) -> None:
+        super().begin(global_tensors)
+        self._weights = []
+
+    def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
+        if self._updates and set(update) != set(self._updates[0]):
+            raise IntegrityError(f"multi-krum needs every site to send the same tensors; {site} differs")
+        super().accept(update, weight, site=site)
+        self._weights.append(float(weight))
+
+    def finalize(self) -> dict[str, np.ndarray]:
+        n, f = len(self._updates), self.byzantine
+        if n < 2 * f + 3:
+            raise IntegrityError(f"multi-krum with byzantine={f} needs at least {2 * f + 3} updates, got {n}; "
+                                 "lower 'byzantine' or raise min_sites")
+        gram = np.zeros((n, n), dtype=np.float64)
+        for name in self._updates[0]:
+            scratch = [np.empty(self._BLOCK_ELEMS, np.float32) for _ in range(n)]
+            for pieces in zip(*(blocks(u[name], s) for u, s in zip(self._updates, scratch))):
+                stack = np.stack([b for _, b in pieces]).astype(np.float64)
+                gram += stack @ stack.T
+        sq = np.diag(gram)
+        dist = np.maximum(sq[:, None] + sq[None, :] - 2 * gram, 0.0)
+        closest = n - f - 2
+        scores = [np.sort(np.delete(dist[i], i))[:closest].sum() for i in range(n)]
+        m = self.keep or n - f
+        self.selected = sorted(int(i) for i in np.argsort(scores, kind="stable")[:m])
+        weights = np.array([self._weights[i] for i in self.selected])
+        self._combine_weights = weights / weights.sum()
+        self._updates = [self._updates[i] for i in self.selected]
+        return super().finalize()
+
+    def _combine(self, stack: np.ndarray) -> np.ndarray:
+        return np.tensordot(self._combine_weights.astype(np.float32), stack, axes=1)
