@@ -72,7 +72,6 @@ class UpdateLayout:
 class _Accumulator:
     round: int
     strategy: Strategy
-    global_tensors: dict[str, FileTensor]
     folded: set[str] = field(default_factory=set)  # update ids
 
 
@@ -408,7 +407,7 @@ class Engine:
             strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
             strategy.load_state(self._saved_strategy_state(task_id, rnd.round - 1))
             strategy.begin(tensors)
-            acc = self._acc[task_id] = _Accumulator(rnd.round, strategy, tensors)
+            acc = self._acc[task_id] = _Accumulator(rnd.round, strategy)
         return acc
 
     def _saved_strategy_state(self, task_id: str, rnd: int) -> dict[str, np.ndarray]:

@@ -113,13 +113,6 @@ def package_items(package: ModelPackage, manifest: Manifest | None = None, *, sk
             yield from tensor_chunks(header_of(t), raw_bytes(package.tensors[t.name]), chunk_bytes)
 
 
-class TensorSink:
-    """Where verified bytes go. ``begin`` returns a writer with write/commit/abort (e.g. a BlobWriter)."""
-
-    def begin(self, header: pb.TensorHeader):  # pragma: no cover - interface
-        raise NotImplementedError
-
-
 @dataclass
 class _Open:
     header: pb.TensorHeader
