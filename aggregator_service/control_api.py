@@ -41,8 +41,8 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         if first is None or first.WhichOneof("item") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a task submission must start with SubmitTaskHeader")
         h = first.header
-        if not h.idempotency_key:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key is required")
+        if not h.idempotency_key or len(h.idempotency_key) > 255:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key must be 1-255 characters")
         existing = self.engine.store.one("SELECT task_id FROM tasks WHERE owner=? AND idempotency_key=?",
                                          (owner, h.idempotency_key))
         if existing is not None:

@@ -33,6 +33,7 @@ from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.selection import select_names
 from fedclinic.strategies import Strategy, make_strategy
 from fedclinic.strategies.tensorsource import FileTensor
+from fedclinic.wire import manifest_to_proto
 from aggregator_service.store import Store, now_ms
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
@@ -264,8 +265,6 @@ class Engine:
                 assert manifest is not None
                 send = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
                                     spec.update.frozen_patterns, spec.update.private_patterns)
-                from fedclinic.wire import manifest_to_proto  # local import keeps engine importable alone
-
                 items.append(agent_pb2.WorkItem(assignment=agent_pb2.Assignment(
                     task_id=task.task_id, round=rnd.round, attempt=rnd.attempt, spec=spec,
                     model=manifest_to_proto(manifest), deadline_unix_ms=rnd.deadline_ms, send_tensors=send)))

@@ -93,10 +93,11 @@ def main() -> int:
 
     from fedclinic.localfed import LocalFederation
     from fedclinic.package import ModelPackage
-    from fedclinic.proto import control_pb2, tensors_pb2
+    from fedclinic.proto import control_pb2
     from fedclinic.rpc import TlsFiles, secure_channel
     from fedclinic.task import Task
-    from fedclinic.wire import package_items
+    from fedclinic.package import raw_bytes
+    from fedclinic.wire import encoded_tensor_chunks, header_of
 
     rng = np.random.default_rng(0)
     per = MODEL_MB * (1 << 20) // 4 // TENSORS
@@ -104,8 +105,9 @@ def main() -> int:
                            {"fedclinic_model.json": b'{"format": 1}'})
     manifest = package.manifest()
     nbytes = manifest.nbytes
-    chunks = [control_pb2.SubmitTaskChunk(tensor=c).SerializeToString() if isinstance(c, tensors_pb2.TensorChunk)
-              else control_pb2.SubmitTaskChunk(file=c).SerializeToString() for c in package_items(package, manifest)]
+    field = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
+    chunks = [c for t in manifest.tensors  # the exact tensor chunk bytes Client.submit sends
+              for c in encoded_tensor_chunks(field, header_of(t), raw_bytes(package.tensors[t.name]))]
 
     with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parent.parent) as tmp, \
             LocalFederation(Path(tmp) / "fed", [], log_level="warning") as fed:

@@ -31,7 +31,7 @@ import fedclinic
 from fedclinic.blobstore import BlobStore
 from fedclinic.failpoints import failpoint
 from fedclinic.errors import DatasetError, FedclinicError, IntegrityError
-from fedclinic.package import Manifest, ModelPackage
+from fedclinic.package import Manifest, ModelPackage, tensor_sha256
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.rpc import explain_rpc_error, secure_channel
 from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_tensor_chunk_in, header_of,
@@ -229,7 +229,7 @@ class Agent:
             arr = delta[name]
             header.tensors.append(tensors_pb2.TensorHeader(
                 name=name, dtype="float32", shape=list(arr.shape), codec="raw",
-                sha256=_sha256(arr), encoded_nbytes=int(arr.nbytes)))
+                sha256=tensor_sha256(arr), encoded_nbytes=int(arr.nbytes)))
         entry = self.outbox.put(header, delta)
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
@@ -365,9 +365,3 @@ class Agent:
                     if remaining <= 0:
                         break
         yield agent_pb2.UpdateChunk(commit=agent_pb2.UpdateCommit(total_encoded_nbytes=total)).SerializeToString()
-
-
-def _sha256(arr: np.ndarray) -> str:
-    from fedclinic.package import tensor_sha256
-
-    return tensor_sha256(arr)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 import uuid
@@ -74,7 +75,6 @@ class Client:
             package = package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
                                          multi_label=task.multi_label, max_length=task.max_length, seed=task.seed)
         manifest = manifest or package.manifest()
-        import hashlib
 
         tok = package.files.get("tokenizer.json")
         spec = task.to_spec(tokenizer_sha256=hashlib.sha256(tok).hexdigest() if tok else "")

@@ -1,7 +1,8 @@
 """Tensors and files on the wire: splitting into 1-4 MiB chunks and verified reassembly.
 
-Sending: :func:`tensor_chunks` and :func:`file_chunks` cut raw bytes into ``TensorChunk``/``FileChunk``
-messages; the first chunk of each item carries its header (dtype, shape, codec, sha256, size).
+Sending: :func:`encoded_tensor_chunks` (the upload paths: serialized chunks, payload copied once),
+:func:`tensor_chunks` (chunk messages) and :func:`file_chunks` cut raw bytes into 1-4 MiB pieces; the first
+chunk of each item carries its header (dtype, shape, codec, sha256, size).
 
 Receiving: :class:`ChunkAssembler` checks every protocol rule as the chunks arrive (header first, offsets
 contiguous, no chunk larger than the limit, chunk sizes a multiple of the dtype size, size and sha256 as
@@ -79,16 +80,22 @@ def validate_header(h: pb.TensorHeader) -> None:
         raise IntegrityError(f"tensor {h.name!r}: sha256 must be 64 hex characters")
 
 
-def tensor_chunks(header: pb.TensorHeader, data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES
-                  ) -> Iterator[pb.TensorChunk]:
-    """Cut one tensor's encoded bytes into chunks; the first carries the header."""
+def _pieces(header: pb.TensorHeader, data: bytes | memoryview, chunk_bytes: int
+            ) -> Iterator[tuple[pb.TensorHeader | None, int, memoryview]]:
+    """(header on the first piece only, offset, bytes) for each chunk of one tensor; one empty piece if empty."""
     view = memoryview(data).cast("B")
     if len(view) == 0:
-        yield pb.TensorChunk(name=header.name, header=header, offset=0, data=b"")
+        yield header, 0, view
         return
     for off in range(0, len(view), chunk_bytes):
-        yield pb.TensorChunk(name=header.name, header=header if off == 0 else None, offset=off,
-                             data=bytes(view[off:off + chunk_bytes]))
+        yield (header if off == 0 else None), off, view[off:off + chunk_bytes]
+
+
+def tensor_chunks(header: pb.TensorHeader, data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES
+                  ) -> Iterator[pb.TensorChunk]:
+    """Cut one tensor's encoded bytes into chunk messages; the first carries the header."""
+    for h, off, piece in _pieces(header, data, chunk_bytes):
+        yield pb.TensorChunk(name=header.name, header=h, offset=off, data=bytes(piece))
 
 
 def file_chunks(path: str, data: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.FileChunk]:
@@ -319,13 +326,8 @@ def encode_tensor_chunk_in(field_number: int, name: str, header: pb.TensorHeader
 def encoded_tensor_chunks(field_number: int, header: pb.TensorHeader, data: bytes | memoryview,
                           chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """:func:`tensor_chunks`, each already serialized inside a wrapper message at ``field_number``."""
-    view = memoryview(data).cast("B")
-    if len(view) == 0:
-        yield encode_tensor_chunk_in(field_number, header.name, header, 0, b"")
-        return
-    for off in range(0, len(view), chunk_bytes):
-        yield encode_tensor_chunk_in(field_number, header.name, header if off == 0 else None, off,
-                                     view[off:off + chunk_bytes])
+    for h, off, piece in _pieces(header, data, chunk_bytes):
+        yield encode_tensor_chunk_in(field_number, header.name, h, off, piece)
 
 
 class PipelinedAssembler:

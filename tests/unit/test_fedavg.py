@@ -87,3 +87,15 @@ def test_fedavg_reads_file_tensors_blockwise(tmp_path):
     s.accept({"w": FileTensor(tmp_path / "u.bin", 12, "float32", (300, 7))}, 1.0, site="a")
     s.accept({"w": FileTensor(tmp_path / "u.bin", 12 + d1.nbytes, "float32", (300, 7))}, 3.0, site="b")
     np.testing.assert_allclose(s.finalize()["w"], g + (d1 + 3 * d2) / 4, rtol=1e-5, atol=1e-6)
+
+
+def test_refused_update_leaves_the_accumulator_unchanged():
+    """Strategy contract: refuse before changing state (the aggregator folds before it records)."""
+    g = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+    s = FedAvg()
+    s.begin(g)
+    with pytest.raises(IntegrityError, match="shape"):
+        s.accept({"a": np.ones(2, np.float32), "b": np.ones(5, np.float32)}, 1, site="bad")
+    s.accept({"a": np.full(2, 4, np.float32)}, 1, site="good")
+    out = s.finalize()
+    assert out["a"].tolist() == [4, 4] and "b" not in out

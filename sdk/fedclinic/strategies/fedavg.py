@@ -43,21 +43,17 @@ class FedAvg(Strategy):
         self._weight = {}
 
     def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
-        if not weight > 0:
-            raise IntegrityError(f"update from {site} has non-positive weight {weight}")
+        check_update(self._global, update, site, weight)
+        self._add(update, float(weight), 1.0)
+
+    def _add(self, update: Mapping[str, TensorLike], weight: float, scale: float) -> None:
+        """Fold a validated update: acc += weight * scale * delta; the tensor's weight total grows by weight."""
         for name, delta in update.items():
-            ref = self._global.get(name)
-            if ref is None:
-                raise IntegrityError(f"update from {site} carries unknown tensor {name!r}")
-            if tuple(delta.shape) != tuple(ref.shape):
-                raise IntegrityError(
-                    f"update from {site}: tensor {name!r} has shape {tuple(delta.shape)}, model has {tuple(ref.shape)}"
-                )
             acc = self._acc.get(name)
             if acc is None:
-                acc = self._acc[name] = np.zeros(ref.size, dtype=np.float32)
-            weighted_add(acc, delta, float(weight), self._scratch)
-            self._weight[name] = self._weight.get(name, 0.0) + float(weight)
+                acc = self._acc[name] = np.zeros(int(np.prod(self._global[name].shape, dtype=np.int64)), np.float32)
+            weighted_add(acc, delta, weight * scale, self._scratch)
+            self._weight[name] = self._weight.get(name, 0.0) + weight
 
     def finalize(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -74,6 +70,20 @@ class FedAvg(Strategy):
     def _server_step(self, name: str, mean_delta: np.ndarray) -> None:
         """Turn the weighted mean delta of tensor ``name`` into the step added to the global (in place)."""
         mean_delta *= np.float32(self.server_lr)
+
+
+def check_update(global_tensors: Mapping[str, TensorLike], update: Mapping[str, TensorLike], site: str,
+                 weight: float = 1.0) -> None:
+    """Refuse an update before anything is folded: positive weight, known tensors, matching shapes."""
+    if not weight > 0:
+        raise IntegrityError(f"update from {site} has non-positive weight {weight}")
+    for name, delta in update.items():
+        ref = global_tensors.get(name)
+        if ref is None:
+            raise IntegrityError(f"update from {site} carries unknown tensor {name!r}")
+        if tuple(delta.shape) != tuple(ref.shape):
+            raise IntegrityError(f"update from {site}: tensor {name!r} has shape {tuple(delta.shape)}, model has "
+                                 f"{tuple(ref.shape)}")
 
 
 def weighted_add(acc: np.ndarray, x: TensorLike, weight: float, scratch: np.ndarray) -> None:

@@ -28,18 +28,8 @@ import numpy as np
 
 from fedclinic.errors import IntegrityError
 from fedclinic.strategies.base import Strategy
-from fedclinic.strategies.fedavg import _BLOCK, FedAvg, weighted_add
+from fedclinic.strategies.fedavg import _BLOCK, FedAvg, check_update
 from fedclinic.strategies.tensorsource import TensorLike, blocks
-
-
-def check_update(global_tensors: Mapping[str, TensorLike], update: Mapping[str, TensorLike], site: str) -> None:
-    for name, delta in update.items():
-        ref = global_tensors.get(name)
-        if ref is None:
-            raise IntegrityError(f"update from {site} carries unknown tensor {name!r}")
-        if tuple(delta.shape) != tuple(ref.shape):
-            raise IntegrityError(f"update from {site}: tensor {name!r} has shape {tuple(delta.shape)}, model has "
-                                 f"{tuple(ref.shape)}")
 
 
 class _CoordinateWise(Strategy):
@@ -116,20 +106,12 @@ class NormBounded(FedAvg):
         self.max_norm = float(max_norm)
 
     def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
-        if not weight > 0:
-            raise IntegrityError(f"update from {site} has non-positive weight {weight}")
-        check_update(self._global, update, site)
+        check_update(self._global, update, site, weight)
         sq = 0.0
         for delta in update.values():  # first pass: the update's L2 norm over all its tensors
             for _, block in blocks(delta, self._scratch):
                 sq += float(np.dot(block, block))
-        scale = min(1.0, self.max_norm / math.sqrt(sq)) if sq > 0 else 1.0
-        for name, delta in update.items():
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._acc[name] = np.zeros(int(np.prod(self._global[name].shape, dtype=np.int64)), np.float32)
-            weighted_add(acc, delta, float(weight) * scale, self._scratch)
-            self._weight[name] = self._weight.get(name, 0.0) + float(weight)
+        self._add(update, float(weight), min(1.0, self.max_norm / math.sqrt(sq)) if sq > 0 else 1.0)
 
 
 class MultiKrum(_CoordinateWise):
