@@ -12,8 +12,10 @@ state: the aggregator folds an update before recording it and relies on a refuse
 Updates are deltas (local - global) over a subset of tensor names, given as numpy arrays or as
 :class:`~fedclinic.strategies.tensorsource.FileTensor` (read block by block, see ``tensorsource.blocks``).
 ``accept`` must not keep references to ``update``, so memory stays O(model size) whatever the number of
-sites. A strategy that needs every site's update at once sets ``needs_per_site_updates``;
-the engine then spills updates to disk instead of holding them.
+sites. Two-pass strategies (median, trimmed mean, multi-Krum) keep references until ``finalize``; the
+aggregator hands them spill files, never in-memory copies. A strategy that looks at individual updates
+(their norms, distances or coordinates) sets ``needs_per_site_updates``: it cannot run on the masked sum
+that secure aggregation yields.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from fedclinic.strategies.tensorsource import TensorLike
 
 class Strategy(ABC):
     name: ClassVar[str]
-    #: True when the strategy cannot work on a sum alone (refused under secure aggregation).
+    #: True when the strategy looks at individual updates, so it cannot work on a sum alone (secure aggregation).
     needs_per_site_updates: ClassVar[bool] = False
 
     @abstractmethod

@@ -98,6 +98,7 @@ class TrimmedMean(_CoordinateWise):
 
 class NormBounded(FedAvg):
     name: ClassVar[str] = "norm-bounded"
+    needs_per_site_updates: ClassVar[bool] = True  # the server must see each update's norm
 
     def __init__(self, server_lr: float = 1.0, max_norm: float = 1.0) -> None:
         super().__init__(server_lr)
