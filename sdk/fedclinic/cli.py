@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)
 
+    from fedclinic.experiment import add_experiment_commands
+
+    add_experiment_commands(sub)
+
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
     from fedclinic.demo import add_demo_arguments, run_demo
 

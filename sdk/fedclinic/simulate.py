@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def site_seed(seed: int, train_seed: int, round_: int, site: int) -> int:
 
 def simulate(
     package: ModelPackage,
-    site_data: Sequence[Sequence[Example]],
+    site_data: Sequence[Sequence[Example] | Any],
     *,
     rounds: int,
     train: TrainConfig,
@@ -72,12 +72,20 @@ def simulate(
     strategy_params: Mapping[str, float] | None = None,
     trainable_patterns: Sequence[str] = (),
     frozen_patterns: Sequence[str] = (),
-    eval_data: Sequence[Example] | None = None,
+    eval_data: Sequence[Example] | Mapping[str, Any] | None = None,
     participation: float = 1.0,
     seed: int = 0,
     progress: Callable[[RoundRecord], None] | None = None,
 ) -> SimulationResult:
-    """Run ``rounds`` federated rounds over ``site_data`` starting from ``package``; returns the history."""
+    """Run ``rounds`` federated rounds over ``site_data`` starting from ``package``; returns the history.
+
+    ``site_data`` holds one entry per site: a list of :class:`Example` (tokenized once here) or data already
+    encoded for the model's family (anything with ``batch``, e.g. ``FeatureData``). ``eval_data`` is one
+    evaluation set (metrics ``accuracy``, ``loss``, ...) or a mapping ``name -> set`` (metrics ``name/accuracy``,
+    ...), e.g. ``{"test": all sites' test rows, "train": all sites' training rows}`` for the FLCMC protocol:
+    accuracy and loss weighted by each site's sample count over *all* sites, every round.
+    With ``train.optimizer_state == "keep"`` each site's optimizer moments carry over between its rounds.
+    """
     if not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
     if not site_data:
@@ -89,10 +97,21 @@ def simulate(
 
     loaded = build_model(package)
     names = select_tensors(list(package.tensors), trainable_patterns, frozen_patterns)
-    encoded = [encode(list(rows), loaded, max_length=train.max_length) for rows in site_data]
-    eval_encoded = encode(list(eval_data), loaded, max_length=train.max_length) if eval_data else None
+    def prepared(rows):
+        return rows if hasattr(rows, "batch") else encode(list(rows), loaded, max_length=train.max_length)
+
+    encoded = [prepared(rows) for rows in site_data]
+    if isinstance(eval_data, Mapping):
+        eval_sets = {f"{name}/": prepared(rows) for name, rows in eval_data.items()}
+    else:
+        eval_sets = {"": prepared(eval_data)} if eval_data is not None and len(eval_data) else {}
+
+    def evaluate_all() -> dict[str, float]:
+        return {prefix + k: v for prefix, data in eval_sets.items() for k, v in evaluate(loaded, data).items()}
+
     global_tensors: dict[str, np.ndarray] = {k: np.array(v, copy=True) for k, v in package.tensors.items()}
-    initial = evaluate(loaded, eval_encoded) if eval_encoded is not None else {}
+    initial = evaluate_all()
+    optimizer_states: dict[int, dict] = {}
 
     k_sites = len(site_data)
     per_round = max(1, math.ceil(participation * k_sites - 1e-9))
@@ -111,7 +130,9 @@ def simulate(
         for i in chosen:
             load_tensors(loaded.module, global_tensors)
             cfg = replace(train, seed=site_seed(seed, train.seed, r, i))
-            result = train_local(loaded, encoded[i], cfg, trainable=names)
+            result = train_local(loaded, encoded[i], cfg, trainable=names, optimizer_state=optimizer_states.get(i))
+            if result.optimizer_state is not None:
+                optimizer_states[i] = result.optimizer_state
             delta = compute_delta(before, module_tensors(loaded.module, names), names)
             strat.accept(delta, weight=result.num_samples, site=f"site-{i}")
             loss_sum += result.loss * result.num_samples
@@ -119,9 +140,9 @@ def simulate(
         new = strat.finalize()
         global_tensors = {**global_tensors, **new}
         metrics: dict[str, float] = {}
-        if eval_encoded is not None:
+        if eval_sets:
             load_tensors(loaded.module, global_tensors)
-            metrics = evaluate(loaded, eval_encoded)
+            metrics = evaluate_all()
         record = RoundRecord(round=r, sites=chosen, train_loss=loss_sum / n_sum, num_samples=n_sum,
                              metrics=metrics, seconds=time.perf_counter() - started)
         history.append(record)

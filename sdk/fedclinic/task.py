@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from fedclinic.errors import ConfigError
+from fedclinic.optimizers import check_optimizer_settings
 from fedclinic.proto import task_pb2
 from fedclinic.tomlconfig import load_toml
 
 FAMILIES = {"text-classification": ("transformer", "lstm", "logreg")}
-OPTIMIZERS = ("adamw", "adam", "sgd")
 _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
-          "mixed_precision", "proximal_mu", "max_length", "seed")
+          "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
            "max_round_retries")
 
@@ -66,6 +66,7 @@ class Task:
     max_steps: int = 0
     mixed_precision: bool = False
     proximal_mu: float = 0.0
+    optimizer_state: str = "reset"       # "keep": local optimizer moments persist at each site across rounds
     max_length: int = 128
     seed: int = 0
     # rounds
@@ -96,8 +97,7 @@ class Task:
             p.append("labels needs at least two classes")
         if len(set(self.labels)) != len(self.labels):
             p.append("labels contains duplicates")
-        if self.optimizer not in OPTIMIZERS:
-            p.append(f"optimizer must be one of {OPTIMIZERS}")
+        p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
         for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
                          ("max_length", 8)):
             if getattr(self, name) < lo:

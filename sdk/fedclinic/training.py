@@ -11,10 +11,10 @@ Objective per mini-batch B (mean over its examples)::
 
     single-label:  L = CE(logits, y)                        (softmax cross-entropy)
     multi-label:   L = BCEWithLogits(logits, y_multi_hot)   (mean over examples and labels)
-    FedProx:       L + mu/2 * sum_{p trainable} ||p - p_round_start||^2
+    FedProx:       L + mu/2 * sum_{p trainable} ||p - p_round_start||^2   (added to the gradient as mu (p - p_0))
 
-Only tensors named in ``trainable`` get gradients; the optimiser is created fresh each call (the usual
-FedAvg/FedProx client). Batches are trimmed to their longest sequence, so short texts cost less.
+Only tensors named in ``trainable`` get gradients. The optimiser (:mod:`fedclinic.optimizers`) is created
+fresh each call; with ``optimizer_state = "keep"`` its moments are carried over from the previous round. Batches are trimmed to their longest sequence, so short texts cost less.
 Randomness (shuffling, dropout) is seeded from ``cfg.seed`` inside a forked RNG, so the caller's global
 RNG state is left as it was.
 """
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Seque
 
 import numpy as np
 
+from fedclinic.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
 from fedclinic.selection import select_names
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedclinic.data import Example
     from fedclinic.models import LoadedModel
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 @dataclass
@@ -48,12 +48,13 @@ class TrainConfig:
     local_epochs: int = 1
     batch_size: int = 16
     learning_rate: float = 5e-5
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"         # see fedclinic.optimizers: adamw, adam, sgd, self_adam, padam
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0       # 0 = no clipping
     max_steps: int = 0               # 0 = no cap on optimiser steps
     mixed_precision: bool = False    # bf16 autocast on CUDA (fp16 + loss scaling where bf16 is missing)
-    proximal_mu: float = 0.0         # FedProx; 0 = off
+    proximal_mu: float = 0.0         # FedProx / PGD / PAdam perturbation; 0 = off
+    optimizer_state: str = "reset"   # "reset": fresh moments every round; "keep": they persist at the site
     max_length: int = 128
     seed: int = 0
     device: str = "auto"
@@ -77,8 +78,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 p.append(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.optimizer not in OPTIMIZERS:
-            p.append(f"optimizer {self.optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+        p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
         if not isinstance(self.device, str) or not self.device:
             p.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if p:
@@ -92,7 +92,7 @@ class TrainConfig:
         value explicitly, default 1.0). ``max_steps``/``proximal_mu``/``weight_decay``/``seed`` default to 0.
         """
         kw = {f.name: f.default for f in fields(cls)}
-        for name in ("local_epochs", "batch_size", "learning_rate", "optimizer", "max_length"):
+        for name in ("local_epochs", "batch_size", "learning_rate", "optimizer", "max_length", "optimizer_state"):
             v = getattr(msg, name)
             if v:
                 kw[name] = v
@@ -123,12 +123,27 @@ class EncodedData:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def batch(self, idx: "torch.Tensor", device: "torch.device") -> tuple[tuple["torch.Tensor", ...], "torch.Tensor"]:
+        """((ids, mask), targets) of the examples at ``idx`` on ``device``, trimmed to their longest sequence."""
+        mask = self.attention_mask[idx]
+        width = max(1, int(mask.sum(dim=1).max()))
+        nb = device.type == "cuda"
+        return ((self.input_ids[idx, :width].to(device, non_blocking=nb), mask[:, :width].to(device, non_blocking=nb)),
+                self.labels[idx].to(device, non_blocking=nb))
+
+    def batches(self, order: "torch.Tensor", batch_size: int, device: "torch.device"):
+        """Yield :meth:`batch` for consecutive ``batch_size`` slices of ``order`` (one epoch)."""
+        for start in range(0, len(order), batch_size):
+            yield self.batch(order[start:start + batch_size], device)
+
 
 @dataclass
 class TrainResult:
     num_samples: int   # local dataset size (the FedAvg weight)
     steps: int         # optimiser steps taken
     loss: float        # sample-weighted mean task loss over the batches seen (without the proximal term)
+    #: the optimizer's per-tensor state after training, by tensor name (only with optimizer_state = "keep")
+    optimizer_state: dict | None = None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -209,16 +224,6 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
                        multi_label=multi, num_labels=len(labels))
 
 
-def _batch(data: EncodedData, idx: "torch.Tensor", device: "torch.device"):
-    mask = data.attention_mask[idx]
-    width = max(1, int(mask.sum(dim=1).max()))
-    ids = data.input_ids[idx, :width]
-    mask = mask[:, :width]
-    y = data.labels[idx]
-    nb = device.type == "cuda"
-    return ids.to(device, non_blocking=nb), mask.to(device, non_blocking=nb), y.to(device, non_blocking=nb)
-
-
 def _loss_fn(multi_label: bool):
     import torch.nn.functional as F
 
@@ -238,22 +243,16 @@ def _autocast(device: "torch.device", enabled: bool):
     return (lambda: torch.autocast("cuda", dtype=torch.float16)), torch.amp.GradScaler("cuda")
 
 
-def _make_optimizer(cfg: TrainConfig, params: list):
-    import torch
-
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-
-
 def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, trainable: Collection[str],
-                progress: Callable[[int, int, float], None] | None = None) -> TrainResult:
+                progress: Callable[[int, int, float], None] | None = None,
+                optimizer_state: Mapping[str, dict] | None = None) -> TrainResult:
     """Train ``loaded.module`` in place on ``data``; only tensors in ``trainable`` change.
 
+    ``data`` is :class:`EncodedData` or any object with ``len()``, ``batch(idx, device)``, ``multi_label`` and
+    ``num_labels`` (e.g. :class:`fedclinic.models.feature_classification.FeatureData`).
     ``progress(step, total_steps, running_mean_loss)`` is called after every optimiser step; an exception
-    it raises (e.g. to cancel) stops training and propagates.
+    it raises (e.g. to cancel) stops training and propagates. With ``cfg.optimizer_state == "keep"``, pass
+    the previous round's ``TrainResult.optimizer_state`` as ``optimizer_state`` to continue from it.
     """
     import torch
 
@@ -270,14 +269,17 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
     if unknown:
         raise ConfigError(f"trainable names unknown to the model: {unknown[:8]}")
     params = [(n, p) for n, p in module.named_parameters()]
-    train_params = []
+    named_train = []
     for n, p in params:
         p.requires_grad_(n in wanted)
         if n in wanted:
-            train_params.append(p)
+            named_train.append((n, p))
+    train_params = [p for _, p in named_train]
     if not train_params:
         raise ConfigError("none of the trainable names is a parameter of the model; nothing to train")
-    optimizer = _make_optimizer(cfg, train_params)
+    optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer_state == "keep" and optimizer_state:
+        _load_optimizer_state(optimizer, named_train, optimizer_state, device)
     anchor = [p.detach().clone() for p in train_params] if cfg.proximal_mu > 0 else None
     loss_fn = _loss_fn(data.multi_label)
     autocast, scaler = _autocast(device, cfg.mixed_precision)
@@ -299,23 +301,20 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
             if step >= total:
                 break
             order = torch.randperm(n, generator=gen)
-            for start in range(0, n, cfg.batch_size):
+            for inputs, y in data.batches(order, cfg.batch_size, device):
                 if step >= total:
                     break
-                ids, mask, y = _batch(data, order[start:start + cfg.batch_size], device)
                 with autocast():
-                    logits = loaded.logits(ids, mask)
+                    logits = loaded.logits(*inputs)
                 loss = loss_fn(logits.float(), y)
-                objective = loss
-                if anchor is not None:
-                    prox = sum(((p - a) ** 2).sum() for p, a in zip(train_params, anchor))
-                    objective = loss + 0.5 * cfg.proximal_mu * prox
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
-                    scaler.scale(objective).backward()
+                    scaler.scale(loss).backward()
                     scaler.unscale_(optimizer)
                 else:
-                    objective.backward()
+                    loss.backward()
+                if anchor is not None:
+                    add_proximal_gradient(train_params, anchor, cfg.proximal_mu)
                 if cfg.max_grad_norm > 0:
                     torch.nn.utils.clip_grad_norm_(train_params, cfg.max_grad_norm)
                 if scaler is not None:
@@ -326,7 +325,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                 step += 1
                 bs = int(y.shape[0])
                 seen += bs
-                loss_sum += loss.detach().double() * bs
+                loss_sum.add_(loss.detach(), alpha=bs)
                 if progress is not None:
                     progress(step, total, float(loss_sum) / seen)
     module.eval()
@@ -334,7 +333,39 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
         p.requires_grad_(True)
     if not math.isfinite(float(loss_sum)):
         raise IntegrityError("training diverged (loss is NaN/Inf); lower the learning rate or enable clipping")
-    return TrainResult(num_samples=n, steps=step, loss=float(loss_sum) / max(seen, 1))
+    kept = _export_optimizer_state(optimizer, named_train) if cfg.optimizer_state == "keep" else None
+    return TrainResult(num_samples=n, steps=step, loss=float(loss_sum) / max(seen, 1), optimizer_state=kept)
+
+
+def _export_optimizer_state(optimizer, named: list) -> dict[str, dict]:
+    """The optimizer's state per tensor name, on the CPU (names survive a change of the trainable set)."""
+    import torch
+
+    out: dict[str, dict] = {}
+    for name, p in named:
+        st = optimizer.state.get(p)
+        if st:
+            out[name] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                         for k, v in st.items()}
+    return out
+
+
+def _load_optimizer_state(optimizer, named: list, saved: Mapping[str, dict], device) -> None:
+    """Put ``saved`` (from :func:`_export_optimizer_state`) back; tensors trained for the first time start fresh."""
+    import torch
+
+    for name, p in named:
+        st = saved.get(name)
+        if not st:
+            continue
+        shapes_ok = all(tuple(v.shape) == tuple(p.shape) for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+        if not shapes_ok:
+            raise IntegrityError(f"kept optimizer state for {name!r} does not match the tensor's shape "
+                                 f"{tuple(p.shape)}; the model changed, so start with optimizer_state='reset'")
+        optimizer.state[p] = {k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) and v.dim() > 0
+                                  else v.clone() if isinstance(v, torch.Tensor) else v)
+                              for k, v in st.items()}
 
 
 def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) -> dict[str, float]:
@@ -363,8 +394,8 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
             idx = torch.arange(start, min(start + batch_size, len(data)))
-            ids, mask, y = _batch(data, idx, device)
-            logits = loaded.logits(ids, mask).float()
+            inputs, y = data.batch(idx, device)
+            logits = loaded.logits(*inputs).float()
             per = loss_fn(logits, y, reduction="none")
             loss_sum += float(per.sum() / (per.shape[1] if per.dim() == 2 else 1))
             preds.append((logits > 0).cpu() if data.multi_label else logits.argmax(dim=-1).cpu())

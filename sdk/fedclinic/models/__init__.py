@@ -2,15 +2,15 @@
 
 A package names its family in ``fedclinic_model.json``; :func:`build_model` dispatches on it through
 :data:`FAMILIES`. Only built-in families and architectures exist: a package carries tensors and JSON, never
-code. Families register here (``register_family``) — today "text-classification".
+code. Families register here (``register_family``): "text-classification" and "feature-classification".
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.models import text_classification
+from fedclinic.models import feature_classification, text_classification
 from fedclinic.models.text_classification import (
     ALLOWED_MODEL_TYPES,
     ARCHITECTURES,
@@ -28,18 +28,19 @@ from fedclinic.package import META_FILE, ModelPackage
 
 SUPPORTED_FORMAT = 1
 
-#: family name -> builder(package) -> LoadedModel
-FAMILIES: dict[str, Callable[[ModelPackage], LoadedModel]] = {
+#: family name -> builder(package) -> a loaded model (``.module``, ``.labels``, ``.multi_label``, ``.logits(*inputs)``)
+FAMILIES: dict[str, Callable[[ModelPackage], Any]] = {
     text_classification.FAMILY: text_classification.build,
+    feature_classification.FAMILY: feature_classification.build,
 }
 
 
-def register_family(name: str, builder: Callable[[ModelPackage], LoadedModel]) -> None:
+def register_family(name: str, builder: Callable[[ModelPackage], Any]) -> None:
     """Add a built-in model family (called by fedclinic's own family modules)."""
     FAMILIES[name] = builder
 
 
-def build_model(package: ModelPackage) -> LoadedModel:
+def build_model(package: ModelPackage) -> Any:
     """Build the package's module and load its tensors strictly (CPU, eval mode).
 
     Raises ConfigError for an unknown family/architecture/model_type (listing the allowed ones) and

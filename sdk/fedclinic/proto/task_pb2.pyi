@@ -24,7 +24,7 @@ UPDATE_KIND_UNSPECIFIED: UpdateKind
 UPDATE_KIND_DELTA: UpdateKind
 
 class TrainingConfig(_message.Message):
-    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed")
+    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state")
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class TrainingConfig(_message.Message):
     PROXIMAL_MU_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     batch_size: int
     learning_rate: float
@@ -47,7 +48,8 @@ class TrainingConfig(_message.Message):
     proximal_mu: float
     max_length: int
     seed: int
-    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    optimizer_state: str
+    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ...) -> None: ...
 
 class RoundConfig(_message.Message):
     __slots__ = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss", "max_round_retries")
