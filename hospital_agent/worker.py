@@ -58,6 +58,9 @@ class _TaskState:
     raw_eval: list | None = None
     train_data: object = None                   # fedclinic.training.EncodedData
     eval_data: object = None
+    #: local optimizer moments by tensor name, for tasks with optimizer_state = "keep" (memory only: an agent
+    #: restart starts them afresh, as "reset" would)
+    optimizer_state: dict | None = None
 
 
 class Agent:
@@ -212,7 +215,9 @@ class Agent:
             if step == total or step % 10 == 0:
                 log.info("training", step=step, steps=total, loss=round(loss, 4))
 
-        result = training.train_local(loaded, state.train_data, cfg, trainable=send, progress=progress)
+        result = training.train_local(loaded, state.train_data, cfg, trainable=send, progress=progress,
+                                      optimizer_state=state.optimizer_state)
+        state.optimizer_state = result.optimizer_state
         after = module_tensors(loaded.module, send)
         delta = training.compute_delta(before, after, send)
         # the module now holds local weights; remember that so the next round reloads the global ones
