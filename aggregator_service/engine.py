@@ -133,7 +133,8 @@ class Engine:
             rows = self.store.all("SELECT * FROM updates WHERE task_id=? AND round=? ORDER BY received_ms",
                                   (task.task_id, rnd.round))
             for u in rows:
-                self._fold(acc, u.update_id, Path(u.spill_path), UpdateLayout.from_json(u.layout), u.num_samples,
+                self._fold(acc, u.update_id, Path(u.spill_path), UpdateLayout.from_json(u.layout),
+                           acc.strategy.weight_for(u.num_samples, json.loads(u.metrics)),
                            u.site)
             log.info("round recovered", task_id=task.task_id, round=rnd.round, updates=len(rows))
             self._maybe_close(task.task_id)
@@ -369,7 +370,7 @@ class Engine:
             update_id = "u-" + uuid.uuid4().hex[:16]
             acc = self._accumulator(h.task_id)
             try:  # fold first: a strategy that rejects an update leaves itself unchanged (Strategy contract)
-                self._fold(acc, update_id, spill, layout, h.num_samples, site)
+                self._fold(acc, update_id, spill, layout, acc.strategy.weight_for(h.num_samples, h.metrics), site)
             except (IntegrityError, ValueError) as exc:
                 spill.unlink(missing_ok=True)
                 raise Refused("INVALID_ARGUMENT", f"update rejected by the {acc.strategy.name} strategy: {exc}") from None
@@ -403,7 +404,7 @@ class Engine:
             manifest = self.store.model(rnd.base_model)
             assert manifest is not None
             tensors = {t.name: FileTensor(self.blobs.path(t.sha256), 0, t.dtype, t.shape) for t in manifest.tensors}
-            strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
+            strategy = strategy_of(spec)
             strategy.load_state(self._saved_strategy_state(task_id, rnd.round - 1))
             strategy.begin(tensors)
             acc = self._acc[task_id] = _Accumulator(rnd.round, strategy)
@@ -418,7 +419,7 @@ class Engine:
                 for key, (sha, dtype, shape) in json.loads(row.strategy_state).items()}
 
     @staticmethod
-    def _fold(acc: _Accumulator, update_id: str, spill: Path, layout: UpdateLayout, weight: int, site: str) -> None:
+    def _fold(acc: _Accumulator, update_id: str, spill: Path, layout: UpdateLayout, weight: float, site: str) -> None:
         if update_id in acc.folded:
             return
         acc.strategy.accept(layout.tensors_in(spill), float(weight), site=site)
@@ -561,6 +562,11 @@ class Engine:
                     self.changed.wait(wait)
 
 
+def strategy_of(spec: task_pb2.TaskSpec):
+    """The task's strategy, built from its numeric parameters and its string options."""
+    return make_strategy(spec.strategy, {**dict(spec.strategy_params), **dict(spec.strategy_options)})
+
+
 def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
     """Reject task specs that cannot run, with a message that says what to change."""
     rc = spec.rounds
@@ -588,7 +594,10 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
     if spec.update.codec not in ("", "raw"):
         problems.append(f"codec {spec.update.codec!r} is not available in this release (use 'raw')")
     try:
-        strategy = make_strategy(spec.strategy, dict(spec.strategy_params))
+        strategy = strategy_of(spec)
+        if "gradient_change_rate" in strategy.site_metrics() and not spec.training.measure_gradient_change:
+            problems.append(f"strategy {strategy.name!r} weights sites by their gradient_change_rate; set "
+                            "training.measure_gradient_change = true")
         if rc.min_sites < strategy.min_updates():
             problems.append(f"strategy {strategy.name!r} needs at least {strategy.min_updates()} updates per round; "
                             f"raise rounds.min_sites (now {rc.min_sites}) or change the strategy's parameters")

@@ -134,7 +134,9 @@ def simulate(
             if result.optimizer_state is not None:
                 optimizer_states[i] = result.optimizer_state
             delta = compute_delta(before, module_tensors(loaded.module, names), names)
-            strat.accept(delta, weight=result.num_samples, site=f"site-{i}")
+            reported = {} if result.gradient_change_rate is None else {
+                "gradient_change_rate": result.gradient_change_rate}
+            strat.accept(delta, weight=strat.weight_for(result.num_samples, reported), site=f"site-{i}")
             loss_sum += result.loss * result.num_samples
             n_sum += result.num_samples
         new = strat.finalize()

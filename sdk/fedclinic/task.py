@@ -40,7 +40,7 @@ from fedclinic.tomlconfig import load_toml
 
 FAMILIES = {"text-classification": ("transformer", "lstm", "logreg")}
 _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
-          "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state")
+          "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
            "max_round_retries")
 
@@ -67,6 +67,7 @@ class Task:
     mixed_precision: bool = False
     proximal_mu: float = 0.0
     optimizer_state: str = "reset"       # "keep": local optimizer moments persist at each site across rounds
+    measure_gradient_change: bool = False  # sites report gradient_change_rate (dynamic-weighting, "code")
     max_length: int = 128
     seed: int = 0
     # rounds
@@ -78,7 +79,7 @@ class Task:
     max_round_retries: int = 2
     # aggregation and what is sent
     strategy: str = "fedavg"
-    strategy_params: dict[str, float] = field(default_factory=dict)
+    strategy_params: dict[str, float | str] = field(default_factory=dict)  # numbers and names (e.g. granularity)
     trainable: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
 
@@ -110,6 +111,17 @@ class Task:
             p.append("round_timeout_s must be > 0")
         if self.on_quorum_miss not in ("retry", "fail"):
             p.append("on_quorum_miss must be 'retry' or 'fail'")
+        bad = sorted(k for k, v in self.strategy_params.items()
+                     if isinstance(v, bool) or not isinstance(v, (int, float, str)))
+        if bad:
+            p.append(f"strategy parameter(s) {bad} must be numbers or strings")
+        else:
+            from fedclinic.strategies import make_strategy
+
+            try:
+                make_strategy(self.strategy, self.strategy_params)
+            except ConfigError as exc:
+                p.append(str(exc))
         for pat in [*self.trainable, *self.frozen]:
             try:
                 re.compile(pat)
@@ -129,7 +141,9 @@ class Task:
                                         participation_fraction=self.participation_fraction,
                                         round_timeout_s=self.round_timeout_s, on_quorum_miss=policy,
                                         max_round_retries=self.max_round_retries),
-            strategy=self.strategy, strategy_params=self.strategy_params,
+            strategy=self.strategy,
+            strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
+            strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
             update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec="raw",
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen),
             tokenizer_sha256=tokenizer_sha256)
@@ -148,7 +162,7 @@ class Task:
                 flat.update(_section(value, ("trainable", "frozen"), "update"))
             elif key == "strategy" and isinstance(value, dict):
                 flat["strategy"] = value.get("name", "fedavg")
-                flat["strategy_params"] = {k: float(v) for k, v in value.items() if k != "name"}
+                flat["strategy_params"] = {k: v for k, v in value.items() if k != "name"}
             else:
                 flat[key] = value
         known = {f.name for f in fields(cls)}

@@ -55,6 +55,7 @@ class TrainConfig:
     mixed_precision: bool = False    # bf16 autocast on CUDA (fp16 + loss scaling where bf16 is missing)
     proximal_mu: float = 0.0         # FedProx / PGD / PAdam perturbation; 0 = off
     optimizer_state: str = "reset"   # "reset": fresh moments every round; "keep": they persist at the site
+    measure_gradient_change: bool = False  # compute TrainResult.gradient_change_rate (two extra data passes)
     max_length: int = 128
     seed: int = 0
     device: str = "auto"
@@ -96,13 +97,15 @@ class TrainConfig:
             v = getattr(msg, name)
             if v:
                 kw[name] = v
-        for name in ("weight_decay", "max_grad_norm", "max_steps", "proximal_mu", "seed", "mixed_precision"):
+        for name in ("weight_decay", "max_grad_norm", "max_steps", "proximal_mu", "seed", "mixed_precision",
+                     "measure_gradient_change"):
             kw[name] = getattr(msg, name)
         kw["learning_rate"] = float(kw["learning_rate"])
         kw["weight_decay"] = float(kw["weight_decay"])
         kw["max_grad_norm"] = float(kw["max_grad_norm"])
         kw["proximal_mu"] = float(kw["proximal_mu"])
         kw["mixed_precision"] = bool(kw["mixed_precision"])
+        kw["measure_gradient_change"] = bool(kw["measure_gradient_change"])
         kw["device"] = device
         return cls(**kw)
 
@@ -144,6 +147,8 @@ class TrainResult:
     loss: float        # sample-weighted mean task loss over the batches seen (without the proximal term)
     #: the optimizer's per-tensor state after training, by tensor name (only with optimizer_state = "keep")
     optimizer_state: dict | None = None
+    #: mean over trained tensors of ||g_after - g_before|| / (||g_before|| + 1e-7) (measure_gradient_change)
+    gradient_change_rate: float | None = None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -297,6 +302,8 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
         torch.manual_seed(int(cfg.seed))
         gen = torch.Generator().manual_seed(int(cfg.seed))
         module.train()
+        grads_before = (_full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
+                        if cfg.measure_gradient_change else None)
         for _epoch in range(cfg.local_epochs):
             if step >= total:
                 break
@@ -328,13 +335,41 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                 loss_sum.add_(loss.detach(), alpha=bs)
                 if progress is not None:
                     progress(step, total, float(loss_sum) / seen)
+        rate = None
+        if grads_before is not None:
+            grads_after = _full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
+            rate = gradient_change_rate(grads_before, grads_after)
     module.eval()
     for _, p in params:
         p.requires_grad_(True)
     if not math.isfinite(float(loss_sum)):
         raise IntegrityError("training diverged (loss is NaN/Inf); lower the learning rate or enable clipping")
     kept = _export_optimizer_state(optimizer, named_train) if cfg.optimizer_state == "keep" else None
-    return TrainResult(num_samples=n, steps=step, loss=float(loss_sum) / max(seen, 1), optimizer_state=kept)
+    return TrainResult(num_samples=n, steps=step, loss=float(loss_sum) / max(seen, 1), optimizer_state=kept,
+                       gradient_change_rate=rate)
+
+
+def _full_pass_gradients(loaded, data, params: list, batch_size: int, device, loss_fn) -> list:
+    """sum over batches of the batch-mean loss gradient, divided by the number of examples (the IU-CXR notebook's
+    ``compute_gradients``: one pass in order, the module in training mode)."""
+    import torch
+
+    total = [torch.zeros_like(p) for p in params]
+    order = torch.arange(len(data))
+    for inputs, y in data.batches(order, batch_size, device):
+        grads = torch.autograd.grad(loss_fn(loaded.logits(*inputs).float(), y), params, allow_unused=True)
+        for acc, g in zip(total, grads):
+            if g is not None:
+                acc += g
+    return [g / len(data) for g in total]
+
+
+def gradient_change_rate(before: Sequence["torch.Tensor"], after: Sequence["torch.Tensor"]) -> float:
+    """mean_i ||after_i - before_i||_2 / (||before_i||_2 + 1e-7): the IU-CXR notebook's contribution measure."""
+    if not before or len(before) != len(after):
+        raise ValueError("gradient_change_rate needs matching, non-empty gradient lists")
+    rates = [float((a - b).norm()) / (float(b.norm()) + 1e-7) for b, a in zip(before, after)]
+    return sum(rates) / len(rates)
 
 
 def _export_optimizer_state(optimizer, named: list) -> dict[str, dict]:
@@ -437,4 +472,5 @@ def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarr
 
 
 __all__ = ["EncodedData", "OPTIMIZERS", "TrainConfig", "TrainResult", "compute_delta", "encode", "evaluate",
+           "gradient_change_rate",
            "select_device", "select_tensors", "train_local"]

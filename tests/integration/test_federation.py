@@ -119,6 +119,8 @@ SERVICE_STRATEGIES = [
     ("multi-krum", {"byzantine": 0}),
     ("norm-bounded", {"max_norm": 0.05}),    # two passes over each streamed update
     ("fedatt", {"server_lr": 1.5}),          # online softmax over per-tensor distances
+    ("dynamic-weighting", {}),               # weights from the deltas' norms (the IU-CXR report)
+    ("dynamic-weighting", {"definition": "code"}),  # weights the sites report (the IU-CXR notebook)
 ]
 
 
@@ -130,9 +132,10 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
     fed = federation_factory(3, samples=samples)
     rows = [make_examples(n, seed=i) for i, n in enumerate(samples)]
     with fed.client() as client:
-        submitted = [(name, params, client.submit(_task(name=f"it-{name}", num_rounds=2, strategy=name,
-                                                        strategy_params=params), package=tiny_package()))
-                     for name, params in SERVICE_STRATEGIES]
+        submitted = [(name, params, client.submit(
+            _task(name=f"it-{name}", num_rounds=2, strategy=name, strategy_params=params,
+                  measure_gradient_change=params.get("definition") == "code"), package=tiny_package()))
+            for name, params in SERVICE_STRATEGIES]
         for strategy, params, st in submitted:
             final = client.wait(st.task_id, timeout=300, progress=False)
             assert state_name(final.state) == "completed", (strategy, final.error)
@@ -143,8 +146,11 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
                 s.load_state(state)
                 s.begin(start.tensors)
                 for i, r in enumerate(rows):
-                    delta, n = _replay_site(start, r, final.spec)
-                    s.accept(delta, n, site=f"s{i}")
+                    out: list = []
+                    delta, n = _replay_site(start, r, final.spec, result_out=out)
+                    rate = out[0].gradient_change_rate
+                    s.accept(delta, s.weight_for(n, {} if rate is None else {"gradient_change_rate": rate}),
+                             site=f"s{i}")
                 expected = s.finalize()
                 state = s.state()
                 for name, arr in expected.items():

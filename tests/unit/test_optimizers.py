@@ -163,3 +163,28 @@ def test_feature_package_round_trips_and_bad_configs_are_refused():
         package_feature_model(num_features=6, labels=["x", "x"])
     with pytest.raises(ConfigError, match="unknown architecture 'mlp'"):
         package_feature_model(num_features=6, labels=["x", "y"], architecture="mlp")
+
+
+def test_gradient_change_rate_is_measured_on_full_passes_before_and_after_training():
+    from fedclinic.training import gradient_change_rate
+
+    x, y = _blobs(n=40)
+    model = build(package_feature_model(num_features=4, labels=["a", "b", "c"]))
+    data = encode_features(x, y, model)
+    names = ["linear.weight", "linear.bias"]
+
+    def full_grads():
+        model.module.zero_grad()
+        logits = model.logits(data.features)
+        torch.nn.functional.cross_entropy(logits, data.labels, reduction="sum").div(10).backward()
+        return [model.module.linear.weight.grad.clone() / len(data), model.module.linear.bias.grad.clone() / len(data)]
+
+    # batches of 10 over 40 rows: sum of the 4 batch means = sum of all losses / 10; then / 40, as the notebook
+    before = full_grads()
+    cfg = TrainConfig(local_epochs=1, batch_size=10, learning_rate=0.1, optimizer="sgd", max_grad_norm=0,
+                      measure_gradient_change=True)
+    result = train_local(model, data, cfg, trainable=names)
+    after = full_grads()
+    assert result.gradient_change_rate == pytest.approx(gradient_change_rate(before, after), rel=1e-5)
+    assert result.gradient_change_rate > 0
+    assert train_local(model, data, TrainConfig(max_grad_norm=0), trainable=names).gradient_change_rate is None

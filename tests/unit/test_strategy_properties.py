@@ -32,6 +32,11 @@ def _ref_fedatt(g, ds, w, p):
     return g + lam * sum(ai * d for ai, d in zip(a, ds))
 
 
+def _ref_dynamic(g, ds, w, p):
+    c = [sum(np.linalg.norm(d) for d in [dk]) for dk in ds]  # one tensor: sum over tensors = its norm
+    return g + p.get("server_lr", 1.0) * sum(ci * d for ci, d in zip(c, ds)) / (sum(c) + 1e-7)
+
+
 def _ref_median(g, ds, w, p):
     return g + np.median(np.stack(ds), axis=0)
 
@@ -74,6 +79,7 @@ def _ref_fedopt(kind):
 REFERENCES = {
     "fedavg": ({"server_lr": 0.7}, _ref_fedavg),
     "fedatt": ({"server_lr": 4.0}, _ref_fedatt),
+    "dynamic-weighting": ({}, _ref_dynamic),
     "median": ({}, _ref_median),
     "trimmed-mean": ({"beta": 0.2}, _ref_trimmed),
     "norm-bounded": ({"max_norm": 2.0}, _ref_norm_bounded),
@@ -132,7 +138,8 @@ def test_permutation_invariant(name, n, seed):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedatt", "median", "trimmed-mean", "norm-bounded", "multi-krum"])
+@pytest.mark.parametrize("name", ["fedavg", "fedatt", "median", "trimmed-mean", "norm-bounded", "multi-krum",
+                                  "dynamic-weighting"])
 @settings(max_examples=15, deadline=None)
 @given(n=sites_st, seed=st.integers(0, 10_000))
 def test_identical_updates_aggregate_to_themselves(name, n, seed):
@@ -240,3 +247,47 @@ def test_fedatt_bad_parameters(params, match):
 
     with pytest.raises(ConfigError, match=match):
         make_strategy("fedatt", params)
+
+
+# ---- dynamic weighting (IU-CXR) ---------------------------------------------------------------------------
+
+
+def test_dynamic_weighting_report_definition_sums_per_tensor_norms_and_ignores_sample_counts():
+    g = {"a": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)}
+    s = make_strategy("dynamic-weighting")
+    s.begin(g)
+    s.accept({"a": np.array([3.0, 4.0], np.float32), "b": np.array([1.0], np.float32)}, 1000.0, site="x")  # c = 5 + 1
+    s.accept({"a": np.array([0.0, 2.0], np.float32), "b": np.array([-2.0], np.float32)}, 1.0, site="y")   # c = 2 + 2
+    assert s.contributions == {"x": 6.0, "y": 4.0}
+    out = s.finalize()
+    np.testing.assert_allclose(out["a"], (6 * np.array([3, 4]) + 4 * np.array([0, 2])) / (10 + 1e-7), rtol=1e-6)
+    np.testing.assert_allclose(out["b"], [(6 * 1 + 4 * -2) / 10], rtol=1e-6)
+
+
+def test_dynamic_weighting_code_definition_uses_the_reported_rate():
+    from fedclinic.errors import IntegrityError
+
+    s = make_strategy("dynamic-weighting", {"definition": "code"})
+    assert s.site_metrics() == ("gradient_change_rate",)
+    with pytest.raises(IntegrityError, match="measure_gradient_change = true"):
+        s.weight_for(10, {"train_loss": 1.0})
+    with pytest.raises(IntegrityError, match="gradient_change_rate"):
+        s.weight_for(10, {"gradient_change_rate": float("nan")})
+    g = {"w": np.zeros(2, np.float32)}
+    s.begin(g)
+    s.accept({"w": np.array([1.0, 0], np.float32)}, s.weight_for(5, {"gradient_change_rate": 3.0}), site="x")
+    s.accept({"w": np.array([0, 1.0], np.float32)}, s.weight_for(500, {"gradient_change_rate": 1.0}), site="y")
+    np.testing.assert_allclose(s.finalize()["w"], [0.75, 0.25], rtol=1e-6)
+
+
+def test_task_validation_requires_measured_gradients_for_the_code_definition():
+    from aggregator_service.engine import Refused, validate_spec
+    from fedclinic.package import ModelPackage
+    from fedclinic.task import Task
+
+    manifest = ModelPackage({"w": np.zeros(2, np.float32)}).manifest()
+    kw = dict(name="k", dataset="d", labels=["a", "b"], strategy="dynamic-weighting",
+              strategy_params={"definition": "code"})
+    with pytest.raises(Refused, match="set training.measure_gradient_change = true"):
+        validate_spec(Task(**kw).to_spec(), manifest)
+    validate_spec(Task(**kw, measure_gradient_change=True).to_spec(), manifest)

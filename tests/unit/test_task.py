@@ -48,3 +48,19 @@ def test_task_toml_errors(tmp_path, body, message):
     (tmp_path / "t.toml").write_text(body)
     with pytest.raises(ConfigError, match=message):
         Task.from_toml(tmp_path / "t.toml")
+
+
+def test_string_strategy_options_travel_in_their_own_map_and_are_checked():
+    from fedclinic.task import Task
+
+    t = Task(name="k", dataset="d", labels=["a", "b"], strategy="fedatt",
+             strategy_params={"server_lr": 4, "granularity": "whole_model"})
+    spec = t.to_spec()
+    assert dict(spec.strategy_params) == {"server_lr": 4.0} and dict(spec.strategy_options) == {"granularity": "whole_model"}
+    from aggregator_service.engine import strategy_of
+
+    assert strategy_of(spec).granularity == "whole_model"
+    with pytest.raises(ConfigError, match="granularity must be one of"):
+        Task(name="k", dataset="d", labels=["a", "b"], strategy="fedatt", strategy_params={"granularity": "layer"}).validate()
+    with pytest.raises(ConfigError, match=r"strategy parameter\(s\) \['on'\] must be numbers or strings"):
+        Task(name="k", dataset="d", labels=["a", "b"], strategy="fedatt", strategy_params={"on": True}).validate()

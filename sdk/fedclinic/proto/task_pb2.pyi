@@ -24,7 +24,7 @@ UPDATE_KIND_UNSPECIFIED: UpdateKind
 UPDATE_KIND_DELTA: UpdateKind
 
 class TrainingConfig(_message.Message):
-    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state")
+    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class TrainingConfig(_message.Message):
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_GRADIENT_CHANGE_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     batch_size: int
     learning_rate: float
@@ -49,7 +50,8 @@ class TrainingConfig(_message.Message):
     max_length: int
     seed: int
     optimizer_state: str
-    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ...) -> None: ...
+    measure_gradient_change: bool
+    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ..., measure_gradient_change: _Optional[bool] = ...) -> None: ...
 
 class RoundConfig(_message.Message):
     __slots__ = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss", "max_round_retries")
@@ -110,7 +112,7 @@ class SecureAggregationConfig(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., threshold: _Optional[int] = ..., min_cohort: _Optional[int] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
-    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description")
+    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options")
     class StrategyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,13 @@ class TaskSpec(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class StrategyOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +143,7 @@ class TaskSpec(_message.Message):
     SITES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     architecture: str
@@ -150,4 +160,5 @@ class TaskSpec(_message.Message):
     sites: _containers.RepeatedScalarFieldContainer[str]
     tokenizer_sha256: str
     description: str
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+    strategy_options: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -6,13 +6,14 @@ from typing import Mapping
 
 from fedclinic.errors import ConfigError
 from fedclinic.strategies.base import Strategy
+from fedclinic.strategies.dynamic import DynamicWeighting
 from fedclinic.strategies.fedatt import FedAtt
 from fedclinic.strategies.fedavg import FedAvg
 from fedclinic.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from fedclinic.strategies.robust import Median, MultiKrum, NormBounded, TrimmedMean
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
-    FedAvg, FedAvgM, FedAtt, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded, MultiKrum)}
+    FedAvg, FedAvgM, FedAtt, DynamicWeighting, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded, MultiKrum)}
 
 
 def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strategy:
@@ -27,5 +28,5 @@ def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strat
         raise ConfigError(f"strategy {name!r}: bad parameters {dict(params or {})}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "FedAtt", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Median", "MultiKrum", "NormBounded", "Strategy",
+__all__ = ["STRATEGIES", "DynamicWeighting", "FedAtt", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Median", "MultiKrum", "NormBounded", "Strategy",
            "TrimmedMean", "make_strategy"]

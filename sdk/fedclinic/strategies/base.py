@@ -3,7 +3,7 @@
 A strategy sees one round as::
 
     strategy.begin(global_tensors)            # the model the round started from
-    strategy.accept(update, weight, site=...) # once per site, in arrival order
+    strategy.accept(update, strategy.weight_for(n, metrics), site=...)  # once per site, in arrival order
     new_tensors = strategy.finalize()         # tensors that changed; the rest stay as they were
 
 ``accept`` either takes the whole update or raises (IntegrityError/ValueError) *before* changing any
@@ -41,6 +41,15 @@ class Strategy(ABC):
 
     @abstractmethod
     def finalize(self) -> dict[str, np.ndarray]: ...
+
+    def weight_for(self, num_samples: int, metrics: Mapping[str, float]) -> float:
+        """The ``weight`` handed to :meth:`accept` for a site's update: its sample count, unless the strategy
+        weights by something the site reported in its update's metrics (IntegrityError if that is missing)."""
+        return float(num_samples)
+
+    def site_metrics(self) -> tuple[str, ...]:
+        """Metrics every site must report with its update for this strategy (checked when a task is submitted)."""
+        return ()
 
     def min_updates(self) -> int:
         """Fewest updates a round needs for this strategy to produce a model (checked against min_sites)."""
