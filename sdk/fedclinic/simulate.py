@@ -134,8 +134,9 @@ def simulate(
             if result.optimizer_state is not None:
                 optimizer_states[i] = result.optimizer_state
             delta = compute_delta(before, module_tensors(loaded.module, names), names)
-            reported = {} if result.gradient_change_rate is None else {
-                "gradient_change_rate": result.gradient_change_rate}
+            reported = {"train_loss": result.loss, "steps": float(result.steps)}  # as the agent reports them
+            if result.gradient_change_rate is not None:
+                reported["gradient_change_rate"] = result.gradient_change_rate
             strat.accept(delta, weight=strat.weight_for(result.num_samples, reported), site=f"site-{i}")
             loss_sum += result.loss * result.num_samples
             n_sum += result.num_samples

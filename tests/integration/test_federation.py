@@ -121,6 +121,7 @@ SERVICE_STRATEGIES = [
     ("fedatt", {"server_lr": 1.5}),          # online softmax over per-tensor distances
     ("dynamic-weighting", {}),               # weights from the deltas' norms (the IU-CXR report)
     ("dynamic-weighting", {"definition": "code"}),  # weights the sites report (the IU-CXR notebook)
+    ("weipro", {}),                          # three passes over spill files; phi kept in the strategy state
 ]
 
 
@@ -148,9 +149,10 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
                 for i, r in enumerate(rows):
                     out: list = []
                     delta, n = _replay_site(start, r, final.spec, result_out=out)
-                    rate = out[0].gradient_change_rate
-                    s.accept(delta, s.weight_for(n, {} if rate is None else {"gradient_change_rate": rate}),
-                             site=f"s{i}")
+                    reported = {"train_loss": out[0].loss, "steps": float(out[0].steps)}
+                    if out[0].gradient_change_rate is not None:
+                        reported["gradient_change_rate"] = out[0].gradient_change_rate
+                    s.accept(delta, s.weight_for(n, reported), site=f"site-{'abc'[i]}")
                 expected = s.finalize()
                 state = s.state()
                 for name, arr in expected.items():

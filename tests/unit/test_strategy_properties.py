@@ -37,6 +37,15 @@ def _ref_dynamic(g, ds, w, p):
     return g + p.get("server_lr", 1.0) * sum(ci * d for ci, d in zip(c, ds)) / (sum(c) + 1e-7)
 
 
+def _ref_weipro(g, ds, w, p):
+    """First round (phi = 1 everywhere): rho from the given weights, projections on R, alpha from |p|."""
+    rho = np.asarray(w, dtype=np.float64) / np.sum(w)
+    r = sum(ri * d for ri, d in zip(rho, ds))
+    proj = np.array([np.dot(d, r) for d in ds]) / np.linalg.norm(r)
+    alpha = np.abs(proj) / np.abs(proj).sum()
+    return g + sum(a * d for a, d in zip(alpha, ds))
+
+
 def _ref_median(g, ds, w, p):
     return g + np.median(np.stack(ds), axis=0)
 
@@ -81,6 +90,7 @@ REFERENCES = {
     "fedatt": ({"server_lr": 4.0}, _ref_fedatt),
     "dynamic-weighting": ({}, _ref_dynamic),
     "median": ({}, _ref_median),
+    "weipro": ({}, _ref_weipro),
     "trimmed-mean": ({"beta": 0.2}, _ref_trimmed),
     "norm-bounded": ({"max_norm": 2.0}, _ref_norm_bounded),
     "multi-krum": ({"byzantine": 1}, _ref_krum),
@@ -139,7 +149,7 @@ def test_permutation_invariant(name, n, seed):
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedatt", "median", "trimmed-mean", "norm-bounded", "multi-krum",
-                                  "dynamic-weighting"])
+                                  "dynamic-weighting", "weipro"])
 @settings(max_examples=15, deadline=None)
 @given(n=sites_st, seed=st.integers(0, 10_000))
 def test_identical_updates_aggregate_to_themselves(name, n, seed):
@@ -291,3 +301,45 @@ def test_task_validation_requires_measured_gradients_for_the_code_definition():
     with pytest.raises(Refused, match="set training.measure_gradient_change = true"):
         validate_spec(Task(**kw).to_spec(), manifest)
     validate_spec(Task(**kw, measure_gradient_change=True).to_spec(), manifest)
+
+
+# ---- WeiPro (CancersQA) -------------------------------------------------------------------------------------
+
+
+def test_weipro_alpha_sums_to_one_and_phi_counts_rounds_joined_across_saved_state():
+    g = {"w": np.zeros(3, np.float32)}
+    d = {"a": np.array([1.0, 0, 0], np.float32), "b": np.array([0.0, 1.0, 0], np.float32)}
+    s = make_strategy("weipro")
+    s.begin(g)
+    s.accept({"w": d["a"]}, 1.0, site="a")
+    s.finalize()
+    assert s.alpha == {"a": 1.0}
+    state = s.state()
+    # round 2: a has joined twice (phi 2), b once, equal losses -> rho = (2/3, 1/3)
+    s2 = make_strategy("weipro")
+    s2.load_state(state)
+    s2.begin(g)
+    s2.accept({"w": d["a"]}, 1.0, site="a")
+    s2.accept({"w": d["b"]}, 1.0, site="b")
+    out = s2.finalize()["w"]
+    # R = (2/3, 1/3, 0); p = (2/3, 1/3) / |R|; alpha = (2/3, 1/3)
+    np.testing.assert_allclose(out, [2 / 3, 1 / 3, 0], rtol=1e-6)
+    assert math.isclose(sum(s2.alpha.values()), 1.0)
+    assert {k: float(v[0]) for k, v in s2.state().items()} == {"phi/a": 2.0, "phi/b": 1.0}
+
+
+def test_weipro_reference_weights_come_from_the_reported_loss():
+    from fedclinic.errors import IntegrityError
+
+    s = make_strategy("weipro")
+    assert s.weight_for(100, {"train_loss": 0.5, "steps": 8}) == 4.0          # sum of batch losses, n = GPUs = 1
+    assert make_strategy("weipro", {"n_mode": "samples", "loss_reduction": "mean"}).weight_for(
+        100, {"train_loss": 0.5}) == 50.0
+    with pytest.raises(IntegrityError, match="train_loss"):
+        s.weight_for(100, {})
+    relu = make_strategy("weipro", {"z": "relu"})
+    relu.begin({"w": np.zeros(2, np.float32)})
+    relu.accept({"w": np.array([1.0, 0], np.float32)}, 3.0, site="x")
+    relu.accept({"w": np.array([-1.0, 0.1], np.float32)}, 1.0, site="y")   # points against the reference
+    relu.finalize()
+    assert relu.alpha["y"] < 1e-9 and relu.alpha["x"] > 0.999999

@@ -11,9 +11,10 @@ from fedclinic.strategies.fedatt import FedAtt
 from fedclinic.strategies.fedavg import FedAvg
 from fedclinic.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from fedclinic.strategies.robust import Median, MultiKrum, NormBounded, TrimmedMean
+from fedclinic.strategies.weipro import WeiPro
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
-    FedAvg, FedAvgM, FedAtt, DynamicWeighting, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded, MultiKrum)}
+    FedAvg, FedAvgM, FedAtt, DynamicWeighting, WeiPro, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded, MultiKrum)}
 
 
 def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strategy:
@@ -29,4 +30,4 @@ def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strat
 
 
 __all__ = ["STRATEGIES", "DynamicWeighting", "FedAtt", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Median", "MultiKrum", "NormBounded", "Strategy",
-           "TrimmedMean", "make_strategy"]
+           "TrimmedMean", "WeiPro", "make_strategy"]
