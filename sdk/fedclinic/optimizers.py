@@ -100,19 +100,24 @@ def _self_adam_class():
                 for p in params:
                     if not self.state[p]:
                         self.state[p] = {"step": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)}
-                # every tensor of a group steps together, so one counter (the first tensor's) serves them all
-                s = self.state[params[0]]["step"] + 1
-                ms = [self.state[p]["m"] for p in params]
-                vs = [self.state[p]["v"] for p in params]
-                for p in params:
-                    self.state[p]["step"] = s
-                torch._foreach_lerp_(ms, grads, 1 - b1)                      # Eq. 16: m = b1 m + (1-b1) g
-                torch._foreach_mul_(vs, b2)                                  # Eq. 17
-                torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-                denom = torch._foreach_div(vs, 1 - b2 ** s)                  # Eq. 19: v_hat
-                torch._foreach_sqrt_(denom)
-                torch._foreach_add_(denom, eps)                              # sqrt(v_hat) + eps, Eq. 20
-                torch._foreach_addcdiv_(params, ms, denom, value=-lr / (1 - b1 ** s))  # Eqs. 18, 20
+                    self.state[p]["step"] += 1
+                # tensors that started together share s and step in one batch of foreach kernels; one that
+                # joined the trainable set later (its own, smaller s) gets its own batch
+                by_step: dict[int, list[int]] = {}
+                for i, p in enumerate(params):
+                    by_step.setdefault(self.state[p]["step"], []).append(i)
+                for s, idx in by_step.items():
+                    ps = [params[i] for i in idx]
+                    gs = [grads[i] for i in idx]
+                    ms = [self.state[p]["m"] for p in ps]
+                    vs = [self.state[p]["v"] for p in ps]
+                    torch._foreach_lerp_(ms, gs, 1 - b1)                       # Eq. 16: m = b1 m + (1-b1) g
+                    torch._foreach_mul_(vs, b2)                                   # Eq. 17
+                    torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+                    denom = torch._foreach_div(vs, 1 - b2 ** s)                   # Eq. 19: v_hat
+                    torch._foreach_sqrt_(denom)
+                    torch._foreach_add_(denom, eps)                               # sqrt(v_hat) + eps, Eq. 20
+                    torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - b1 ** s))  # Eqs. 18, 20
             return loss
 
     _SELF_ADAM = SelfAdam

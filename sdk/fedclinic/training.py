@@ -14,7 +14,8 @@ Objective per mini-batch B (mean over its examples)::
     FedProx:       L + mu/2 * sum_{p trainable} ||p - p_round_start||^2   (added to the gradient as mu (p - p_0))
 
 Only tensors named in ``trainable`` get gradients. The optimiser (:mod:`fedclinic.optimizers`) is created
-fresh each call; with ``optimizer_state = "keep"`` its moments are carried over from the previous round. Batches are trimmed to their longest sequence, so short texts cost less.
+fresh each call; with ``optimizer_state = "keep"`` its moments are carried over from the previous round.
+Batches are trimmed to their longest sequence, so short texts cost less.
 Randomness (shuffling, dropout) is seeded from ``cfg.seed`` inside a forked RNG, so the caller's global
 RNG state is left as it was.
 """
@@ -38,7 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from fedclinic.data import Example
     from fedclinic.models import LoadedModel
-
 
 
 @dataclass

@@ -188,3 +188,15 @@ def test_gradient_change_rate_is_measured_on_full_passes_before_and_after_traini
     assert result.gradient_change_rate == pytest.approx(gradient_change_rate(before, after), rel=1e-5)
     assert result.gradient_change_rate > 0
     assert train_local(model, data, TrainConfig(max_grad_norm=0), trainable=names).gradient_change_rate is None
+
+
+def test_a_tensor_joining_the_trainable_set_later_gets_its_own_step_counter():
+    x, y = _blobs(n=30)
+    model = build(package_feature_model(num_features=4, labels=["a", "b", "c"]))
+    data = encode_features(x, y, model)
+    keep = TrainConfig(local_epochs=1, batch_size=10, learning_rate=0.01, optimizer="self_adam", max_grad_norm=0,
+                       optimizer_state="keep")
+    first = train_local(model, data, keep, trainable=["linear.bias"])
+    second = train_local(model, data, keep, trainable=["linear.weight", "linear.bias"],
+                         optimizer_state=first.optimizer_state)
+    assert second.optimizer_state["linear.bias"]["step"] == 6 and second.optimizer_state["linear.weight"]["step"] == 3
