@@ -5,7 +5,8 @@ Per round ``r``::
     S_r   = the participating sites (all, or a seeded sample of ceil(participation * K), at least 1)
     for i in S_r:                       # sequentially, one warm model shared by the simulated sites
         load the global tensors -> train_local(seed_{r,i}) -> d_i = local - global on the trainable tensors
-        strategy.accept(d_i, weight=n_i, site=f"site-{i}")
+        w_i = strategy.weight_for(n_i, metrics_i)   # n_i, or a metric the site reports (train_loss, ...)
+        strategy.accept(d_i, weight=w_i, site=f"site-{i}")
     global.update(strategy.finalize())  # e.g. FedAvg: w <- w + eta * sum n_i d_i / sum n_i
     evaluate the new global model on eval_data (if given)
 
@@ -97,6 +98,7 @@ def simulate(
 
     loaded = build_model(package)
     names = select_tensors(list(package.tensors), trainable_patterns, frozen_patterns)
+
     def prepared(rows):
         return rows if hasattr(rows, "batch") else encode(list(rows), loaded, max_length=train.max_length)
 
