@@ -117,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_task_command)
 
     from fedclinic.experiment import add_experiment_commands
+    from fedclinic.export import add_export_commands
 
     add_experiment_commands(sub)
+    add_export_commands(sub)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
     from fedclinic.demo import add_demo_arguments, run_demo

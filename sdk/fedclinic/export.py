@@ -1,0 +1,283 @@
+"""ONNX export of a model package, with a parity check against PyTorch.
+
+``fedclinic export onnx MODEL_DIR OUT_DIR [--int8]`` writes::
+
+    OUT_DIR/model.onnx            fp32 graph, dynamic batch (and sequence) axes, opset 18
+    OUT_DIR/model.int8.onnx       with --int8: dynamic int8 quantization of the weights (onnxruntime)
+    OUT_DIR/tokenizer.json, fedclinic_model.json (and config.json)   what a server needs besides the graph
+    OUT_DIR/export_report.json    parity figures, tolerances, inputs
+
+Inputs and outputs:
+
+- text-classification: ``input_ids`` and ``attention_mask`` (int64 ``[batch, seq]``) -> ``logits``.
+- feature-classification: ``features`` (float32 ``[batch, num_features]``) -> ``logits``.
+
+Parity: the held-out inputs (from ``--texts`` rows, or seeded random inputs of several batch sizes and
+sequence lengths, with padding) go through PyTorch and onnxruntime. The maximum absolute difference of the
+logits is printed, and the export fails above the tolerance (fp32: 1e-4). For int8 the figure is the
+same maximum difference plus top-1 agreement with PyTorch, checked against ``int8_tolerance`` (default 0.5
+absolute) and 90 % agreement: quantization changes values by design.
+
+The exporter is torch's (``torch.onnx.export(..., dynamo=True)``); the graph is checked with ``onnx.checker``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from fedclinic.errors import ConfigError, IntegrityError
+
+OPSET = 18
+FP32_TOLERANCE = 1e-4
+INT8_TOLERANCE = 0.5
+INT8_MIN_AGREEMENT = 0.9
+#: family/architecture -> why it cannot be exported yet
+UNSUPPORTED = {
+    "text-classification/lstm": "its forward packs variable-length sequences (pack_padded_sequence), which "
+                                "torch's ONNX exporter cannot trace with dynamic lengths",
+}
+_SIDE_FILES = ("tokenizer.json", "fedclinic_model.json", "config.json", "tokenizer_config.json",
+               "special_tokens_map.json")
+
+
+@dataclass
+class ParityResult:
+    max_abs_diff: float
+    top1_agreement: float
+    tolerance: float
+    inputs: int
+
+
+@dataclass
+class ExportReport:
+    family: str
+    architecture: str
+    opset: int
+    fp32: ParityResult
+    int8: ParityResult | None = None
+    files: list[str] = field(default_factory=list)
+
+
+class ParityError(IntegrityError):
+    """The exported graph does not compute what the PyTorch model computes (within the stated tolerance)."""
+
+
+def _wrapper(loaded) -> tuple[Any, list[str]]:
+    """A module whose named tensor inputs call the family's forward, and the input names."""
+    import torch
+
+    if loaded.meta.get("family") == "feature-classification":
+        class FeatureForward(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = loaded.module
+
+            def forward(self, features):
+                return loaded.logits(features)
+
+        return FeatureForward().eval(), ["features"]
+
+    class TextForward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = loaded.module
+
+        def forward(self, input_ids, attention_mask):
+            return loaded.logits(input_ids, attention_mask)
+
+    return TextForward().eval(), ["input_ids", "attention_mask"]
+
+
+def parity_inputs(loaded, *, texts: Sequence[str] = (), seed: int = 0) -> list[tuple[np.ndarray, ...]]:
+    """Held-out inputs: ``texts`` tokenized with the model's tokenizer, or seeded random batches of sizes 1, 3
+    and 8 (text: lengths up to the model's max_length, right-padded like the trainer pads)."""
+    rng = np.random.default_rng(seed)
+    if loaded.meta.get("family") == "feature-classification":
+        return [(rng.normal(size=(b, loaded.num_features)).astype(np.float32),) for b in (1, 3, 8)]
+    max_len = loaded.max_length
+    batches = []
+    if texts:
+        tok = loaded.tokenizer
+        tok.no_padding()
+        tok.enable_truncation(max_len)
+        try:
+            encs = tok.encode_batch(list(texts))
+        finally:
+            tok.no_truncation()
+        for start in range(0, len(encs), 8):
+            chunk = encs[start:start + 8]
+            width = max(1, max(len(e.ids) for e in chunk))
+            ids = np.full((len(chunk), width), loaded.pad_id, np.int64)
+            mask = np.zeros((len(chunk), width), np.int64)
+            for i, e in enumerate(chunk):
+                ids[i, :len(e.ids)] = e.ids
+                mask[i, :len(e.ids)] = 1
+            batches.append((ids, mask))
+        return batches
+    vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
+    for b, width in ((1, 5), (3, max(2, max_len // 2)), (8, max_len)):
+        lengths = rng.integers(1, width + 1, size=b)
+        lengths[0] = width
+        ids = np.full((b, width), loaded.pad_id, np.int64)
+        mask = np.zeros((b, width), np.int64)
+        for i, n in enumerate(lengths):
+            ids[i, :n] = rng.integers(0, vocab, size=n)
+            mask[i, :n] = 1
+        batches.append((ids, mask))
+    return batches
+
+
+def check_parity(run_onnx: Callable[..., np.ndarray], run_torch: Callable[..., np.ndarray],
+                 batches: Sequence[tuple[np.ndarray, ...]], *, tolerance: float,
+                 min_agreement: float = 1.0) -> ParityResult:
+    """Compare logits on every batch; ParityError if max |diff| > tolerance or top-1 agreement < min_agreement."""
+    worst, agree, total = 0.0, 0, 0
+    for batch in batches:
+        got, want = np.asarray(run_onnx(*batch)), np.asarray(run_torch(*batch))
+        if got.shape != want.shape:
+            raise ParityError(f"ONNX logits have shape {got.shape}, PyTorch {want.shape}")
+        worst = max(worst, float(np.max(np.abs(got - want))))
+        agree += int(np.sum(got.argmax(-1) == want.argmax(-1)))
+        total += int(got.shape[0])
+    result = ParityResult(max_abs_diff=worst, top1_agreement=agree / max(total, 1), tolerance=tolerance,
+                          inputs=total)
+    if not worst <= tolerance:
+        raise ParityError(f"parity check failed: max |ONNX - PyTorch| = {worst:.3g} > tolerance {tolerance:g} over "
+                          f"{total} inputs; the exported graph does not match the model")
+    if result.top1_agreement < min_agreement:
+        raise ParityError(f"parity check failed: top-1 agreement {result.top1_agreement:.1%} < "
+                          f"{min_agreement:.0%} over {total} inputs")
+    return result
+
+
+def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = False, texts: Sequence[str] = (),
+                tolerance: float = FP32_TOLERANCE, int8_tolerance: float = INT8_TOLERANCE, overwrite: bool = False,
+                log: Callable[[str], None] = lambda _m: None) -> ExportReport:
+    """Export the package in ``model_dir`` to ``out_dir`` and check parity; see the module docstring."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from fedclinic.models import build_model
+    from fedclinic.package import ModelPackage
+
+    if not tolerance > 0 or not int8_tolerance > 0:
+        raise ConfigError("tolerances must be > 0")
+    src, out = Path(model_dir), Path(out_dir)
+    if not src.is_dir():
+        raise ConfigError(f"{src} is not a folder; give a model package folder (e.g. from `fedclinic task download`)")
+    if (out / "model.onnx").exists() and not overwrite:
+        raise ConfigError(f"{out / 'model.onnx'} exists; choose another OUT_DIR or pass --overwrite")
+    package = ModelPackage.load(src)
+    loaded = build_model(package)
+    module, input_names = _wrapper(loaded)
+    batches = parity_inputs(loaded, texts=texts)
+    example = tuple(torch.from_numpy(x) for x in batches[-1])
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    dynamic: dict[str, dict[int, Any]] = {name: {0: batch} for name in input_names}
+    if len(input_names) == 2:
+        seq = torch.export.Dim("seq", min=2, max=max(loaded.max_length, 2))
+        for name in input_names:
+            dynamic[name][1] = seq
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.onnx.tmp"
+    log(f"exporting {loaded.meta.get('family')}/{loaded.meta.get('architecture')} to ONNX (opset {OPSET})")
+    kind = f"{loaded.meta.get('family')}/{loaded.meta.get('architecture')}"
+    if kind in UNSUPPORTED:
+        raise ConfigError(f"ONNX export of {kind} models is not available yet: {UNSUPPORTED[kind]}")
+    with torch.no_grad(), warnings.catch_warnings():
+        # batch and seq of every input share one constraint; the exporter says so once per axis
+        warnings.filterwarnings("ignore", message="# The axis name")
+        program = torch.onnx.export(module, example, dynamo=True, opset_version=OPSET, input_names=input_names,
+                                    output_names=["logits"], dynamic_shapes=dynamic,
+                                    verbose=False)
+        program.save(str(tmp))
+    onnx.checker.check_model(str(tmp))
+
+    def torch_logits(*xs):
+        with torch.no_grad():
+            return module(*(torch.from_numpy(x) for x in xs)).float().numpy()
+
+    def session_runner(path: Path):
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return lambda *xs: session.run(["logits"], dict(zip(input_names, xs)))[0]
+
+    try:
+        fp32 = check_parity(session_runner(tmp), torch_logits, batches, tolerance=tolerance)
+    except ParityError:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out / "model.onnx")
+    log(f"fp32 parity: max |ONNX - PyTorch| = {fp32.max_abs_diff:.3g} over {fp32.inputs} inputs "
+        f"(tolerance {tolerance:g})")
+    report = ExportReport(family=str(loaded.meta.get("family")), architecture=str(loaded.meta.get("architecture")),
+                          opset=OPSET, fp32=fp32, files=["model.onnx"])
+    if int8:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        qtmp = out / "model.int8.onnx.tmp"
+        # the exporter's recorded intermediate shapes can contradict onnx's own inference (a fixed example
+        # size); the quantizer re-infers them, so hand it the graph without them
+        graph = onnx.load(str(out / "model.onnx"))
+        graph.graph.ClearField("value_info")
+        plain = out / "model.plain.onnx.tmp"
+        onnx.save(graph, str(plain))
+        try:
+            quantize_dynamic(str(plain), str(qtmp), weight_type=QuantType.QInt8)
+        finally:
+            plain.unlink(missing_ok=True)
+        try:
+            report.int8 = check_parity(session_runner(qtmp), torch_logits, batches, tolerance=int8_tolerance,
+                                       min_agreement=INT8_MIN_AGREEMENT)
+        except ParityError:
+            qtmp.unlink(missing_ok=True)
+            raise
+        qtmp.replace(out / "model.int8.onnx")
+        report.files.append("model.int8.onnx")
+        log(f"int8 parity: max |ONNX - PyTorch| = {report.int8.max_abs_diff:.3g}, top-1 agreement "
+            f"{report.int8.top1_agreement:.1%} (tolerance {int8_tolerance:g}, >= {INT8_MIN_AGREEMENT:.0%})")
+    for name in _SIDE_FILES:
+        if name in package.files:
+            (out / name).write_bytes(package.files[name])
+            report.files.append(name)
+    (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report
+
+
+def add_export_commands(sub) -> None:
+    """``fedclinic export onnx MODEL_DIR OUT_DIR [--int8]``."""
+    exp = sub.add_parser("export", help="export a model package for serving")
+    esub = exp.add_subparsers(dest="export_cmd", required=True)
+    p = esub.add_parser("onnx", help="export to ONNX and check parity against PyTorch")
+    p.add_argument("model_dir", help="a model package folder (fedclinic task download)")
+    p.add_argument("out_dir")
+    p.add_argument("--int8", action="store_true", help="also write a dynamically int8-quantized model")
+    p.add_argument("--texts", help="JSONL with a 'text' field per row: held-out inputs for the parity check")
+    p.add_argument("--tolerance", type=float, default=FP32_TOLERANCE, help="fp32 max |diff| allowed")
+    p.add_argument("--int8-tolerance", type=float, default=INT8_TOLERANCE, help="int8 max |diff| allowed")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT_DIR")
+    p.set_defaults(func=_export_command)
+
+
+def _export_command(args) -> int:
+    texts: list[str] = []
+    if args.texts:
+        path = Path(args.texts)
+        if not path.is_file():
+            raise ConfigError(f"{path} does not exist")
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    texts.append(str(json.loads(line)["text"]))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ConfigError(f"{path}:{i}: expected a JSON object with a 'text' field") from None
+    export_onnx(args.model_dir, args.out_dir, int8=args.int8, texts=texts, tolerance=args.tolerance,
+                int8_tolerance=args.int8_tolerance, overwrite=args.overwrite, log=lambda m: print(m, flush=True))
+    print(f"wrote {Path(args.out_dir) / 'model.onnx'}" + (" and model.int8.onnx" if args.int8 else ""))
+    return 0

@@ -1,0 +1,89 @@
+"""ONNX export: real exports of tiny models, parity against PyTorch in onnxruntime, and every refusal."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fedclinic.cli import main
+from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.export import ParityError, check_parity, export_onnx
+from fedclinic.models.feature_classification import package_feature_model
+
+from tests.integration.conftest import tiny_package
+
+
+@pytest.mark.parametrize("architecture", ["transformer", "logreg"])
+def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, architecture):
+    import onnxruntime as ort
+
+    from fedclinic.models import build_model
+
+    pkg = tiny_package(architecture, seed=3)
+    pkg.save(tmp_path / "pkg")
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True)
+    assert report.fp32.max_abs_diff <= 1e-4 and report.fp32.inputs == 12
+    assert report.int8 is not None and report.int8.top1_agreement >= 0.9
+    saved = json.loads((tmp_path / "out" / "export_report.json").read_text())
+    assert saved["fp32"]["max_abs_diff"] == report.fp32.max_abs_diff
+    assert {"model.onnx", "model.int8.onnx", "tokenizer.json", "fedclinic_model.json"} <= set(report.files)
+    # a batch and length never seen at export time runs, and padding changes nothing for the real tokens
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    loaded = build_model(pkg)
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 0, 0, 0, 0]], np.int64)
+    ids[1, 3:] = loaded.pad_id
+    mask = (np.arange(7)[None, :] < np.array([[7], [3]])).astype(np.int64)
+    padded = session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
+    alone = session.run(["logits"], {"input_ids": ids[1:, :3], "attention_mask": mask[1:, :3]})[0]
+    np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
+
+
+def test_feature_model_exports(tmp_path):
+    package_feature_model(num_features=5, labels=["a", "b"]).save(tmp_path / "pkg")
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out")
+    assert report.family == "feature-classification" and report.fp32.max_abs_diff <= 1e-4 and report.int8 is None
+
+
+def test_parity_check_fails_above_the_tolerance_and_leaves_no_model(tmp_path):
+    tiny_package("transformer").save(tmp_path / "pkg")
+    with pytest.raises(ParityError, match=r"max \|ONNX - PyTorch\| = .* > tolerance 1e-15"):
+        export_onnx(tmp_path / "pkg", tmp_path / "out", tolerance=1e-15)
+    assert not list((tmp_path / "out").glob("model*"))
+    ones = lambda *xs: np.ones((2, 3))  # noqa: E731
+    flipped = lambda *xs: np.array([[0.0, 1, 0], [1, 0, 0]])  # noqa: E731
+    with pytest.raises(ParityError, match="top-1 agreement 0.0%"):
+        check_parity(flipped, lambda *xs: np.array([[1.0, 0, 0], [0, 1, 0]]), [(np.zeros(1),)], tolerance=5,
+                     min_agreement=0.9)
+    with pytest.raises(ParityError, match="shape"):
+        check_parity(ones, lambda *xs: np.ones((2, 4)), [(np.zeros(1),)], tolerance=1)
+
+
+def test_refusals_say_what_to_do(tmp_path):
+    with pytest.raises(ConfigError, match="is not a folder"):
+        export_onnx(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IntegrityError, match="holds no model.safetensors"):
+        export_onnx(tmp_path / "empty", tmp_path / "out")
+    tiny_package("lstm").save(tmp_path / "lstm")
+    with pytest.raises(ConfigError, match="ONNX export of text-classification/lstm models is not available yet"):
+        export_onnx(tmp_path / "lstm", tmp_path / "out")
+    package_feature_model(num_features=3, labels=["a", "b"]).save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "out")
+    before = (tmp_path / "out" / "model.onnx").read_bytes()
+    with pytest.raises(ConfigError, match="exists; choose another OUT_DIR or pass --overwrite"):
+        export_onnx(tmp_path / "pkg", tmp_path / "out")
+    assert (tmp_path / "out" / "model.onnx").read_bytes() == before  # nothing already stored is lost
+
+
+def test_cli_export_with_held_out_texts(tmp_path, capsys):
+    tiny_package("logreg").save(tmp_path / "pkg")
+    texts = tmp_path / "heldout.jsonl"
+    texts.write_text('{"text": "fever and cough"}\n{"text": "rash after amoxicillin"}\n')
+    assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "out"), "--texts", str(texts)]) == 0
+    assert "fp32 parity: max |ONNX - PyTorch|" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "export_report.json").read_text())["fp32"]["inputs"] == 2
+    texts.write_text("not json\n")
+    assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "o2"), "--texts", str(texts)]) == 2
+    assert "heldout.jsonl:1: expected a JSON object with a 'text' field" in capsys.readouterr().err
