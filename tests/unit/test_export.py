@@ -15,7 +15,7 @@ from fedclinic.models.feature_classification import package_feature_model
 from tests.integration.conftest import tiny_package
 
 
-@pytest.mark.parametrize("architecture", ["transformer", "logreg"])
+@pytest.mark.parametrize("architecture", ["transformer", "lstm", "logreg"])
 def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, architecture):
     import onnxruntime as ort
 
@@ -66,9 +66,6 @@ def test_refusals_say_what_to_do(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(IntegrityError, match="holds no model.safetensors"):
         export_onnx(tmp_path / "empty", tmp_path / "out")
-    tiny_package("lstm").save(tmp_path / "lstm")
-    with pytest.raises(ConfigError, match="ONNX export of text-classification/lstm models is not available yet"):
-        export_onnx(tmp_path / "lstm", tmp_path / "out")
     package_feature_model(num_features=3, labels=["a", "b"]).save(tmp_path / "pkg")
     export_onnx(tmp_path / "pkg", tmp_path / "out")
     before = (tmp_path / "out" / "model.onnx").read_bytes()
@@ -87,3 +84,26 @@ def test_cli_export_with_held_out_texts(tmp_path, capsys):
     texts.write_text("not json\n")
     assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "o2"), "--texts", str(texts)]) == 2
     assert "heldout.jsonl:1: expected a JSON object with a 'text' field" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", [
+    {"embedding_dim": 8, "hidden_size": 12, "num_layers": 2, "bidirectional": True, "dropout": 0.3},
+    {"embedding_dim": 8, "hidden_size": 12, "num_layers": 2, "bidirectional": False},
+])
+def test_lstm_export_path_equals_the_packed_path(config):
+    """The LSTM's unpacked forward (what the exporter traces) against the packed one, with ragged lengths."""
+    import torch
+
+    from fedclinic.models import build_model, package_from_config
+
+    from tests.integration.conftest import LABELS, tiny_tokenizer_json
+
+    pkg = package_from_config(architecture="lstm", labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
+                              config=config, max_length=16, seed=1)
+    module = build_model(pkg).module.eval()
+    ids = torch.randint(1, 20, (4, 9), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(9)[None] < torch.tensor([9, 3, 1, 6])[:, None]).long()
+    with torch.no_grad():
+        packed = module(ids, mask)
+        unpacked = module.classifier(module._features_unpacked(ids, mask))
+    np.testing.assert_allclose(unpacked.numpy(), packed.numpy(), atol=1e-6)

@@ -143,12 +143,52 @@ def _lstm_class():
             self.classifier = nn.Linear(hidden_size * (2 if bidirectional else 1), num_labels)
 
         def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_exporting():
+                return self.classifier(self._features_unpacked(input_ids, attention_mask))
             lengths = attention_mask.sum(dim=1).clamp(min=1).to("cpu", torch.int64)
             packed = pack_padded_sequence(self.embedding(input_ids), lengths, batch_first=True,
                                           enforce_sorted=False)
             _, (h_n, _) = self.lstm(packed)  # h_n: [layers * dirs, batch, hidden], in input order
             feat = torch.cat([h_n[-2], h_n[-1]], dim=-1) if self.bidirectional else h_n[-1]
             return self.classifier(self.dropout(feat))
+
+        def _features_unpacked(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            """The same final hidden states without packing (inference only; for ONNX export, where packed
+            sequences of dynamic lengths cannot be traced).
+
+            Each direction runs as a one-layer LSTM over the padded batch. The reverse direction runs forward
+            over each sequence reversed *within its length* (positions past the length stay in place), so a
+            valid position never sees padding; the export's parity check compares this with the packed path.
+            """
+            lengths = attention_mask.sum(dim=1).clamp(min=1)
+            steps = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            inside = steps < lengths.unsqueeze(1)
+            rev = torch.where(inside, lengths.unsqueeze(1) - 1 - steps, steps)  # an involution on each row
+            x = self.embedding(input_ids)
+            hidden = self.lstm.hidden_size
+
+            def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                return torch.gather(t, 1, index.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+            def run(inp: torch.Tensor, layer: int, suffix: str) -> torch.Tensor:
+                weights = [getattr(self.lstm, f"{kind}_l{layer}{suffix}")
+                           for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+                zeros = inp.new_zeros(1, inp.shape[0], hidden)
+                out, _, _ = torch.lstm(inp, (zeros, zeros), weights, True, 1, 0.0, False, False, True)
+                return out
+
+            for layer in range(self.lstm.num_layers):
+                forward_out = run(x, layer, "")
+                if self.bidirectional:
+                    backward_out = gather(run(gather(x, rev), layer, "_reverse"), rev)
+                    x = torch.cat([forward_out, backward_out], dim=-1)
+                else:
+                    x = forward_out
+            last = (lengths - 1).unsqueeze(1)
+            h_forward = gather(forward_out, last).squeeze(1)
+            if not self.bidirectional:
+                return h_forward
+            return torch.cat([h_forward, backward_out[:, 0]], dim=-1)
 
     return LSTMClassifier
 
