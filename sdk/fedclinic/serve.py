@@ -1,0 +1,138 @@
+"""``fedclinic serve BUNDLE``: an HTTP/JSON inference service for an exported classifier bundle.
+
+API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
+
+    GET  /healthz                -> 200 {"status": "ok"}                      (the process is up)
+    GET  /readyz                 -> 200 {"ready": true, "model": {...}}      (the model is loaded)
+    POST /v1/predict             {"texts": ["...", ...]}                     (text bundles)
+                                 {"features": [[...], ...]}                   (feature bundles)
+                             -> 200 {"predictions": [{"label": ..., "scores": {...}}, ...]}
+
+Limits: at most ``MAX_ITEMS`` inputs and ``MAX_BODY`` bytes per request. It binds to 127.0.0.1 by default.
+The service has no TLS and no authentication: expose it only behind the hospital's reverse proxy or
+integration engine (see SECURITY.md). SIGTERM and SIGINT stop it gracefully.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedclinic.errors import FedclinicError
+
+MAX_ITEMS = 256
+MAX_BODY = 1 << 20
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
+    """An HTTP server answering the API above with ``bundle`` (a :class:`fedclinic.serving.ClassifierBundle`)."""
+    info = {"family": bundle.family, "labels": bundle.labels, "multi_label": bundle.multi_label}
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "fedclinic-serve"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            pass  # request logs would carry nothing useful; errors are returned to the caller
+
+        def _send(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            if self.path == "/healthz":
+                self._send(HTTPStatus.OK, {"status": "ok"})
+            elif self.path == "/readyz":
+                self._send(HTTPStatus.OK, {"ready": True, "model": info})
+            else:
+                self._send(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {self.path}; see /v1/predict"})
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            if self.path != "/v1/predict":
+                self._send(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {self.path}; POST to /v1/predict"})
+                return
+            try:
+                self._send(HTTPStatus.OK, {"predictions": self._predict()})
+            except _BadRequest as exc:
+                self._send(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
+            except FedclinicError as exc:
+                self._send(HTTPStatus.UNPROCESSABLE_ENTITY, {"error": str(exc)})
+
+        def _predict(self) -> list[dict]:
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                raise _BadRequest("send a JSON body with a Content-Length header") from None
+            if length > MAX_BODY:
+                raise _BadRequest(f"the body is {length} bytes; the limit is {MAX_BODY}: send fewer inputs per call")
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _BadRequest("the body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise _BadRequest('expected a JSON object like {"texts": ["..."]}')
+            key = "features" if bundle.family == "feature-classification" else "texts"
+            items = body.get(key)
+            if not isinstance(items, list) or not items:
+                raise _BadRequest(f"expected a non-empty list in {key!r} (this model is {bundle.family})")
+            if len(items) > MAX_ITEMS:
+                raise _BadRequest(f"{len(items)} inputs; the limit is {MAX_ITEMS} per call")
+            if key == "texts":
+                return bundle.predict(items)
+            try:
+                x = np.asarray(items, dtype=np.float32)
+            except (TypeError, ValueError):
+                raise _BadRequest("features must be a list of equal-length lists of numbers") from None
+            return bundle.predict_features(x)
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def add_serve_command(sub) -> None:
+    p = sub.add_parser("serve", help="serve an exported classifier over HTTP/JSON")
+    p.add_argument("bundle", help="a folder written by `fedclinic export onnx`")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")
+    p.add_argument("--int8", action="store_true", help="serve model.int8.onnx")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = its default)")
+    p.add_argument("--port-file", help="write the bound port here once ready (for supervisors and tests)")
+    p.set_defaults(func=_serve_command)
+
+
+def _serve_command(args) -> int:
+    from fedclinic.serving import ClassifierBundle
+
+    bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads)
+    server = make_server(bundle, args.host, args.port)
+    port = server.server_address[1]
+
+    def stop(_signum, _frame) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"serving {args.bundle} ({bundle.family}, {len(bundle.labels)} labels) on http://{args.host}:{port}",
+          flush=True)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0

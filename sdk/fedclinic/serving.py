@@ -1,0 +1,112 @@
+"""Serve exported classifiers: load an ONNX bundle (``fedclinic export onnx``) and predict from raw inputs.
+
+A bundle folder holds ``model.onnx`` (and optionally ``model.int8.onnx``), ``fedclinic_model.json`` (labels,
+family) and, for text models, ``tokenizer.json``. Serving needs onnxruntime, numpy and tokenizers, not torch::
+
+    bundle = ClassifierBundle("onnx-model/", int8=True)
+    bundle.predict(["Took it for three weeks, the rash is gone."])
+    # [{"label": "Acne", "scores": {"Acne": 0.91, "Depression": 0.02, ...}}]
+
+Single-label scores are the softmax of the logits; multi-label scores are per-label sigmoids, and
+``labels`` lists those at or above ``threshold`` (0.5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedclinic.errors import ConfigError, DatasetError
+
+
+class ClassifierBundle:
+    def __init__(self, folder: str | Path, *, int8: bool = False, threads: int = 0, threshold: float = 0.5) -> None:
+        import onnxruntime as ort
+
+        root = Path(folder)
+        name = "model.int8.onnx" if int8 else "model.onnx"
+        model = root / name
+        if not model.is_file():
+            hint = " (export with --int8)" if int8 else ""
+            raise ConfigError(f"{root} has no {name}; create the bundle with `fedclinic export onnx MODEL_DIR "
+                              f"{root}`{hint}")
+        meta_path = root / "fedclinic_model.json"
+        if not meta_path.is_file():
+            raise ConfigError(f"{root} has no fedclinic_model.json; it is not a bundle made by fedclinic export")
+        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+        self.family = str(self.meta.get("family"))
+        self.labels = [str(x) for x in self.meta.get("labels", [])]
+        self.multi_label = bool(self.meta.get("multi_label", False))
+        self.max_length = int(self.meta.get("max_length", 128))
+        self.threshold = float(threshold)
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = int(threads)
+        self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        self._tokenizer = None
+        self._pad_id = 0
+        if self.family == "text-classification":
+            from fedclinic.models.text_classification import load_tokenizer, tokenizer_pad_id
+
+            raw = (root / "tokenizer.json").read_bytes()
+            self._tokenizer = load_tokenizer(raw)
+            self._pad_id = tokenizer_pad_id(raw)
+
+    def encode(self, texts: Sequence[str], *, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask) as the trainer builds them: truncated to max_length, right-padded to
+        the longest text (or to ``pad_to``)."""
+        if self._tokenizer is None:
+            raise ConfigError(f"a {self.family} bundle takes feature vectors, not texts; use predict_features")
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+        if bad:
+            raise DatasetError(f"text {bad[0]} is empty or not a string; every input must be non-empty text")
+        tok = self._tokenizer
+        tok.no_padding()
+        tok.enable_truncation(self.max_length)
+        try:
+            encs = tok.encode_batch(list(texts))
+        finally:
+            tok.no_truncation()
+        width = max(pad_to or 0, max(len(e.ids) for e in encs))
+        ids = np.full((len(encs), width), self._pad_id, np.int64)
+        mask = np.zeros((len(encs), width), np.int64)
+        for i, e in enumerate(encs):
+            ids[i, :len(e.ids)] = e.ids
+            mask[i, :len(e.ids)] = 1
+        return ids, mask
+
+    def logits(self, texts: Sequence[str], *, pad_to: int | None = None) -> np.ndarray:
+        ids, mask = self.encode(texts, pad_to=pad_to)
+        return self.session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
+
+    def predict(self, texts: Sequence[str], *, batch_size: int = 32) -> list[dict[str, Any]]:
+        """One prediction per text: ``label`` (or ``labels`` for multi-label) and ``scores`` per label."""
+        out: list[dict[str, Any]] = []
+        for start in range(0, len(texts), batch_size):
+            out.extend(self._describe(self.logits(texts[start:start + batch_size])))
+        return out
+
+    def predict_features(self, features: np.ndarray) -> list[dict[str, Any]]:
+        if self.family != "feature-classification":
+            raise ConfigError(f"a {self.family} bundle takes texts; use predict")
+        x = np.asarray(features, dtype=np.float32)
+        if x.ndim != 2 or not np.isfinite(x).all():
+            raise DatasetError("features must be a finite [rows, num_features] matrix")
+        return self._describe(self.session.run(["logits"], {"features": x})[0])
+
+    def _describe(self, logits: np.ndarray) -> list[dict[str, Any]]:
+        rows = []
+        if self.multi_label:
+            probs = 1.0 / (1.0 + np.exp(-logits))
+            for p in probs:
+                rows.append({"labels": [lab for lab, v in zip(self.labels, p) if v >= self.threshold],
+                             "scores": {lab: float(v) for lab, v in zip(self.labels, p)}})
+            return rows
+        z = logits - logits.max(axis=1, keepdims=True)
+        probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+        for p in probs:
+            rows.append({"label": self.labels[int(p.argmax())], "scores": {lab: float(v) for lab, v in zip(self.labels, p)}})
+        return rows

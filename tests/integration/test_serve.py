@@ -1,0 +1,93 @@
+"""`fedclinic serve` as a real process on 127.0.0.1, queried over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from fedclinic.export import export_onnx
+from fedclinic.localfed import wait_until
+from fedclinic.models.feature_classification import package_feature_model
+
+from tests.integration.conftest import LABELS, tiny_package
+
+pytestmark = pytest.mark.integration
+
+
+def _call(port: int, path: str, body=None, raw: bytes | None = None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def serve(tmp_path):
+    procs = []
+
+    def start(bundle):
+        port_file = tmp_path / f"port-{len(procs)}"
+        proc = subprocess.Popen([sys.executable, "-m", "fedclinic.cli", "serve", str(bundle), "--port", "0",
+                                 "--port-file", str(port_file), "--threads", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
+        wait_until(lambda: port_file.exists() or proc.poll() is not None, timeout=60, what="the server to start")
+        assert proc.poll() is None, proc.stdout.read()
+        return proc, int(port_file.read_text())
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_text_bundle_over_http(tmp_path, serve):
+    tiny_package("transformer", seed=2).save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    proc, port = serve(tmp_path / "bundle")
+    assert _call(port, "/healthz") == (200, {"status": "ok"})
+    status, ready = _call(port, "/readyz")
+    assert status == 200 and ready["model"]["labels"] == LABELS
+    status, out = _call(port, "/v1/predict", {"texts": ["fever cough", "rash"]})
+    assert status == 200 and len(out["predictions"]) == 2
+    assert all(p["label"] in LABELS and abs(sum(p["scores"].values()) - 1) < 1e-5 for p in out["predictions"])
+    # bad requests get a clear 4xx and the server keeps serving
+    assert _call(port, "/v1/predict", raw=b"{not json")[0] == 400
+    code, err = _call(port, "/v1/predict", {"text": "x"})
+    assert code == 400 and "non-empty list in 'texts'" in err["error"]
+    code, err = _call(port, "/v1/predict", {"texts": ["ok", ""]})
+    assert code == 422 and "text 1 is empty" in err["error"]
+    code, err = _call(port, "/v1/predict", {"texts": ["a"] * 300})
+    assert code == 400 and "limit is 256" in err["error"]
+    assert _call(port, "/nope")[0] == 404
+    assert _call(port, "/v1/predict", {"texts": ["still up"]})[0] == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_feature_bundle_over_http(tmp_path, serve):
+    package_feature_model(num_features=3, labels=["low", "high"]).save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    _, port = serve(tmp_path / "bundle")
+    status, out = _call(port, "/v1/predict", {"features": [[0.1, 0.2, 0.3], [1, 2, 3]]})
+    assert status == 200 and [p["scores"]["low"] for p in out["predictions"]] == [0.5, 0.5]  # zero-initialised
+    code, err = _call(port, "/v1/predict", {"features": [[1, 2], [1]]})
+    assert code == 400 and "equal-length" in err["error"]
+
+
+def test_missing_bundle_is_a_clear_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fedclinic.cli", "serve", str(tmp_path), "--port", "0"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert out.returncode == 2 and "has no model.onnx" in out.stderr
