@@ -29,6 +29,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/aggregation.py
+	$(BIN)/python bench/serving.py
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -15,8 +15,9 @@ Inputs and outputs:
 Parity: the held-out inputs (from ``--texts`` rows, or seeded random inputs of several batch sizes and
 sequence lengths, with padding) go through PyTorch and onnxruntime. The maximum absolute difference of the
 logits is printed, and the export fails above the tolerance (fp32: 1e-4). For int8 the figure is the
-same maximum difference plus top-1 agreement with PyTorch, checked against ``int8_tolerance`` (default 0.5
-absolute) and 90 % agreement: quantization changes values by design.
+same maximum difference plus top-1 agreement with PyTorch, checked against ``int8_tolerance`` (default 1.0
+in logit units) and 95 % agreement: quantization changes values by design. Weights are quantized per
+channel, on the MatMuls only (on MiniLM this kept every test prediction; per-tensor scales did not).
 
 The exporter is torch's (``torch.onnx.export(..., dynamo=True)``); the graph is checked with ``onnx.checker``.
 The LSTM architecture is traced through its unpacked forward (``torch.compiler.is_exporting()``), which the
@@ -37,8 +38,8 @@ from fedclinic.errors import ConfigError, IntegrityError
 
 OPSET = 18
 FP32_TOLERANCE = 1e-4
-INT8_TOLERANCE = 0.5
-INT8_MIN_AGREEMENT = 0.9
+INT8_TOLERANCE = 1.0
+INT8_MIN_AGREEMENT = 0.95
 _SIDE_FILES = ("tokenizer.json", "fedclinic_model.json", "config.json", "tokenizer_config.json",
                "special_tokens_map.json")
 
@@ -223,7 +224,10 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         plain = out / "model.plain.onnx.tmp"
         onnx.save(graph, str(plain))
         try:
-            quantize_dynamic(str(plain), str(qtmp), weight_type=QuantType.QInt8)
+            # per-channel weight scales on the MatMuls: on MiniLM, per-tensor scales moved logits by up to 2.3
+            # and flipped 4.5 % of test predictions; per-channel MatMul-only flipped none (max |diff| 0.45)
+            quantize_dynamic(str(plain), str(qtmp), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"])
         finally:
             plain.unlink(missing_ok=True)
         try:
