@@ -9,8 +9,13 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
                              -> 200 {"predictions": [{"label": ..., "scores": {...}}, ...]}
 
 Limits: at most ``MAX_ITEMS`` inputs and ``MAX_BODY`` bytes per request. It binds to 127.0.0.1 by default.
-The service has no TLS and no authentication: expose it only behind the hospital's reverse proxy or
-integration engine (see SECURITY.md). SIGTERM and SIGINT stop it gracefully.
+The HTTP service has no TLS and no authentication: expose it only behind the hospital's reverse proxy or
+integration engine (see SECURITY.md).
+
+With ``--grpc-port`` the same predictions are also served by the ``fedclinic.v1.Inference`` gRPC service
+(``protos/fedclinic/v1/inference.proto``) with the standard health service. With ``--cert/--key/--ca`` from
+``fedclinic pki`` that port requires mutual TLS, as every other fedclinic port does. Bad requests get
+INVALID_ARGUMENT with the same messages as HTTP's 4xx. SIGTERM and SIGINT stop both gracefully.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fedclinic.errors import FedclinicError
+from fedclinic.errors import ConfigError, FedclinicError
 
 MAX_ITEMS = 256
 MAX_BODY = 1 << 20
@@ -102,6 +107,59 @@ def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingH
     return ThreadingHTTPServer((host, port), Handler)
 
 
+def _prediction_message(p: dict):
+    from fedclinic.proto import inference_pb2
+
+    return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p["scores"])
+
+
+def make_grpc_server(bundle, address: str, tls=None):
+    """A gRPC server with the Inference and health services bound to ``address`` (mTLS when ``tls`` is given).
+
+    Returns (server, bound port)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from fedclinic.proto import inference_pb2, inference_pb2_grpc
+    from fedclinic.rpc import server_credentials
+
+    class Inference(inference_pb2_grpc.InferenceServicer):
+        def Predict(self, request, context):  # noqa: N802 - generated name
+            try:
+                if bundle.family == "feature-classification":
+                    if not request.features:
+                        raise _BadRequest("send features (this model is feature-classification)")
+                    rows = [list(r.values) for r in request.features]
+                    if len({len(r) for r in rows}) != 1:
+                        raise _BadRequest("every feature row must have the same length")
+                    items = bundle.predict_features(np.asarray(rows, dtype=np.float32))
+                else:
+                    if not request.texts:
+                        raise _BadRequest(f"send texts (this model is {bundle.family})")
+                    if len(request.texts) > MAX_ITEMS:
+                        raise _BadRequest(f"{len(request.texts)} inputs; the limit is {MAX_ITEMS} per call")
+                    items = bundle.predict(list(request.texts))
+            except (_BadRequest, FedclinicError) as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return inference_pb2.PredictResponse(predictions=[_prediction_message(p) for p in items])
+
+        def DescribeModel(self, request, context):  # noqa: N802 - generated name
+            return inference_pb2.ModelDescription(family=bundle.family, labels=bundle.labels,
+                                                  multi_label=bundle.multi_label)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         options=[("grpc.max_receive_message_length", MAX_BODY)])
+    inference_pb2_grpc.add_InferenceServicer_to_server(Inference(), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("fedclinic.v1.Inference", health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
 def add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="serve an exported classifier over HTTP/JSON")
     p.add_argument("bundle", help="a folder written by `fedclinic export onnx`")
@@ -109,18 +167,37 @@ def add_serve_command(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")
     p.add_argument("--int8", action="store_true", help="serve model.int8.onnx")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = its default)")
-    p.add_argument("--port-file", help="write the bound port here once ready (for supervisors and tests)")
+    p.add_argument("--port-file", help='write {"http": PORT, "grpc": PORT} here once ready (for supervisors and tests)')
+    p.add_argument("--grpc-port", type=int, help="also serve the gRPC Inference service on this port (0 = any)")
+    p.add_argument("--cert", help="this server's certificate (fedclinic pki): the gRPC port then requires mTLS")
+    p.add_argument("--key", help="its private key")
+    p.add_argument("--ca", help="the fedclinic CA certificate")
     p.set_defaults(func=_serve_command)
 
 
 def _serve_command(args) -> int:
     from fedclinic.serving import ClassifierBundle
 
+    tls_args = [args.cert, args.key, args.ca]
+    if any(tls_args) and not all(tls_args):
+        raise ConfigError("give all of --cert, --key and --ca for mutual TLS, or none of them")
     bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads)
     server = make_server(bundle, args.host, args.port)
     port = server.server_address[1]
+    grpc_server = None
+    ports = {"http": port}
+    if args.grpc_port is not None:
+        from fedclinic.rpc import TlsFiles
+
+        tls = TlsFiles(Path(args.cert), Path(args.key), Path(args.ca)) if all(tls_args) else None
+        grpc_server, ports["grpc"] = make_grpc_server(bundle, f"{args.host}:{args.grpc_port}", tls)
+        grpc_server.start()
+        print(f"gRPC Inference service on {args.host}:{ports['grpc']} ({'mutual TLS' if tls else 'plaintext'})",
+              flush=True)
 
     def stop(_signum, _frame) -> None:
+        if grpc_server is not None:
+            grpc_server.stop(grace=5)
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
@@ -129,7 +206,7 @@ def _serve_command(args) -> int:
           flush=True)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(str(port))
+        tmp.write_text(json.dumps(ports))
         tmp.replace(args.port_file)
     try:
         server.serve_forever()

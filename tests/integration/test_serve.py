@@ -36,15 +36,16 @@ def _call(port: int, path: str, body=None, raw: bytes | None = None):
 def serve(tmp_path):
     procs = []
 
-    def start(bundle):
+    def start(bundle, *extra):
         port_file = tmp_path / f"port-{len(procs)}"
         proc = subprocess.Popen([sys.executable, "-m", "fedclinic.cli", "serve", str(bundle), "--port", "0",
-                                 "--port-file", str(port_file), "--threads", "1"],
+                                 "--port-file", str(port_file), "--threads", "1", *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
         wait_until(lambda: port_file.exists() or proc.poll() is not None, timeout=60, what="the server to start")
         assert proc.poll() is None, proc.stdout.read()
-        return proc, int(port_file.read_text())
+        ports = json.loads(port_file.read_text())
+        return (proc, ports["http"]) if not extra else (proc, ports)
 
     yield start
     for proc in procs:
@@ -91,3 +92,48 @@ def test_missing_bundle_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fedclinic.cli", "serve", str(tmp_path), "--port", "0"],
                          capture_output=True, text=True, timeout=60, env={**os.environ})
     assert out.returncode == 2 and "has no model.onnx" in out.stderr
+
+
+def test_grpc_inference_with_mutual_tls(tmp_path, serve):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fedclinic import pki
+    from fedclinic.proto import inference_pb2, inference_pb2_grpc
+    from fedclinic.rpc import TlsFiles, secure_channel
+
+    ca = tmp_path / "ca"
+    pki.init_ca(ca)
+    server = pki.issue(ca, role="aggregator", name="inference", out_dir=tmp_path / "srv", dns=["localhost"],
+                       ips=["127.0.0.1"])
+    client_cert = pki.issue(ca, role="scientist", name="integration", out_dir=tmp_path / "cli")
+    tiny_package("logreg").save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    _, ports = serve(tmp_path / "bundle", "--grpc-port", "0", "--cert", str(server.cert_path), "--key",
+                     str(server.key_path), "--ca", str(server.ca_path))
+    address = f"127.0.0.1:{ports['grpc']}"
+    tls = TlsFiles(client_cert.cert_path, client_cert.key_path, client_cert.ca_path)
+    with secure_channel(address, tls) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="fedclinic.v1.Inference"),
+                                                          timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        assert list(stub.DescribeModel(inference_pb2.DescribeModelRequest(), timeout=30).labels) == LABELS
+        out = stub.Predict(inference_pb2.PredictRequest(texts=["fever cough", "rash"]), timeout=30)
+        assert len(out.predictions) == 2 and all(p.label in LABELS for p in out.predictions)
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Predict(inference_pb2.PredictRequest(), timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "send texts" in bad.value.details()
+    # no client certificate: the handshake is refused
+    creds = grpc.ssl_channel_credentials(root_certificates=server.ca_path.read_bytes())
+    with grpc.secure_channel(address, creds) as anonymous:
+        with pytest.raises(grpc.RpcError):
+            inference_pb2_grpc.InferenceStub(anonymous).DescribeModel(inference_pb2.DescribeModelRequest(), timeout=10)
+
+
+def test_partial_tls_flags_are_refused(tmp_path):
+    package_feature_model(num_features=3, labels=["a", "b"]).save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    out = subprocess.run([sys.executable, "-m", "fedclinic.cli", "serve", str(tmp_path / "bundle"), "--grpc-port", "0",
+                          "--cert", "x.crt"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "give all of --cert, --key and --ca" in out.stderr
