@@ -39,6 +39,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="how reviews are spread over sites: iid, or label-skewed (Dirichlet, see --alpha)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration for --split dirichlet")
     p.add_argument("--no-baselines", action="store_true", help="skip the centralized and local-only baselines")
+    p.add_argument("--no-export", action="store_true", help="skip the ONNX export of the final model")
 
 
 def _say(msg: str) -> None:
@@ -50,6 +51,25 @@ def _write_jsonl(path: Path, examples) -> None:
     with open(path, "w") as fh:
         for ex in examples:
             fh.write(json.dumps({"text": ex.text, "label": ex.labels[0]}) + "\n")
+
+
+def _export_and_check(model_dir: Path, bundle_dir: Path, test) -> dict:
+    """Export the final model to ONNX (fp32 and int8, parity-checked) and measure both on the test reviews."""
+    from fedclinic.export import export_onnx
+    from fedclinic.serving import ClassifierBundle
+
+    _say("\nexporting the final model to ONNX (parity against PyTorch on 64 test reviews)")
+    texts = [ex.text for ex in test]
+    export = export_onnx(model_dir, bundle_dir, int8=True, texts=texts[:64], overwrite=True, log=lambda m: _say("  " + m))
+    out = {"dir": str(bundle_dir), "fp32_max_abs_diff": export.fp32.max_abs_diff,
+           "int8_max_abs_diff": export.int8.max_abs_diff, "int8_top1_agreement": export.int8.top1_agreement}
+    for kind in ("fp32", "int8"):
+        bundle = ClassifierBundle(bundle_dir, int8=(kind == "int8"))
+        preds = bundle.predict(texts)
+        out[f"{kind}_accuracy"] = sum(p["label"] == ex.labels[0] for p, ex in zip(preds, test)) / len(test)
+    _say(f"  test accuracy served from ONNX: fp32 {out['fp32_accuracy']:.3f}, int8 {out['int8_accuracy']:.3f}; "
+         f"serve it with `fedclinic serve {bundle_dir}`")
+    return out
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -156,7 +176,11 @@ def run_demo(args: argparse.Namespace) -> int:
     _say(f"\nfederated final accuracy {fed_final:.3f}" +
          (f" vs centralized {central:.3f} (gap {100 * (central - fed_final):+.1f} points) and local-only "
           f"{local_only:.3f}" if central is not None else ""))
+    onnx_report = None
+    if not args.no_export:
+        onnx_report = _export_and_check(final_dir, out / "onnx-model", test)
     _say(f"final model: {final_dir}   (federation {fed_seconds:.0f} s, total {time.monotonic() - t0:.0f} s)")
+    report.update({"onnx": onnx_report})
     report.update({"task_id": final.task_id, "labels": labels, "centralized_accuracy": central,
                    "local_only_accuracy": local_only, "final_model_dir": str(final_dir),
                    "federation_seconds": fed_seconds, "total_seconds": time.monotonic() - t0})
