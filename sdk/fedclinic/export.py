@@ -27,6 +27,8 @@ parity check compares with the packed forward used in training.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -158,8 +160,6 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
                 tolerance: float = FP32_TOLERANCE, int8_tolerance: float = INT8_TOLERANCE, overwrite: bool = False,
                 log: Callable[[str], None] = lambda _m: None) -> ExportReport:
     """Export the package in ``model_dir`` to ``out_dir`` and check parity; see the module docstring."""
-    import onnx
-    import onnxruntime as ort
     import torch
 
     from fedclinic.models import build_model
@@ -184,6 +184,28 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         for name in input_names:
             dynamic[name][1] = seq
     out.mkdir(parents=True, exist_ok=True)
+    # everything is written to a staging folder and moved into OUT_DIR only when every check passed, so a
+    # failed (re-)export leaves an existing bundle exactly as it was
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    try:
+        report = _export_into(stage, module, example, dynamic, input_names, batches, loaded, package, int8=int8,
+                              tolerance=tolerance, int8_tolerance=int8_tolerance, log=log)
+        for name in report.files + ["export_report.json"]:
+            (stage / name).replace(out / name)
+        if not int8:
+            (out / "model.int8.onnx").unlink(missing_ok=True)  # it belonged to an earlier export
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return report
+
+
+def _export_into(stage: Path, module, example, dynamic, input_names, batches, loaded, package, *, int8: bool,
+                 tolerance: float, int8_tolerance: float, log) -> ExportReport:
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    out = stage  # every file below lands in the staging folder
     tmp = out / "model.onnx.tmp"
     log(f"exporting {loaded.meta.get('family')}/{loaded.meta.get('architecture')} to ONNX (opset {OPSET})")
     with torch.no_grad(), warnings.catch_warnings():
@@ -203,11 +225,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return lambda *xs: session.run(["logits"], dict(zip(input_names, xs)))[0]
 
-    try:
-        fp32 = check_parity(session_runner(tmp), torch_logits, batches, tolerance=tolerance)
-    except ParityError:
-        tmp.unlink(missing_ok=True)
-        raise
+    fp32 = check_parity(session_runner(tmp), torch_logits, batches, tolerance=tolerance)
     tmp.replace(out / "model.onnx")
     log(f"fp32 parity: max |ONNX - PyTorch| = {fp32.max_abs_diff:.3g} over {fp32.inputs} inputs "
         f"(tolerance {tolerance:g})")
@@ -230,12 +248,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
                              op_types_to_quantize=["MatMul"])
         finally:
             plain.unlink(missing_ok=True)
-        try:
-            report.int8 = check_parity(session_runner(qtmp), torch_logits, batches, tolerance=int8_tolerance,
-                                       min_agreement=INT8_MIN_AGREEMENT)
-        except ParityError:
-            qtmp.unlink(missing_ok=True)
-            raise
+        report.int8 = check_parity(session_runner(qtmp), torch_logits, batches, tolerance=int8_tolerance,
+                                   min_agreement=INT8_MIN_AGREEMENT)
         qtmp.replace(out / "model.int8.onnx")
         report.files.append("model.int8.onnx")
         log(f"int8 parity: max |ONNX - PyTorch| = {report.int8.max_abs_diff:.3g}, top-1 agreement "

@@ -138,3 +138,17 @@ def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
         ClassifierBundle(tmp_path / "bundle", int8=True)
     with pytest.raises(ConfigError, match="takes texts"):
         bundle.predict_features(np.zeros((1, 3)))
+
+
+def test_a_failed_re_export_leaves_the_existing_bundle_untouched(tmp_path):
+    tiny_package("transformer", seed=1).save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    tiny_package("transformer", seed=9).save(tmp_path / "pkg2")  # a different model
+    with pytest.raises(ParityError, match="tolerance 1e-12"):  # fp32 passes, int8 cannot meet this
+        export_onnx(tmp_path / "pkg2", tmp_path / "out", int8=True, int8_tolerance=1e-12, overwrite=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
+    export_onnx(tmp_path / "pkg2", tmp_path / "out", overwrite=True)  # fp32 only: the old int8 must go
+    assert not (tmp_path / "out" / "model.int8.onnx").exists()
+    assert (tmp_path / "out" / "model.onnx").read_bytes() != before["model.onnx"]
