@@ -51,7 +51,11 @@ class ClassifierBundle:
         if self.family == "text-classification":
             from fedclinic.models.text_classification import load_tokenizer, tokenizer_pad_id
 
-            raw = (root / "tokenizer.json").read_bytes()
+            tok_path = root / "tokenizer.json"
+            if not tok_path.is_file():
+                raise ConfigError(f"{root} has no tokenizer.json, which a text model needs; re-run "
+                                  f"`fedclinic export onnx` into a fresh folder")
+            raw = tok_path.read_bytes()
             self._tokenizer = load_tokenizer(raw)
             self._pad_id = tokenizer_pad_id(raw)
 

@@ -138,6 +138,9 @@ def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
         ClassifierBundle(tmp_path / "bundle", int8=True)
     with pytest.raises(ConfigError, match="takes texts"):
         bundle.predict_features(np.zeros((1, 3)))
+    (tmp_path / "bundle" / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        ClassifierBundle(tmp_path / "bundle")
 
 
 def test_a_failed_re_export_leaves_the_existing_bundle_untouched(tmp_path):
