@@ -29,12 +29,12 @@ from fedclinic.errors import ConfigError
 from fedclinic.models import build_model, load_tensors, module_tensors
 from fedclinic.package import ModelPackage
 from fedclinic.strategies import make_strategy
+from fedclinic.selection import compile_patterns, select_names
 from fedclinic.training import (
     TrainConfig,
     compute_delta,
     encode,
     evaluate,
-    select_tensors,
     train_local,
 )
 
@@ -55,6 +55,8 @@ class SimulationResult:
     package: ModelPackage            # the final global model
     trainable: list[str]             # tensor names that were trained and aggregated
     initial_metrics: dict[str, float] = field(default_factory=dict)  # global model on eval_data before round 1
+    #: site index -> that site's private tensors after its last round (private_patterns; never aggregated)
+    private: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def site_seed(seed: int, train_seed: int, round_: int, site: int) -> int:
@@ -73,7 +75,9 @@ def simulate(
     strategy_params: Mapping[str, float] | None = None,
     trainable_patterns: Sequence[str] = (),
     frozen_patterns: Sequence[str] = (),
+    private_patterns: Sequence[str] = (),
     eval_data: Sequence[Example] | Mapping[str, Any] | None = None,
+    site_eval_data: Sequence[Sequence[Example] | Any] | None = None,
     participation: float = 1.0,
     seed: int = 0,
     progress: Callable[[RoundRecord], None] | None = None,
@@ -86,6 +90,12 @@ def simulate(
     ...), e.g. ``{"test": all sites' test rows, "train": all sites' training rows}`` for the FLCMC protocol:
     accuracy and loss weighted by each site's sample count over *all* sites, every round.
     With ``train.optimizer_state == "keep"`` each site's optimizer moments carry over between its rounds.
+
+    ``private_patterns`` (FedNER's private modules): matching tensors are trained at each site, kept by
+    that site from round to round, and never given to the strategy. The global model keeps their initial
+    values. ``site_eval_data`` (one set per site) evaluates, after every round, each site's model (the
+    global shared tensors plus that site's private ones): metrics ``site-{i}/accuracy``, ... and their
+    sample-weighted mean ``sites/accuracy``, ....
     """
     if not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
@@ -97,7 +107,15 @@ def simulate(
     strat = make_strategy(strategy, strategy_params)
 
     loaded = build_model(package)
-    names = select_tensors(list(package.tensors), trainable_patterns, frozen_patterns)
+    names = select_names(list(package.tensors), trainable_patterns, frozen_patterns, private_patterns)
+    private_re = compile_patterns(private_patterns, "private")
+    frozen_re = compile_patterns(frozen_patterns, "frozen")
+    private_names = [n for n in package.tensors if any(p.fullmatch(n) for p in private_re)
+                     and not any(p.fullmatch(n) for p in frozen_re)]
+    if private_patterns and not private_names:
+        raise ConfigError(f"private patterns {list(private_patterns)} match no tensor of the model")
+    if site_eval_data is not None and len(site_eval_data) != len(site_data):
+        raise ConfigError(f"site_eval_data has {len(site_eval_data)} sets for {len(site_data)} sites")
 
     def prepared(rows):
         return rows if hasattr(rows, "batch") else encode(list(rows), loaded, max_length=train.max_length)
@@ -112,7 +130,25 @@ def simulate(
         return {prefix + k: v for prefix, data in eval_sets.items() for k, v in evaluate(loaded, data).items()}
 
     global_tensors: dict[str, np.ndarray] = {k: np.array(v, copy=True) for k, v in package.tensors.items()}
-    initial = evaluate_all()
+    site_eval = [prepared(rows) for rows in site_eval_data] if site_eval_data is not None else []
+    private: dict[int, dict[str, np.ndarray]] = {}
+
+    def evaluate_sites() -> dict[str, float]:
+        out: dict[str, float] = {}
+        totals: dict[str, float] = {}
+        n_total = 0
+        for i, data in enumerate(site_eval):
+            load_tensors(loaded.module, {**global_tensors, **private.get(i, {})})
+            m = evaluate(loaded, data)
+            out.update({f"site-{i}/{k}": v for k, v in m.items()})
+            for k, v in m.items():
+                if k != "n":
+                    totals[k] = totals.get(k, 0.0) + v * m["n"]
+            n_total += int(m["n"])
+        out.update({f"sites/{k}": v / n_total for k, v in totals.items()} if n_total else {})
+        return out
+
+    initial = {**evaluate_all(), **evaluate_sites()}
     optimizer_states: dict[int, dict] = {}
 
     k_sites = len(site_data)
@@ -130,9 +166,12 @@ def simulate(
         loss_sum = 0.0
         n_sum = 0
         for i in chosen:
-            load_tensors(loaded.module, global_tensors)
+            load_tensors(loaded.module, {**global_tensors, **private.get(i, {})})
             cfg = replace(train, seed=site_seed(seed, train.seed, r, i))
-            result = train_local(loaded, encoded[i], cfg, trainable=names, optimizer_state=optimizer_states.get(i))
+            result = train_local(loaded, encoded[i], cfg, trainable=names + private_names,
+                                 optimizer_state=optimizer_states.get(i))
+            if private_names:
+                private[i] = module_tensors(loaded.module, private_names)
             if result.optimizer_state is not None:
                 optimizer_states[i] = result.optimizer_state
             delta = compute_delta(before, module_tensors(loaded.module, names), names)
@@ -148,13 +187,15 @@ def simulate(
         if eval_sets:
             load_tensors(loaded.module, global_tensors)
             metrics = evaluate_all()
+        metrics.update(evaluate_sites())
         record = RoundRecord(round=r, sites=chosen, train_loss=loss_sum / n_sum, num_samples=n_sum,
                              metrics=metrics, seconds=time.perf_counter() - started)
         history.append(record)
         if progress is not None:
             progress(record)
     final = ModelPackage(tensors=global_tensors, files=dict(package.files))
-    return SimulationResult(rounds=history, package=final, trainable=names, initial_metrics=initial)
+    return SimulationResult(rounds=history, package=final, trainable=names, initial_metrics=initial,
+                            private=private)
 
 
 __all__ = ["RoundRecord", "SimulationResult", "simulate", "site_seed"]

@@ -133,3 +133,30 @@ def test_simulate_argument_errors(kwargs, msg):
         simulate(package(), [examples(5, seed=0)], **args)
     with pytest.raises(ConfigError, match="site_data is empty"):
         simulate(package(), [], rounds=1, train=TrainConfig())
+
+
+def test_private_tensors_stay_at_their_site_and_each_site_is_evaluated_with_its_own():
+    from fedclinic.models import load_tensors
+    from fedclinic.training import evaluate
+
+    start = package("logreg")
+    sites = non_iid_sites()
+    cfg = TrainConfig(local_epochs=1, batch_size=8, learning_rate=0.1, optimizer="sgd", max_length=16)
+    res = simulate(start, sites, rounds=3, train=cfg, private_patterns=["bias"], site_eval_data=sites)
+    # never aggregated: the global bias is the initial one, while every site trained its own
+    np.testing.assert_array_equal(res.package.tensors["bias"], start.tensors["bias"])
+    assert set(res.private) == set(range(len(sites)))
+    assert all(not np.array_equal(p["bias"], start.tensors["bias"]) for p in res.private.values())
+    assert not np.array_equal(res.private[0]["bias"], res.private[1]["bias"])
+    assert "bias" not in res.trainable and not np.array_equal(res.package.tensors["token_weights.weight"],
+                                                               start.tensors["token_weights.weight"])
+    # site metrics use the site's private tensors on top of the shared global ones
+    loaded = build_model(start)
+    load_tensors(loaded.module, {**res.package.tensors, **res.private[1]})
+    want = evaluate(loaded, encode(sites[1], loaded, max_length=16))["accuracy"]
+    assert res.rounds[-1].metrics["site-1/accuracy"] == pytest.approx(want)
+    assert 0 <= res.rounds[-1].metrics["sites/accuracy"] <= 1
+    with pytest.raises(ConfigError, match="match no tensor"):
+        simulate(start, sites, rounds=1, train=cfg, private_patterns=["nothing.*"])
+    with pytest.raises(ConfigError, match="site_eval_data has 1 sets"):
+        simulate(start, sites, rounds=1, train=cfg, site_eval_data=[sites[0]])
