@@ -43,29 +43,19 @@ def child(kind: str, folder: Path, threads: int, repeats: int) -> dict:
     if kind == "torch":
         import torch
 
-        from fedclinic import training
-        from fedclinic.data import Example
         from fedclinic.models import build_model
+        from fedclinic.models.text_classification import encode_texts
         from fedclinic.package import ModelPackage
 
         torch.set_num_threads(threads)
         loaded = build_model(ModelPackage.load(folder / "model"))
         loaded.module.eval()
 
-        def encode(batch_texts, pad_to):
-            enc = training.encode([Example(t, (loaded.labels[0],)) for t in batch_texts], loaded,
-                                  max_length=SEQ)
-            ids, mask = enc.input_ids, enc.attention_mask
-            if pad_to and ids.shape[1] < pad_to:
-                extra = pad_to - ids.shape[1]
-                ids = torch.nn.functional.pad(ids, (0, extra), value=loaded.pad_id)
-                mask = torch.nn.functional.pad(mask, (0, extra), value=0)
-            return ids, mask
-
         def run(batch_texts, pad_to=None):
-            ids, mask = encode(batch_texts, pad_to)
+            ids, mask = encode_texts(loaded.tokenizer, batch_texts, max_length=SEQ, pad_id=loaded.pad_id,
+                                     pad_to=pad_to)
             with torch.inference_mode():
-                return loaded.logits(ids, mask).numpy()
+                return loaded.logits(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         labels = loaded.labels
     else:
         from fedclinic.serving import ClassifierBundle

@@ -223,10 +223,7 @@ class Agent:
         # the module now holds local weights; remember that so the next round reloads the global ones
         for name in send:
             state.tensor_sha[name] = ""
-        metrics = {"train_loss": float(result.loss), "train_seconds": time.monotonic() - started,
-                   "steps": float(result.steps)}
-        if result.gradient_change_rate is not None:
-            metrics["gradient_change_rate"] = float(result.gradient_change_rate)
+        metrics = {**result.reported_metrics(), "train_seconds": time.monotonic() - started}
         header = agent_pb2.UpdateHeader(
             task_id=a.task_id, round=a.round, attempt=a.attempt,
             idempotency_key=f"{a.task_id}:{a.round}:{self.site_id}:{uuid.uuid4().hex}",

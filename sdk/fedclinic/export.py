@@ -72,7 +72,7 @@ def _wrapper(loaded) -> tuple[Any, list[str]]:
     """A module whose named tensor inputs call the family's forward, and the input names."""
     import torch
 
-    if loaded.meta.get("family") == "feature-classification":
+    if loaded.family == "feature-classification":
         class FeatureForward(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
@@ -98,28 +98,16 @@ def parity_inputs(loaded, *, texts: Sequence[str] = (), seed: int = 0) -> list[t
     """Held-out inputs: ``texts`` tokenized with the model's tokenizer, or seeded random batches of sizes 1, 3
     and 8 (text: lengths up to the model's max_length, right-padded like the trainer pads)."""
     rng = np.random.default_rng(seed)
-    if loaded.meta.get("family") == "feature-classification":
+    if loaded.family == "feature-classification":
         return [(rng.normal(size=(b, loaded.num_features)).astype(np.float32),) for b in (1, 3, 8)]
     max_len = loaded.max_length
     batches = []
     if texts:
-        tok = loaded.tokenizer
-        tok.no_padding()
-        tok.enable_truncation(max_len)
-        try:
-            encs = tok.encode_batch(list(texts))
-        finally:
-            tok.no_truncation()
-        for start in range(0, len(encs), 8):
-            chunk = encs[start:start + 8]
-            width = max(1, max(len(e.ids) for e in chunk))
-            ids = np.full((len(chunk), width), loaded.pad_id, np.int64)
-            mask = np.zeros((len(chunk), width), np.int64)
-            for i, e in enumerate(chunk):
-                ids[i, :len(e.ids)] = e.ids
-                mask[i, :len(e.ids)] = 1
-            batches.append((ids, mask))
-        return batches
+        from fedclinic.models.text_classification import encode_texts
+
+        texts = list(texts)
+        return [encode_texts(loaded.tokenizer, texts[start:start + 8], max_length=max_len, pad_id=loaded.pad_id)
+                for start in range(0, len(texts), 8)]
     vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
     for b, width in ((1, 5), (3, max(2, max_len // 2)), (8, max_len)):
         lengths = rng.integers(1, width + 1, size=b)
@@ -207,7 +195,7 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
 
     out = stage  # every file below lands in the staging folder
     tmp = out / "model.onnx.tmp"
-    log(f"exporting {loaded.meta.get('family')}/{loaded.meta.get('architecture')} to ONNX (opset {OPSET})")
+    log(f"exporting {loaded.family}/{loaded.architecture} to ONNX (opset {OPSET})")
     with torch.no_grad(), warnings.catch_warnings():
         # batch and seq of every input share one constraint; the exporter says so once per axis
         warnings.filterwarnings("ignore", message="# The axis name")
@@ -229,7 +217,7 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
     tmp.replace(out / "model.onnx")
     log(f"fp32 parity: max |ONNX - PyTorch| = {fp32.max_abs_diff:.3g} over {fp32.inputs} inputs "
         f"(tolerance {tolerance:g})")
-    report = ExportReport(family=str(loaded.meta.get("family")), architecture=str(loaded.meta.get("architecture")),
+    report = ExportReport(family=loaded.family, architecture=loaded.architecture,
                           opset=OPSET, fp32=fp32, files=["model.onnx"])
     if int8:
         from onnxruntime.quantization import QuantType, quantize_dynamic

@@ -20,9 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError
+from fedclinic.models.meta import ModelMeta
 
 
-class ClassifierBundle:
+class ClassifierBundle(ModelMeta):
     def __init__(self, folder: str | Path, *, int8: bool = False, threads: int = 0, threshold: float = 0.5) -> None:
         import onnxruntime as ort
 
@@ -36,10 +37,7 @@ class ClassifierBundle:
         meta_path = root / "fedclinic_model.json"
         if not meta_path.is_file():
             raise ConfigError(f"{root} has no fedclinic_model.json; it is not a bundle made by fedclinic export")
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
-        self.family = str(self.meta.get("family"))
-        self.labels = [str(x) for x in self.meta.get("labels", [])]
-        self.multi_label = bool(self.meta.get("multi_label", False))
+        self.meta = json.loads(meta_path.read_text())
         self.max_length = int(self.meta.get("max_length", 128))
         self.threshold = float(threshold)
         options = ort.SessionOptions()
@@ -67,20 +65,9 @@ class ClassifierBundle:
         bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
         if bad:
             raise DatasetError(f"text {bad[0]} is empty or not a string; every input must be non-empty text")
-        tok = self._tokenizer
-        tok.no_padding()
-        tok.enable_truncation(self.max_length)
-        try:
-            encs = tok.encode_batch(list(texts))
-        finally:
-            tok.no_truncation()
-        width = max(pad_to or 0, max(len(e.ids) for e in encs))
-        ids = np.full((len(encs), width), self._pad_id, np.int64)
-        mask = np.zeros((len(encs), width), np.int64)
-        for i, e in enumerate(encs):
-            ids[i, :len(e.ids)] = e.ids
-            mask[i, :len(e.ids)] = 1
-        return ids, mask
+        from fedclinic.models.text_classification import encode_texts
+
+        return encode_texts(self._tokenizer, texts, max_length=self.max_length, pad_id=self._pad_id, pad_to=pad_to)
 
     def logits(self, texts: Sequence[str], *, pad_to: int | None = None) -> np.ndarray:
         ids, mask = self.encode(texts, pad_to=pad_to)

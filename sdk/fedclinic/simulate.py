@@ -132,13 +132,17 @@ def simulate(
     global_tensors: dict[str, np.ndarray] = {k: np.array(v, copy=True) for k, v in package.tensors.items()}
     site_eval = [prepared(rows) for rows in site_eval_data] if site_eval_data is not None else []
     private: dict[int, dict[str, np.ndarray]] = {}
+    initial_private = {n: global_tensors[n] for n in private_names}  # a site's values before its first round
 
     def evaluate_sites() -> dict[str, float]:
         out: dict[str, float] = {}
         totals: dict[str, float] = {}
         n_total = 0
+        if site_eval:
+            load_tensors(loaded.module, global_tensors)  # once; per site only its private tensors change
         for i, data in enumerate(site_eval):
-            load_tensors(loaded.module, {**global_tensors, **private.get(i, {})})
+            if private_names:
+                load_tensors(loaded.module, private.get(i) or initial_private)
             m = evaluate(loaded, data)
             out.update({f"site-{i}/{k}": v for k, v in m.items()})
             for k, v in m.items():
@@ -175,10 +179,8 @@ def simulate(
             if result.optimizer_state is not None:
                 optimizer_states[i] = result.optimizer_state
             delta = compute_delta(before, module_tensors(loaded.module, names), names)
-            reported = {"train_loss": result.loss, "steps": float(result.steps)}  # as the agent reports them
-            if result.gradient_change_rate is not None:
-                reported["gradient_change_rate"] = result.gradient_change_rate
-            strat.accept(delta, weight=strat.weight_for(result.num_samples, reported), site=f"site-{i}")
+            strat.accept(delta, weight=strat.weight_for(result.num_samples, result.reported_metrics()),
+                         site=f"site-{i}")
             loss_sum += result.loss * result.num_samples
             n_sum += result.num_samples
         new = strat.finalize()

@@ -150,6 +150,13 @@ class TrainResult:
     #: mean over trained tensors of ||g_after - g_before|| / (||g_before|| + 1e-7) (measure_gradient_change)
     gradient_change_rate: float | None = None
 
+    def reported_metrics(self) -> dict[str, float]:
+        """What a site reports with its update (``UpdateHeader.metrics``); strategies may weight by these."""
+        out = {"train_loss": float(self.loss), "steps": float(self.steps)}
+        if self.gradient_change_rate is not None:
+            out["gradient_change_rate"] = float(self.gradient_change_rate)
+        return out
+
 
 # ------------------------------------------------------------------------------------------------------------
 
@@ -211,20 +218,10 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
             if len(ex.labels) != 1:
                 raise DatasetError(f"example {i}: {len(ex.labels)} labels in a single-label task")
             y[i] = index[ex.labels[0]]
-    tok = loaded.tokenizer
-    tok.no_padding()
-    tok.enable_truncation(max_length)
-    try:
-        encs = tok.encode_batch([ex.text for ex in examples])
-    finally:
-        tok.no_truncation()
-    width = max(1, max(len(e.ids) for e in encs))
-    ids = np.full((n, width), loaded.pad_id, dtype=np.int64)
-    mask = np.zeros((n, width), dtype=np.int64)
-    for i, e in enumerate(encs):
-        k = len(e.ids)
-        ids[i, :k] = e.ids
-        mask[i, :k] = 1
+    from fedclinic.models.text_classification import encode_texts
+
+    ids, mask = encode_texts(loaded.tokenizer, [ex.text for ex in examples], max_length=max_length,
+                             pad_id=loaded.pad_id)
     return EncodedData(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), labels=y,
                        multi_label=multi, num_labels=len(labels))
 

@@ -149,10 +149,7 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
                 for i, r in enumerate(rows):
                     out: list = []
                     delta, n = _replay_site(start, r, final.spec, result_out=out)
-                    reported = {"train_loss": out[0].loss, "steps": float(out[0].steps)}
-                    if out[0].gradient_change_rate is not None:
-                        reported["gradient_change_rate"] = out[0].gradient_change_rate
-                    s.accept(delta, s.weight_for(n, reported), site=f"site-{'abc'[i]}")
+                    s.accept(delta, s.weight_for(n, out[0].reported_metrics()), site=f"site-{'abc'[i]}")
                 expected = s.finalize()
                 state = s.state()
                 for name, arr in expected.items():

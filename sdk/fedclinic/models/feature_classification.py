@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
+from fedclinic.models.meta import ModelMeta
 from fedclinic.package import META_FILE, ModelPackage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,23 +34,11 @@ ARCHITECTURES = ("logreg",)
 
 
 @dataclass
-class FeatureModel:
+class FeatureModel(ModelMeta):
     """A built feature-classification model: the torch module and the parsed ``fedclinic_model.json``."""
 
     module: "torch.nn.Module"
     meta: dict
-
-    @property
-    def labels(self) -> list[str]:
-        return list(self.meta["labels"])
-
-    @property
-    def multi_label(self) -> bool:
-        return bool(self.meta.get("multi_label", False))
-
-    @property
-    def architecture(self) -> str:
-        return str(self.meta["architecture"])
 
     @property
     def num_features(self) -> int:

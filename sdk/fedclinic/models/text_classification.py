@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.models.meta import ModelMeta
 from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,7 +80,7 @@ LSTM_DEFAULTS: dict[str, Any] = {
 
 
 @dataclass
-class LoadedModel:
+class LoadedModel(ModelMeta):
     """A built model: the torch module, the task's tokenizer and the parsed ``fedclinic_model.json``.
 
     ``tokenizer`` is a :class:`tokenizers.Tokenizer` with padding disabled (the trainer pads per batch).
@@ -90,18 +91,6 @@ class LoadedModel:
     meta: dict
     #: id used to pad token sequences (from the tokenizer's padding settings or its [PAD]/<pad> token)
     pad_id: int = 0
-
-    @property
-    def labels(self) -> list[str]:
-        return list(self.meta["labels"])
-
-    @property
-    def multi_label(self) -> bool:
-        return bool(self.meta.get("multi_label", False))
-
-    @property
-    def architecture(self) -> str:
-        return str(self.meta["architecture"])
 
     @property
     def max_length(self) -> int:
@@ -230,6 +219,27 @@ def load_tokenizer(tokenizer_json: bytes | str) -> "tokenizers.Tokenizer":
     tok.no_padding()
     tok.no_truncation()
     return tok
+
+
+def encode_texts(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int, pad_id: int,
+                 pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)``, int64 ``[n, width]``: each text tokenized and truncated to ``max_length``,
+    right-padded with ``pad_id`` to the longest one (or to ``pad_to``). The one tokenization path of the
+    trainer, the exporter and the serving bundle, so a served model sees exactly what it was trained on.
+    """
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length)
+    try:
+        encs = tokenizer.encode_batch(list(texts))
+    finally:
+        tokenizer.no_truncation()
+    width = max(pad_to or 0, 1, *(len(e.ids) for e in encs)) if encs else max(pad_to or 0, 1)
+    ids = np.full((len(encs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(encs), width), dtype=np.int64)
+    for i, e in enumerate(encs):
+        ids[i, :len(e.ids)] = e.ids
+        mask[i, :len(e.ids)] = 1
+    return ids, mask
 
 
 def tokenizer_pad_id(tokenizer_json: bytes | str) -> int:

@@ -33,7 +33,7 @@ import numpy as np
 
 from fedclinic.errors import IntegrityError
 from fedclinic.strategies.fedavg import FedAvg, check_update
-from fedclinic.strategies.tensorsource import TensorLike, blocks
+from fedclinic.strategies.tensorsource import TensorLike, squared_norm
 
 DEFINITIONS = ("report", "code")
 RATE_METRIC = "gradient_change_rate"
@@ -72,12 +72,7 @@ class DynamicWeighting(FedAvg):
     def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
         check_update(self._global, update, site)
         if self.definition == "report":
-            c = 0.0
-            for delta in update.values():
-                sq = 0.0
-                for _, block in blocks(delta, self._scratch):
-                    sq += float(np.dot(block.astype(np.float64), block))
-                c += math.sqrt(sq)
+            c = sum(math.sqrt(squared_norm(delta, self._scratch)) for delta in update.values())
         else:
             c = float(weight)
         if not math.isfinite(c):

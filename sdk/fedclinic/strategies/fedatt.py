@@ -31,7 +31,7 @@ import numpy as np
 
 from fedclinic.strategies.base import Strategy
 from fedclinic.strategies.fedavg import _BLOCK, check_update, weighted_add
-from fedclinic.strategies.tensorsource import FileTensor, TensorLike, blocks
+from fedclinic.strategies.tensorsource import FileTensor, TensorLike, blocks, squared_norm
 
 GRANULARITIES = ("per_layer", "whole_model")
 NORMS = ("frobenius", "spectral")
@@ -99,10 +99,7 @@ class FedAtt(Strategy):
         if self.norm == "spectral" and len(delta.shape) >= 2:
             full = delta.read() if isinstance(delta, FileTensor) else np.asarray(delta)
             return float(np.linalg.norm(full.reshape(full.shape[0], -1).astype(np.float64), ord=2))
-        sq = 0.0
-        for _, block in blocks(delta, self._scratch):
-            sq += float(np.dot(block.astype(np.float64), block))
-        return math.sqrt(sq)
+        return math.sqrt(squared_norm(delta, self._scratch))
 
     def weights(self) -> dict[str, dict[str, float]]:
         """alpha_k per site and tensor for the updates accepted so far this round (for logs and tests)."""

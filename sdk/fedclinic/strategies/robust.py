@@ -29,7 +29,7 @@ import numpy as np
 from fedclinic.errors import IntegrityError
 from fedclinic.strategies.base import Strategy
 from fedclinic.strategies.fedavg import _BLOCK, FedAvg, check_update
-from fedclinic.strategies.tensorsource import TensorLike, blocks
+from fedclinic.strategies.tensorsource import TensorLike, blocks, squared_norm
 
 
 class _CoordinateWise(Strategy):
@@ -108,10 +108,7 @@ class NormBounded(FedAvg):
 
     def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
         check_update(self._global, update, site, weight)
-        sq = 0.0
-        for delta in update.values():  # first pass: the update's L2 norm over all its tensors
-            for _, block in blocks(delta, self._scratch):
-                sq += float(np.dot(block, block))
+        sq = sum(squared_norm(delta, self._scratch) for delta in update.values())  # first pass: the L2 norm
         self._add(update, float(weight), min(1.0, self.max_norm / math.sqrt(sq)) if sq > 0 else 1.0)
 
 

@@ -59,3 +59,8 @@ def blocks(x: TensorLike, scratch: np.ndarray) -> Iterator[tuple[int, np.ndarray
         out = scratch[: stop - start]
         np.copyto(out, flat[start:stop], casting="unsafe")
         yield start, out
+
+
+def squared_norm(x: TensorLike, scratch: np.ndarray) -> float:
+    """||x||^2 over the flattened tensor, read block by block (float32 BLAS dot per block, summed in float64)."""
+    return sum(float(np.dot(block, block)) for _, block in blocks(x, scratch))

@@ -115,7 +115,7 @@ class WeiPro(Strategy):
     def _dot(self, x: TensorLike, dense: np.ndarray) -> float:
         total = 0.0
         for start, block in blocks(x, self._scratch):
-            total += float(np.dot(block.astype(np.float64), dense[start:start + block.size]))
+            total += float(np.dot(block, dense[start:start + block.size]))
         return total
 
     def finalize(self) -> dict[str, np.ndarray]:
@@ -129,7 +129,7 @@ class WeiPro(Strategy):
         for (_, update, _), r in zip(self._updates, rho):           # pass 1: R = sum rho_k d_k
             for n in names:
                 weighted_add(reference[n], update[n], float(r), self._scratch)
-        norm = math.sqrt(sum(float(np.dot(v.astype(np.float64), v)) for v in reference.values()))
+        norm = math.sqrt(sum(float(np.dot(v, v)) for v in reference.values()))
         if norm < _EPS:
             alpha = rho
         else:                                                        # pass 2: projections p_k
