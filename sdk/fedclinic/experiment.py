@@ -51,7 +51,7 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -388,7 +388,7 @@ def _run_command(args) -> int:
     if args.workers:
         if args.workers < 1:
             raise ConfigError("--workers must be >= 1")
-        exp = Experiment(**{**exp.__dict__, "workers": args.workers})
+        exp = replace(exp, workers=args.workers)
     run_experiment(exp, log=lambda m: print(m, flush=True))
     print(report(exp.output))
     return 0
