@@ -14,10 +14,11 @@ Example::
 
     [datasets.notes]           # name used by tasks
     path = "/data/notes/train.jsonl"
-    format = "jsonl"           # jsonl | csv | tsv (default: from the file extension)
+    format = "jsonl"           # jsonl | csv | tsv | conll (default: from the file extension)
     text_field = "text"
     label_field = "label"
     eval_path = "/data/notes/val.jsonl"   # optional: the site's held-out split, used to evaluate global models
+    # entities_field = "entities"          # NER JSONL ({"text", "entities": [{"start", "end", "label"}]})
 
     [policy]
     allowed_families = ["text-classification"]
@@ -38,7 +39,7 @@ from fedclinic.rpc import TlsFiles
 from fedclinic.tomlconfig import env_overrides, load_toml, require
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
-FORMATS = ("jsonl", "csv", "tsv")
+FORMATS = ("jsonl", "csv", "tsv", "conll")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class DatasetEntry:
     text_field: str = "text"
     label_field: str = "label"
     eval_path: Path | None = None
+    entities_field: str = "entities"     # NER JSONL: the list of {"start", "end", "label"} spans
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class AgentConfig:
                 raise ConfigError(f"{source}: [datasets.{name}] format must be one of {', '.join(FORMATS)}")
             datasets[name] = DatasetEntry(name, p(entry["path"]), fmt, entry.get("text_field", "text"),
                                           entry.get("label_field", "label"),
-                                          p(entry["eval_path"]) if entry.get("eval_path") else None)
+                                          p(entry["eval_path"]) if entry.get("eval_path") else None,
+                                          entry.get("entities_field", "entities"))
         pol = doc.get("policy") or {}
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))))

@@ -54,7 +54,7 @@ class _TaskState:
 
     loaded: object = None                       # fedclinic.models.LoadedModel
     tensor_sha: dict[str, str] = field(default_factory=dict)
-    raw_train: list | None = None               # fedclinic.data.Example rows, validated
+    raw_train: list | None = None               # validated rows: fedclinic.data.Example or data_ner.NerExample
     raw_eval: list | None = None
     train_data: object = None                   # fedclinic.training.EncodedData
     eval_data: object = None
@@ -240,14 +240,15 @@ class Agent:
         self._upload(entry)
 
     def _prepare_data(self, a: agent_pb2.Assignment, state: _TaskState) -> None:
-        from fedclinic.data import read_classification
+        from fedclinic.data import read_dataset
 
         entry = self.config.datasets[a.spec.dataset]
         kwargs = dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
-                      label_set=list(a.spec.labels), multi_label=a.spec.multi_label)
+                      entities_field=entry.entities_field, label_set=list(a.spec.labels),
+                      multi_label=a.spec.multi_label)
         if state.raw_train is None:
-            state.raw_train = read_classification(entry.path, **kwargs)
-            state.raw_eval = read_classification(entry.eval_path, **kwargs) if entry.eval_path else None
+            state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
+            state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
 
     def _sync_model(self, a: agent_pb2.Assignment, manifest: Manifest, state: _TaskState) -> None:
         """Bring the warm model to the assignment's global weights, fetching only unknown tensors."""

@@ -22,7 +22,7 @@ from fedclinic.errors import FedclinicError
 from fedclinic.package import Manifest, ModelPackage
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.rpc import TlsFiles, explain_rpc_error, secure_channel
-from fedclinic.task import Task
+from fedclinic.task import Task, package_for_task
 from fedclinic.package import raw_bytes
 from fedclinic.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, encoded_tensor_chunks,
                             file_chunks, header_of, manifest_to_proto)
@@ -68,12 +68,7 @@ class Client:
         """
         task.validate()
         if package is None:
-            if not task.model:
-                raise FedclinicError("the task names no model folder; set Task.model or pass package=")
-            from fedclinic.models import package_pretrained  # needs the [train] extra
-
-            package = package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
-                                         multi_label=task.multi_label, max_length=task.max_length, seed=task.seed)
+            package = package_for_task(task)
         manifest = manifest or package.manifest()
 
         tok = package.files.get("tokenizer.json")
@@ -197,6 +192,17 @@ def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,
     return Client(address, tls, server_name=server_name)
 
 
+#: round metric -> how the progress line names it (the first one a round has is shown)
+HEADLINE_METRICS = (("eval_accuracy", "site-eval acc"), ("eval_strict_f1", "site-eval entity F1"))
+
+
+def _headline(metrics) -> str:
+    for key, name in HEADLINE_METRICS:
+        if key in metrics:
+            return f" {name} {metrics[key]:.3f}"
+    return ""
+
+
 class ProgressDisplay:
     """Renders task events: a one-line bar on a terminal, one line per event otherwise."""
 
@@ -212,8 +218,7 @@ class ProgressDisplay:
         reported = len(current.reports) if current else 0
         target = current.sites_target if current else 0
         closed = [r for r in st.rounds if r.state == control_pb2.ROUND_STATE_CLOSED]
-        acc = closed[-1].metrics.get("eval_accuracy") if closed else None
-        acc_txt = f" site-eval acc {acc:.3f}" if acc is not None else ""
+        acc_txt = _headline(closed[-1].metrics) if closed else ""
         if self.tty:
             width = 20
             filled = int(width * done / total)

@@ -89,6 +89,28 @@ def read_classification(
     return out
 
 
+def read_dataset(
+    family: str,
+    path: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    text_field: str = "text",
+    label_field: str = "label",
+    entities_field: str = "entities",
+    label_set: Sequence[str],
+    multi_label: bool = False,
+) -> list:
+    """Read a site dataset for a task of ``family``: :func:`read_classification` rows, or NER examples
+    (:func:`fedclinic.data_ner.read_ner`, JSONL spans or CoNLL) for ``token-classification``."""
+    if family == "token-classification":
+        from fedclinic.data_ner import read_ner
+
+        return read_ner(path, format=format, label_set=label_set, text_field=text_field,
+                        entities_field=entities_field)
+    return read_classification(path, format=format, text_field=text_field, label_field=label_field,
+                               label_set=label_set, multi_label=multi_label)
+
+
 def _check_label_set(label_set: Sequence[str]) -> list[str]:
     if isinstance(label_set, str) or not label_set:
         raise ConfigError(f"label_set must be a non-empty list of label names, got {label_set!r}")

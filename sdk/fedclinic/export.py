@@ -11,6 +11,9 @@ Inputs and outputs:
 
 - text-classification: ``input_ids`` and ``attention_mask`` (int64 ``[batch, seq]``) -> ``logits``.
 - feature-classification: ``features`` (float32 ``[batch, num_features]``) -> ``logits``.
+- token-classification: ``input_ids``, ``attention_mask`` -> ``logits`` (per-token tag scores ``[batch, seq,
+  tags]``); with a CRF also ``tags`` (int64 ``[batch, seq]``), the Viterbi path computed inside the graph
+  (:mod:`fedclinic.onnx_crf`), which must equal PyTorch's path exactly on every parity input.
 
 Parity: the held-out inputs (from ``--texts`` rows, or seeded random inputs of several batch sizes and
 sequence lengths, with padding) go through PyTorch and onnxruntime. The maximum absolute difference of the
@@ -49,9 +52,10 @@ _SIDE_FILES = ("tokenizer.json", "fedclinic_model.json", "config.json", "tokeniz
 @dataclass
 class ParityResult:
     max_abs_diff: float
-    top1_agreement: float
+    top1_agreement: float     # share of argmax decisions (per row, or per token) that agree with PyTorch
     tolerance: float
     inputs: int
+    path_agreement: float | None = None  # CRF: share of sequences whose ONNX Viterbi path equals PyTorch's
 
 
 @dataclass
@@ -82,6 +86,17 @@ def _wrapper(loaded) -> tuple[Any, list[str]]:
                 return loaded.logits(features)
 
         return FeatureForward().eval(), ["features"]
+
+    if loaded.family == "token-classification":
+        class TokenForward(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = loaded.module
+
+            def forward(self, input_ids, attention_mask):
+                return loaded.emissions(input_ids, attention_mask)
+
+        return TokenForward().eval(), ["input_ids", "attention_mask"]
 
     class TextForward(torch.nn.Module):
         def __init__(self) -> None:
@@ -131,8 +146,11 @@ def check_parity(run_onnx: Callable[..., np.ndarray], run_torch: Callable[..., n
         if got.shape != want.shape:
             raise ParityError(f"ONNX logits have shape {got.shape}, PyTorch {want.shape}")
         worst = max(worst, float(np.max(np.abs(got - want))))
-        agree += int(np.sum(got.argmax(-1) == want.argmax(-1)))
-        total += int(got.shape[0])
+        decisions = got.argmax(-1) == want.argmax(-1)
+        if len(batch) == 2 and decisions.ndim == 2:  # per-token decisions: padding does not count
+            decisions = decisions[np.asarray(batch[1]) > 0]
+        agree += int(np.sum(decisions))
+        total += int(decisions.size)
     result = ParityResult(max_abs_diff=worst, top1_agreement=agree / max(total, 1), tolerance=tolerance,
                           inputs=total)
     if not worst <= tolerance:
@@ -213,7 +231,12 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return lambda *xs: session.run(["logits"], dict(zip(input_names, xs)))[0]
 
+    crf = getattr(loaded.module, "crf", None)
+    if crf is not None:
+        _append_crf(tmp, crf)
     fp32 = check_parity(session_runner(tmp), torch_logits, batches, tolerance=tolerance)
+    if crf is not None:
+        fp32.path_agreement = check_paths(tmp, loaded, batches, min_agreement=1.0)
     tmp.replace(out / "model.onnx")
     log(f"fp32 parity: max |ONNX - PyTorch| = {fp32.max_abs_diff:.3g} over {fp32.inputs} inputs "
         f"(tolerance {tolerance:g})")
@@ -238,6 +261,8 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
             plain.unlink(missing_ok=True)
         report.int8 = check_parity(session_runner(qtmp), torch_logits, batches, tolerance=int8_tolerance,
                                    min_agreement=INT8_MIN_AGREEMENT)
+        if crf is not None:
+            report.int8.path_agreement = check_paths(qtmp, loaded, batches, min_agreement=0.0)
         qtmp.replace(out / "model.int8.onnx")
         report.files.append("model.int8.onnx")
         log(f"int8 parity: max |ONNX - PyTorch| = {report.int8.max_abs_diff:.3g}, top-1 agreement "
@@ -248,6 +273,42 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
             report.files.append(name)
     (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _append_crf(path: Path, crf) -> None:
+    """Append the CRF's Viterbi decoding to the exported emission graph at ``path`` (output ``tags``)."""
+    import onnx
+
+    from fedclinic.onnx_crf import append_viterbi
+
+    model = onnx.load(str(path))
+    model.graph.ClearField("value_info")  # the exporter's recorded shapes are of its example; let onnx re-infer
+    append_viterbi(model, emissions="logits", mask="attention_mask",
+                   transitions=crf.transitions.detach().cpu().numpy(),
+                   start=crf.start_transitions.detach().cpu().numpy(), end=crf.end_transitions.detach().cpu().numpy())
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
+def check_paths(path: Path, loaded, batches, *, min_agreement: float) -> float:
+    """Share of sequences whose ONNX ``tags`` equal PyTorch's Viterbi path (on non-padding positions);
+    ParityError below ``min_agreement``."""
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    same = total = 0
+    for ids, mask in batches:
+        got = session.run(["tags"], {"input_ids": ids, "attention_mask": mask})[0]
+        with torch.no_grad():
+            want = loaded.decode(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+        same += int(sum(np.array_equal(g[m > 0], w[m > 0]) for g, w, m in zip(got, want, mask)))
+        total += len(ids)
+    share = same / max(total, 1)
+    if share < min_agreement:
+        raise ParityError(f"parity check failed: the ONNX CRF path equals PyTorch's Viterbi path on {share:.1%} of "
+                          f"{total} sequences (needs {min_agreement:.0%})")
+    return share
 
 
 def add_export_commands(sub) -> None:

@@ -110,7 +110,8 @@ def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingH
 def _prediction_message(p: dict):
     from fedclinic.proto import inference_pb2
 
-    return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p["scores"])
+    return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p.get("scores", {}),
+                                    entities=[inference_pb2.Entity(**e) for e in p.get("entities", [])])
 
 
 def make_grpc_server(bundle, address: str, tls=None):

@@ -8,7 +8,14 @@ family) and, for text models, ``tokenizer.json``. Serving needs onnxruntime, num
     # [{"label": "Acne", "scores": {"Acne": 0.91, "Depression": 0.02, ...}}]
 
 Single-label scores are the softmax of the logits; multi-label scores are per-label sigmoids, and
-``labels`` lists those at or above ``threshold`` (0.5).
+``labels`` lists those at or above ``threshold`` (0.5). A token-classification (NER) bundle answers with the
+entities found, in character offsets of each input text::
+
+    bundle.predict(["Started sertraline for my depression."])
+    # [{"entities": [{"start": 8, "end": 18, "label": "DRUG", "text": "sertraline"}, ...]}]
+
+Its graph returns the CRF's Viterbi path (output ``tags``) when the model has a CRF, else per-token scores
+whose argmax is the tag.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ class ClassifierBundle(ModelMeta):
         self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
         self._tokenizer = None
         self._pad_id = 0
-        if self.family == "text-classification":
+        if self.family in ("text-classification", "token-classification"):
             from fedclinic.models.text_classification import load_tokenizer, tokenizer_pad_id
 
             tok_path = root / "tokenizer.json"
@@ -74,10 +81,38 @@ class ClassifierBundle(ModelMeta):
         return self.session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
 
     def predict(self, texts: Sequence[str], *, batch_size: int = 32) -> list[dict[str, Any]]:
-        """One prediction per text: ``label`` (or ``labels`` for multi-label) and ``scores`` per label."""
+        """One prediction per text: ``label`` (or ``labels`` for multi-label) and ``scores`` per label; for an
+        NER bundle, ``entities``."""
+        if self.family == "token-classification":
+            return self.predict_entities(texts, batch_size=batch_size)
         out: list[dict[str, Any]] = []
         for start in range(0, len(texts), batch_size):
             out.extend(self._describe(self.logits(texts[start:start + batch_size])))
+        return out
+
+    def predict_entities(self, texts: Sequence[str], *, batch_size: int = 32) -> list[dict[str, Any]]:
+        """``{"entities": [{"start", "end", "label", "text"}, ...]}`` per text (an NER bundle)."""
+        if self.family != "token-classification":
+            raise ConfigError(f"a {self.family} bundle does not find entities; use predict")
+        from fedclinic.models.token_classification import encode_with_offsets, spans_from_tag_ids
+
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+        if bad:
+            raise DatasetError(f"text {bad[0]} is empty or not a string; every input must be non-empty text")
+        outputs = {o.name for o in self.session.get_outputs()}
+        tags, scheme = list(self.meta["tags"]), str(self.meta.get("scheme", "BIO"))
+        out: list[dict[str, Any]] = []
+        for start in range(0, len(texts), batch_size):
+            chunk = list(texts[start:start + batch_size])
+            ids, mask, offsets = encode_with_offsets(self._tokenizer, chunk, max_length=self.max_length,
+                                                     pad_id=self._pad_id)
+            feeds = {"input_ids": ids, "attention_mask": mask}
+            if "tags" in outputs:
+                pred = self.session.run(["tags"], feeds)[0]
+            else:
+                pred = self.session.run(["logits"], feeds)[0].argmax(-1)
+            out.extend({"entities": spans_from_tag_ids(text, pred[i], mask[i], offsets[i], tags, scheme)}
+                       for i, text in enumerate(chunk))
         return out
 
     def predict_features(self, features: np.ndarray) -> list[dict[str, Any]]:

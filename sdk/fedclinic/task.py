@@ -38,7 +38,8 @@ from fedclinic.optimizers import check_optimizer_settings
 from fedclinic.proto import task_pb2
 from fedclinic.tomlconfig import load_toml
 
-FAMILIES = {"text-classification": ("transformer", "lstm", "logreg")}
+FAMILIES = {"text-classification": ("transformer", "lstm", "logreg"),
+            "token-classification": ("transformer", "transformer-crf")}
 _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
           "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
@@ -54,6 +55,7 @@ class Task:
     family: str = "text-classification"
     architecture: str = "transformer"
     multi_label: bool = False
+    tag_scheme: str = "BIO"              # token-classification: BIO | BIOES (labels are the entity types)
     description: str = ""
     sites: list[str] = field(default_factory=list)
     # training (per site, per round)
@@ -94,7 +96,14 @@ class Task:
             p.append(f"family {self.family!r} is unknown; choose one of {sorted(FAMILIES)}")
         elif self.architecture not in FAMILIES[self.family]:
             p.append(f"architecture {self.architecture!r} is not one of {FAMILIES[self.family]}")
-        if len(self.labels) < 2:
+        if self.family == "token-classification":
+            if not self.labels:
+                p.append("labels needs at least one entity type")
+            if self.tag_scheme not in ("BIO", "BIOES"):
+                p.append(f"tag_scheme {self.tag_scheme!r} is not BIO or BIOES")
+            if self.multi_label:
+                p.append("multi_label does not apply to token-classification")
+        elif len(self.labels) < 2:
             p.append("labels needs at least two classes")
         if len(set(self.labels)) != len(self.labels):
             p.append("labels contains duplicates")
@@ -181,6 +190,26 @@ class Task:
             raise ConfigError(f"{path}: {exc}") from None
         task.validate()
         return task
+
+
+def package_for_task(task: Task):
+    """The initial model package of ``task``: its pretrained folder (``task.model``) packaged for its family.
+
+    Needs the ``[train]`` extra (torch, transformers). Nothing is downloaded.
+    """
+    from fedclinic.errors import FedclinicError
+
+    if not task.model:
+        raise FedclinicError("the task names no model folder; set Task.model or pass package=")
+    if task.family == "token-classification":
+        from fedclinic.models.token_classification import package_ner_pretrained
+
+        return package_ner_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                                      scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed)
+    from fedclinic.models import package_pretrained
+
+    return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                              multi_label=task.multi_label, max_length=task.max_length, seed=task.seed)
 
 
 def _section(value: Any, allowed: tuple[str, ...], name: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -126,13 +126,17 @@ class EncodedData:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    #: True when ``labels`` hold one target per token (``[N, L]``, trimmed with the batch), as in NER
+    per_token_labels: ClassVar[bool] = False
+
     def batch(self, idx: "torch.Tensor", device: "torch.device") -> tuple[tuple["torch.Tensor", ...], "torch.Tensor"]:
         """((ids, mask), targets) of the examples at ``idx`` on ``device``, trimmed to their longest sequence."""
         mask = self.attention_mask[idx]
         width = max(1, int(mask.sum(dim=1).max()))
         nb = device.type == "cuda"
+        y = self.labels[idx, :width] if self.per_token_labels else self.labels[idx]
         return ((self.input_ids[idx, :width].to(device, non_blocking=nb), mask[:, :width].to(device, non_blocking=nb)),
-                self.labels[idx].to(device, non_blocking=nb))
+                y.to(device, non_blocking=nb))
 
     def batches(self, order: "torch.Tensor", batch_size: int, device: "torch.device"):
         """Yield :meth:`batch` for consecutive ``batch_size`` slices of ``order`` (one epoch)."""
@@ -194,6 +198,8 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
     """Tokenize ``examples`` with the task's tokenizer (truncated to ``max_length``) into tensors."""
     import torch
 
+    if hasattr(loaded, "encode"):  # a family with its own encoding (token classification)
+        return loaded.encode(examples, max_length=max_length)
     if max_length is None:
         max_length = loaded.max_length
     if not isinstance(max_length, int) or max_length < 2:
@@ -283,7 +289,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
     if cfg.optimizer_state == "keep" and optimizer_state:
         _load_optimizer_state(optimizer, named_train, optimizer_state, device)
     anchor = [p.detach().clone() for p in train_params] if cfg.proximal_mu > 0 else None
-    loss_fn = _loss_fn(data.multi_label)
+    loss_fn = _batch_loss(loaded, data.multi_label)
     autocast, scaler = _autocast(device, cfg.mixed_precision)
 
     n = len(data)
@@ -309,8 +315,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                 if step >= total:
                     break
                 with autocast():
-                    logits = loaded.logits(*inputs)
-                loss = loss_fn(logits.float(), y)
+                    loss = loss_fn(inputs, y)
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(loss).backward()
@@ -346,6 +351,16 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                        gradient_change_rate=rate)
 
 
+def _batch_loss(loaded, multi_label: bool) -> Callable[[tuple, "torch.Tensor"], "torch.Tensor"]:
+    """``loss(inputs, targets)`` -> the batch's mean loss: the family's own ``training_loss`` when it has one
+    (token classification), else the classification loss on ``loaded.logits(*inputs)`` (computed in float32)."""
+    own = getattr(loaded, "training_loss", None)
+    if own is not None:
+        return own
+    loss_fn = _loss_fn(multi_label)
+    return lambda inputs, y: loss_fn(loaded.logits(*inputs).float(), y)
+
+
 def _full_pass_gradients(loaded, data, params: list, batch_size: int, device, loss_fn) -> list:
     """sum over batches of the batch-mean loss gradient, divided by the number of examples (the IU-CXR notebook's
     ``compute_gradients``: one pass in order, the module in training mode)."""
@@ -354,7 +369,7 @@ def _full_pass_gradients(loaded, data, params: list, batch_size: int, device, lo
     total = [torch.zeros_like(p) for p in params]
     order = torch.arange(len(data))
     for inputs, y in data.batches(order, batch_size, device):
-        grads = torch.autograd.grad(loss_fn(loaded.logits(*inputs).float(), y), params, allow_unused=True)
+        grads = torch.autograd.grad(loss_fn(inputs, y), params, allow_unused=True)
         for acc, g in zip(total, grads):
             if g is not None:
                 acc += g
@@ -409,10 +424,12 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
     """
     import torch
 
-    if len(data) == 0:
-        raise DatasetError("no evaluation examples; the evaluation set is empty")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if hasattr(loaded, "evaluate"):  # a family with its own metrics (token classification: entity-level F1)
+        return loaded.evaluate(data, batch_size=batch_size)
+    if len(data) == 0:
+        raise DatasetError("no evaluation examples; the evaluation set is empty")
     module = loaded.module
     try:
         device = next(module.parameters()).device

@@ -137,3 +137,52 @@ def test_partial_tls_flags_are_refused(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fedclinic.cli", "serve", str(tmp_path / "bundle"), "--grpc-port", "0",
                           "--cert", "x.crt"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "give all of --cert, --key and --ca" in out.stderr
+
+
+def _trained_ner_bundle(tmp_path, architecture: str = "transformer-crf"):
+    """A tiny NER model trained to recognise the test vocabulary's drugs and conditions, exported to ONNX."""
+    from fedclinic import training
+    from fedclinic.models import build_model, module_tensors
+    from fedclinic.package import ModelPackage
+
+    from tests.unit.test_token_classification import make_examples, package
+
+    start = package(architecture)
+    model = build_model(start)
+    training.train_local(model, training.encode(make_examples(48, seed=1), model),
+                         training.TrainConfig(local_epochs=10, batch_size=8, learning_rate=5e-3),
+                         trainable=[n for n, _ in model.module.named_parameters()])
+    ModelPackage(module_tensors(model.module), start.files).save(tmp_path / "ner-pkg")
+    export_onnx(tmp_path / "ner-pkg", tmp_path / "ner-bundle")
+    return tmp_path / "ner-bundle"
+
+
+def test_ner_bundle_over_http_and_grpc(tmp_path, serve):
+    from fedclinic import pki
+    from fedclinic.proto import inference_pb2, inference_pb2_grpc
+    from fedclinic.rpc import TlsFiles, secure_channel
+
+    bundle = _trained_ner_bundle(tmp_path)
+    ca = tmp_path / "ca"
+    pki.init_ca(ca)
+    server = pki.issue(ca, role="aggregator", name="inference", out_dir=tmp_path / "srv", dns=["localhost"],
+                       ips=["127.0.0.1"])
+    client_cert = pki.issue(ca, role="scientist", name="integration", out_dir=tmp_path / "cli")
+    proc, ports = serve(bundle, "--grpc-port", "0", "--cert", str(server.cert_path), "--key", str(server.key_path),
+                        "--ca", str(server.ca_path))
+    text = "patient took metformin for back pain"
+    expected = [{"start": 13, "end": 22, "label": "DRUG", "text": "metformin"},
+                {"start": 27, "end": 36, "label": "CONDITION", "text": "back pain"}]
+    status, ready = _call(ports["http"], "/readyz")
+    assert status == 200 and ready["model"]["family"] == "token-classification"
+    status, out = _call(ports["http"], "/v1/predict", {"texts": [text, "the week"]})
+    assert status == 200 and out["predictions"] == [{"entities": expected}, {"entities": []}]
+    code, err = _call(ports["http"], "/v1/predict", {"texts": [""]})
+    assert code == 422 and "text 0 is empty" in err["error"]
+    tls = TlsFiles(client_cert.cert_path, client_cert.key_path, client_cert.ca_path)
+    with secure_channel(f"127.0.0.1:{ports['grpc']}", tls) as channel:
+        got = inference_pb2_grpc.InferenceStub(channel).Predict(inference_pb2.PredictRequest(texts=[text]), timeout=30)
+    assert [(e.start, e.end, e.label, e.text) for e in got.predictions[0].entities] == \
+        [(e["start"], e["end"], e["label"], e["text"]) for e in expected]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

@@ -155,3 +155,80 @@ def test_a_failed_re_export_leaves_the_existing_bundle_untouched(tmp_path):
     export_onnx(tmp_path / "pkg2", tmp_path / "out", overwrite=True)  # fp32 only: the old int8 must go
     assert not (tmp_path / "out" / "model.int8.onnx").exists()
     assert (tmp_path / "out" / "model.onnx").read_bytes() != before["model.onnx"]
+
+
+@pytest.mark.parametrize("architecture", ["transformer", "transformer-crf"])
+def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
+    """Emissions within 1e-4; with a CRF, the graph's own Viterbi path equals PyTorch's on every input."""
+    import onnxruntime as ort
+    import torch
+
+    from fedclinic.models import build_model
+
+    from tests.unit.test_token_classification import make_examples, package
+
+    pkg = package(architecture, scheme="BIOES", seed=4)
+    pkg.save(tmp_path / "pkg")
+    texts = [e.text for e in make_examples(20, seed=6)]
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True, texts=texts)
+    assert report.fp32.max_abs_diff <= 1e-4
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in session.get_outputs()]
+    if architecture == "transformer":
+        assert outputs == ["logits"] and report.fp32.path_agreement is None
+        return
+    assert outputs == ["logits", "tags"] and report.fp32.path_agreement == 1.0
+    assert report.int8 is not None and report.int8.path_agreement is not None
+    # random emissions stress the decoder harder than an untrained model's near-uniform ones: paths still equal
+    loaded = build_model(pkg)
+    with torch.no_grad():
+        for p in (loaded.module.crf.transitions, loaded.module.crf.start_transitions, loaded.module.crf.end_transitions):
+            p.normal_(0, 2.0)
+    from fedclinic.onnx_crf import append_viterbi
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "l", 9]),
+                               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "l"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "l", 9])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    crf = loaded.module.crf
+    append_viterbi(model, emissions="logits", mask="attention_mask", transitions=crf.transitions.detach().numpy(),
+                   start=crf.start_transitions.detach().numpy(), end=crf.end_transitions.detach().numpy())
+    onnx.checker.check_model(model, full_check=True)
+    viterbi = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(0)
+    for batch, width in ((1, 2), (4, 7), (16, 30)):
+        em = torch.randn(batch, width, 9, generator=gen) * 3
+        lengths = torch.randint(1, width + 1, (batch,), generator=gen)
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        got = viterbi.run(["tags"], {"x": em.numpy(), "attention_mask": mask.numpy()})[0]
+        np.testing.assert_array_equal(got, crf.viterbi(em, mask).numpy())
+
+
+def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
+    """The path check is real: decoding with other transitions than the model's is caught."""
+    import onnx
+    from onnx import numpy_helper
+
+    from fedclinic.export import check_paths
+    from fedclinic.models import build_model
+
+    from tests.unit.test_token_classification import make_examples, package
+
+    pkg = package("transformer-crf", seed=5)
+    pkg.save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "out")
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    for init in model.graph.initializer:
+        if init.name == "crf_viterbi_transitions":
+            size = numpy_helper.to_array(init).shape[0]
+            init.CopyFrom(numpy_helper.from_array(-10 * np.eye(size, dtype=np.float32), init.name))
+    onnx.save(model, str(tmp_path / "wrong.onnx"))
+    loaded = build_model(pkg)
+    from fedclinic.export import parity_inputs
+
+    batches = parity_inputs(loaded, texts=[e.text for e in make_examples(16, seed=8)])
+    with pytest.raises(ParityError, match="CRF path equals PyTorch's Viterbi path on"):
+        check_paths(tmp_path / "wrong.onnx", loaded, batches, min_agreement=1.0)

@@ -2,7 +2,8 @@
 
 A package names its family in ``fedclinic_model.json``; :func:`build_model` dispatches on it through
 :data:`FAMILIES`. Only built-in families and architectures exist: a package carries tensors and JSON, never
-code. Families register here (``register_family``): "text-classification" and "feature-classification".
+code. Families register here (``register_family``): "text-classification", "feature-classification" and
+"token-classification" (NER).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.models import feature_classification, text_classification
+from fedclinic.models import feature_classification, text_classification, token_classification
 from fedclinic.models.text_classification import (
     ALLOWED_MODEL_TYPES,
     ARCHITECTURES,
@@ -32,6 +33,7 @@ SUPPORTED_FORMAT = 1
 FAMILIES: dict[str, Callable[[ModelPackage], Any]] = {
     text_classification.FAMILY: text_classification.build,
     feature_classification.FAMILY: feature_classification.build,
+    token_classification.FAMILY: token_classification.build,
 }
 
 

@@ -20,8 +20,20 @@ class PredictRequest(_message.Message):
     features: _containers.RepeatedCompositeFieldContainer[FeatureRow]
     def __init__(self, texts: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ...) -> None: ...
 
+class Entity(_message.Message):
+    __slots__ = ("start", "end", "label", "text")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    label: str
+    text: str
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., label: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
 class Prediction(_message.Message):
-    __slots__ = ("label", "labels", "scores")
+    __slots__ = ("label", "labels", "scores", "entities")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,10 +44,12 @@ class Prediction(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    ENTITIES_FIELD_NUMBER: _ClassVar[int]
     label: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     scores: _containers.ScalarMap[str, float]
-    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    entities: _containers.RepeatedCompositeFieldContainer[Entity]
+    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("predictions",)

@@ -1,0 +1,382 @@
+"""The "token-classification" model family (named-entity recognition): a tag per token, entities as spans.
+
+A task's labels are entity types (e.g. ``["DRUG", "CONDITION"]``); the tag set is derived from them and a tag
+scheme (:func:`fedclinic.ner_tags.tag_set`: ``O`` first, then ``B-``/``I-`` (BIO) or ``B-``/``I-``/``E-``/``S-``
+(BIOES) per type). ``fedclinic_model.json``::
+
+    {"format": 1, "family": "token-classification", "architecture": "transformer" | "transformer-crf",
+     "labels": ["DRUG", ...], "scheme": "BIO", "tags": ["O", "B-DRUG", ...], "max_length": 128,
+     "base_model": "...", "arch_config": {"model_type": "bert"}}
+
+Architectures
+-------------
+``transformer``
+    A Hugging Face ``*ForTokenClassification`` (built with ``AutoModelForTokenClassification.from_config`` for
+    a ``model_type`` in :data:`ALLOWED_MODEL_TYPES`); emissions = ``classifier(encoder(x))``, ``[B, L, tags]``.
+    Loss: token cross-entropy over non-padding positions; decoding: argmax per token.
+``transformer-crf``
+    The same encoder and linear head, followed by a linear-chain CRF (:class:`fedclinic.models.crf.CRF`,
+    tensors ``crf.*``). Loss: the CRF's negative log-likelihood per sequence (mean over the batch);
+    decoding: Viterbi.
+
+Tokens and tags: every sub-word token is tagged (a token belongs to an entity when its character range
+overlaps the entity's span; see :func:`fedclinic.ner_tags.spans_to_token_tags`); special tokens (``[CLS]``,
+``[SEP]``, with empty offsets) are tagged ``O``, padding is ignored. Predicted entities map back to character
+spans through the tokenizer's offsets, so the served model answers in the text's own coordinates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from fedclinic.errors import ConfigError, DatasetError, IntegrityError
+from fedclinic.models.text_classification import (
+    ALLOWED_MODEL_TYPES,
+    LoadedModel,
+    HF_CONFIG_FILE,
+    TOKENIZER_FILE,
+    _TOKENIZER_SIDE_FILES,
+    _check_max_length,
+    _check_model_type,
+    _check_transformer_fits,
+    _hf_config_bytes,
+    _map_checkpoint,
+    _meta_bytes,
+    _read_checkpoint,
+    _seeded,
+    load_strict,
+    load_tensors,
+    load_tokenizer,
+    module_tensors,
+    tokenizer_pad_id,
+)
+from fedclinic.ner_tags import (SCHEMES, entity_scores, spans_to_token_tags, tag_set, tags_to_spans,
+                                token_spans_to_char_spans)
+from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.training import EncodedData
+
+if TYPE_CHECKING:  # pragma: no cover
+    import tokenizers
+    import torch
+
+    from fedclinic.data_ner import NerExample
+
+FAMILY = "token-classification"
+FORMAT = 1
+ARCHITECTURES = ("transformer", "transformer-crf")
+#: target id of positions that carry no tag (padding)
+IGNORE = -100
+
+
+# ------------------------------------------------------------------------------------------------------------
+# loaded model and encoded data
+
+
+@dataclass
+class TokenModel(LoadedModel):
+    """A built NER model: the torch module (HF token classifier, with ``.crf`` when it has one), the task's
+    tokenizer and the parsed ``fedclinic_model.json``. ``logits`` are the per-token tag scores."""
+
+    @property
+    def scheme(self) -> str:
+        return str(self.meta.get("scheme", "BIO"))
+
+    @property
+    def tags(self) -> list[str]:
+        return list(self.meta["tags"])
+
+    @property
+    def has_crf(self) -> bool:
+        return self.architecture == "transformer-crf"
+
+    def logits(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
+        """``[batch, seq]`` ids and mask -> ``[batch, seq, num_tags]`` per-token tag scores (the emissions)."""
+        return self.module(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    emissions = logits
+
+    # the trainer's interface (fedclinic.training): a loss on a batch, and decoding for evaluation
+    def training_loss(self, inputs: tuple["torch.Tensor", ...], targets: "torch.Tensor") -> "torch.Tensor":
+        """Mean loss of a batch: CRF negative log-likelihood per sequence, or token cross-entropy."""
+        import torch.nn.functional as F
+
+        input_ids, mask = inputs
+        em = self.emissions(input_ids, mask).float()
+        if self.has_crf:
+            return self.module.crf.nll(em, targets, mask).mean()
+        return F.cross_entropy(em.reshape(-1, em.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+
+    def decode(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
+        """Best tag ids ``[batch, seq]`` (Viterbi with a CRF, else argmax); padded positions are 0 (``O``)."""
+        em = self.emissions(input_ids, attention_mask)
+        if self.has_crf:
+            return self.module.crf.viterbi(em, attention_mask)
+        return em.argmax(dim=-1) * attention_mask.long()
+
+    def encode(self, examples: Sequence["NerExample"], *, max_length: int | None = None) -> "TokenData":
+        return encode_ner(examples, self, max_length=max_length)
+
+    def evaluate(self, data: "TokenData", *, batch_size: int = 64) -> dict[str, float]:
+        return evaluate_ner(self, data, batch_size=batch_size)
+
+    def predict_entities(self, texts: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """Entities per text: ``{"start", "end", "label", "text"}`` in character offsets of the input."""
+        import torch
+
+        ids, mask, offsets = encode_with_offsets(self.tokenizer, texts, max_length=self.max_length, pad_id=self.pad_id)
+        self.module.eval()
+        device = next(self.module.parameters()).device
+        with torch.no_grad():
+            pred = self.decode(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)).cpu().numpy()
+        return [spans_from_tag_ids(text, pred[i], mask[i], offsets[i], self.tags, self.scheme)
+                for i, text in enumerate(texts)]
+
+
+def spans_from_tag_ids(text: str, tag_ids: np.ndarray, mask: np.ndarray, offsets: Sequence[tuple[int, int]],
+                       tags: Sequence[str], scheme: str) -> list[dict[str, Any]]:
+    """Predicted tag ids of one text -> entity dicts with character offsets (shared with ONNX serving)."""
+    n = int(np.asarray(mask).sum())
+    names = [tags[int(i)] for i in np.asarray(tag_ids)[:n]]
+    names = [t if offsets[k][0] != offsets[k][1] else "O" for k, t in enumerate(names)]  # specials are never entities
+    out = []
+    for start, end, label in token_spans_to_char_spans(tags_to_spans(names, scheme), offsets[:n]):
+        out.append({"start": int(start), "end": int(end), "label": label, "text": text[start:end]})
+    return out
+
+
+@dataclass
+class TokenData(EncodedData):
+    """Tokenized NER examples as CPU tensors: encode once, train many rounds.
+
+    ``labels`` holds tag ids ``[N, L]`` (``IGNORE`` at padding, trimmed with each batch); ``gold`` the entities
+    per example as ``(type, start_token, end_token)`` after tokenization and truncation (what evaluation
+    compares against).
+    """
+
+    gold: list[list[tuple[str, int, int]]] = field(default_factory=list)
+    per_token_labels: ClassVar[bool] = True
+
+
+def encode_with_offsets(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int, pad_id: int
+                        ) -> tuple[np.ndarray, np.ndarray, list[list[tuple[int, int]]]]:
+    """``(input_ids, attention_mask, offsets)``: as :func:`~fedclinic.models.text_classification.encode_texts`,
+    plus each kept token's character offsets (``(0, 0)`` for special tokens). The one NER tokenization path of
+    the trainer, the exporter and the serving bundle."""
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length)
+    try:
+        encs = tokenizer.encode_batch(list(texts))
+    finally:
+        tokenizer.no_truncation()
+    width = max(1, *(len(e.ids) for e in encs)) if encs else 1
+    ids = np.full((len(encs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(encs), width), dtype=np.int64)
+    offsets = []
+    for i, e in enumerate(encs):
+        ids[i, :len(e.ids)] = e.ids
+        mask[i, :len(e.ids)] = 1
+        specials = e.special_tokens_mask
+        offsets.append([(0, 0) if specials[k] else (int(a), int(b)) for k, (a, b) in enumerate(e.offsets)])
+    return ids, mask, offsets
+
+
+def encode_ner(examples: Sequence["NerExample"], loaded: TokenModel, *, max_length: int | None = None) -> TokenData:
+    """Tokenize NER examples with the task's tokenizer and tag every token under the model's scheme."""
+    import torch
+
+    max_length = loaded.max_length if max_length is None else max_length
+    _check_max_length(max_length)
+    if not examples:
+        raise DatasetError("no examples to encode; the dataset is empty")
+    known = set(loaded.labels)
+    for i, ex in enumerate(examples):
+        if not hasattr(ex, "entities"):
+            raise DatasetError(f"example {i} is not an NER example (text + entity spans); read the dataset with "
+                               "fedclinic.data_ner.read_ner")
+        bad = sorted({s.label for s in ex.entities} - known)
+        if bad:
+            raise DatasetError(f"example {i}: entity type(s) {bad} not in the model's labels {loaded.labels}")
+    ids, mask, offsets = encode_with_offsets(loaded.tokenizer, [ex.text for ex in examples], max_length=max_length,
+                                             pad_id=loaded.pad_id)
+    index = {t: k for k, t in enumerate(loaded.tags)}
+    labels = np.full(ids.shape, IGNORE, dtype=np.int64)
+    gold = []
+    for i, ex in enumerate(examples):
+        tags = spans_to_token_tags(offsets[i], [(s.start, s.end, s.label) for s in ex.entities], loaded.scheme)
+        labels[i, :len(tags)] = [index[t] for t in tags]
+        gold.append(tags_to_spans(tags, loaded.scheme))
+    return TokenData(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                     labels=torch.from_numpy(labels), multi_label=False, num_labels=len(loaded.labels), gold=gold)
+
+
+def evaluate_ner(loaded: TokenModel, data: TokenData, *, batch_size: int = 64) -> dict[str, float]:
+    """Loss (the training loss, averaged over examples), token accuracy over non-padding positions, and
+    entity-level strict and relaxed precision/recall/F1 (:func:`fedclinic.ner_tags.entity_scores`)."""
+    import torch
+
+    if len(data) == 0:
+        raise DatasetError("no evaluation examples; the evaluation set is empty")
+    module = loaded.module
+    device = next(module.parameters()).device
+    was_training = module.training
+    module.eval()
+    loss_sum = 0.0
+    correct = 0
+    counted = 0
+    pred_entities: list[list[tuple[str, int, int]]] = []
+    tags = loaded.tags
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            idx = torch.arange(start, min(start + batch_size, len(data)))
+            (ids, mask), y = data.batch(idx, device)
+            loss_sum += float(loaded.training_loss((ids, mask), y)) * len(idx)
+            pred = loaded.decode(ids, mask)
+            on = mask.bool()
+            correct += int(((pred == y) & on).sum())
+            counted += int(on.sum())
+            for row, m in zip(pred.cpu().numpy(), mask.cpu().numpy()):
+                pred_entities.append(tags_to_spans([tags[int(k)] for k in row[:int(m.sum())]], loaded.scheme))
+    module.train(was_training)
+    scores = entity_scores(data.gold, pred_entities)
+    return {"loss": loss_sum / len(data), "token_accuracy": correct / max(counted, 1), **scores,
+            "n": float(len(data))}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# packaging and building
+
+
+def _check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown tag scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    return scheme
+
+
+def _check_architecture(architecture: Any) -> str:
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"unknown architecture {architecture!r} for family {FAMILY!r}; "
+                          f"choose one of: {', '.join(ARCHITECTURES)}")
+    return str(architecture)
+
+
+def _hf_token_config(config_dict: Mapping[str, Any], tags: Sequence[str]):
+    from transformers import AutoConfig
+
+    d = dict(config_dict)
+    model_type = _check_model_type(d.pop("model_type", None))
+    for key in ("_name_or_path", "auto_map", "trust_remote_code", "problem_type", "architectures"):
+        d.pop(key, None)
+    d["id2label"] = {i: t for i, t in enumerate(tags)}
+    d["label2id"] = {t: i for i, t in enumerate(tags)}
+    d["num_labels"] = len(tags)
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid {model_type} config: {exc}") from None
+
+
+def _build_module(config, architecture: str, num_tags: int, seed: int):
+    from transformers import AutoModelForTokenClassification
+
+    from fedclinic.models.crf import CRF
+
+    with _seeded(seed):
+        module = AutoModelForTokenClassification.from_config(config)
+        if architecture == "transformer-crf":
+            module.crf = CRF(num_tags)
+    return module.float()
+
+
+def _meta(architecture: str, labels: list[str], scheme: str, max_length: int, base_model: str,
+          model_type: str) -> dict[str, Any]:
+    return {"format": FORMAT, "family": FAMILY, "architecture": architecture, "labels": list(labels),
+            "scheme": scheme, "tags": tag_set(labels, scheme), "multi_label": False, "max_length": int(max_length),
+            "base_model": base_model, "arch_config": {"model_type": model_type}}
+
+
+def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architecture: str = "transformer",
+                           scheme: str = "BIO", max_length: int = 128, seed: int = 0,
+                           config: Mapping[str, Any] | None = None) -> ModelPackage:
+    """Package a local Hugging Face encoder folder (``config.json`` + safetensors + ``tokenizer.json``) as an
+    NER model: pretrained encoder, new seeded tag head (and CRF). Nothing is downloaded; only JSON and
+    safetensors are read."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"pretrained model folder {folder} does not exist; give a local folder with "
+                          f"{HF_CONFIG_FILE}, model.safetensors and {TOKENIZER_FILE}")
+    for name in (HF_CONFIG_FILE, TOKENIZER_FILE):
+        if not (folder / name).is_file():
+            raise ConfigError(f"{folder} has no {name}; an NER transformer needs its Hugging Face config and a "
+                              "fast tokenizer's tokenizer.json")
+    architecture = _check_architecture(architecture)
+    tags = tag_set(labels, _check_scheme(scheme))
+    _check_max_length(max_length)
+    hf_cfg = json.loads((folder / HF_CONFIG_FILE).read_text())
+    tokenizer_json = (folder / TOKENIZER_FILE).read_bytes()
+    config = _hf_token_config({**hf_cfg, **dict(config or {})}, tags)
+    _check_transformer_fits(config, load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True), max_length)
+    module = _build_module(config, architecture, len(tags), seed)
+    load_tensors(module, _map_checkpoint(module, _read_checkpoint(folder)))
+    meta = _meta(architecture, list(labels), scheme, max_length, str(hf_cfg.get("_name_or_path") or folder.name),
+                 config.model_type)
+    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
+             **{n: (folder / n).read_bytes() for n in _TOKENIZER_SIDE_FILES if (folder / n).is_file()}}
+    return ModelPackage(tensors=module_tensors(module), files=files)
+
+
+def package_ner_from_config(*, labels: Sequence[str], tokenizer_json: bytes | str, config: Mapping[str, Any],
+                            architecture: str = "transformer", scheme: str = "BIO", max_length: int = 128,
+                            seed: int = 0, base_model: str = "from-config") -> ModelPackage:
+    """A freshly initialised (seeded) NER model from an HF config dict with ``model_type`` — tiny test models."""
+    architecture = _check_architecture(architecture)
+    tags = tag_set(labels, _check_scheme(scheme))
+    _check_max_length(max_length)
+    if isinstance(tokenizer_json, str):
+        tokenizer_json = tokenizer_json.encode("utf-8")
+    vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    cfg = dict(config)
+    cfg.setdefault("vocab_size", vocab)
+    cfg.setdefault("pad_token_id", tokenizer_pad_id(tokenizer_json))
+    hf_config = _hf_token_config(cfg, tags)
+    _check_transformer_fits(hf_config, vocab, max_length)
+    module = _build_module(hf_config, architecture, len(tags), seed)
+    meta = _meta(architecture, list(labels), scheme, max_length, base_model, hf_config.model_type)
+    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json), HF_CONFIG_FILE: _hf_config_bytes(module)}
+    return ModelPackage(tensors=module_tensors(module), files=files)
+
+
+def build(package: ModelPackage) -> TokenModel:
+    """Build the module of a token-classification package and load its tensors strictly."""
+    meta = package.meta
+    architecture = _check_architecture(meta.get("architecture"))
+    labels = meta.get("labels")
+    if not isinstance(labels, list) or not labels:
+        raise IntegrityError(f"{META_FILE} has no entity label list")
+    scheme = _check_scheme(str(meta.get("scheme", "BIO")))
+    tags = tag_set(labels, scheme)
+    if meta.get("tags") != tags:
+        raise IntegrityError(f"{META_FILE} declares tags {meta.get('tags')} but labels {labels} under {scheme} give "
+                             f"{tags}; re-package the model")
+    tok_bytes = package.files.get(TOKENIZER_FILE)
+    raw = package.files.get(HF_CONFIG_FILE)
+    if tok_bytes is None or raw is None:
+        raise IntegrityError(f"an NER package needs {TOKENIZER_FILE} and {HF_CONFIG_FILE}")
+    tokenizer = load_tokenizer(tok_bytes)
+    hf = json.loads(raw)
+    config = _hf_token_config(hf, tags)
+    if int(config.vocab_size) < tokenizer.get_vocab_size(with_added_tokens=True):
+        raise IntegrityError(f"{TOKENIZER_FILE} has more tokens than the model's vocab_size {config.vocab_size}")
+    module = _build_module(config, architecture, len(tags), 0)
+    load_strict(module, package.tensors)
+    module.eval()
+    return TokenModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
+
+
+__all__ = ["ALLOWED_MODEL_TYPES", "ARCHITECTURES", "FAMILY", "TokenData", "TokenModel", "build", "encode_ner",
+           "encode_with_offsets", "evaluate_ner", "package_ner_from_config", "package_ner_pretrained",
+           "spans_from_tag_ids"]
