@@ -78,7 +78,7 @@ def _task_command(args) -> int:
             _print_status(client.cancel(args.task_id, args.reason), False)
         elif args.task_cmd == "download":
             path = client.download(args.task_id, args.out, round=args.round)
-            print(f"model written to {path}")
+            print(f"model written to {path} (model card: {path / 'MODEL_CARD.md'})")
     return 0
 
 

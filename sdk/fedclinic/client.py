@@ -4,7 +4,7 @@
     client = fedclinic.connect("agg.example.org:7443", cert="me.crt", key="me.key", ca="ca.crt")
     status = client.submit(fedclinic.Task(name="demo", dataset="notes", labels=["a", "b"], model="/models/minilm"))
     final = client.wait(status.task_id)          # live progress in a terminal
-    client.download(status.task_id, "final-model/")
+    client.download(status.task_id, "final-model/")   # the package + model_card.json and MODEL_CARD.md
 """
 
 from __future__ import annotations
@@ -138,6 +138,10 @@ class Client:
     # models -----------------------------------------------------------------------------------------------
     def fetch_package(self, task_id: str, round: int = 0) -> ModelPackage:
         """The final model (round=0), the model after ``round``, or the initial one (round=-1)."""
+        return self._fetch(task_id, round)[0]
+
+    def _fetch(self, task_id: str, round: int) -> tuple[ModelPackage, str]:
+        """The package and its verified model hash."""
         writers: dict[str, MemoryWriter] = {}
 
         def begin(h):
@@ -167,11 +171,24 @@ class Client:
         package = ModelPackage(arrays, files.files)
         if package.manifest().model_hash != manifest.model_hash:
             raise FedclinicError("the downloaded model does not match its manifest hash; download it again")
-        return package
+        return package, manifest.model_hash
 
-    def download(self, task_id: str, out_dir: str | Path, round: int = 0) -> Path:
-        """Write the model as a package folder (``model.safetensors`` + config + tokenizer)."""
-        return self.fetch_package(task_id, round).save(out_dir)
+    def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
+                 status: control_pb2.TaskStatus | None = None) -> Path:
+        """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card
+        (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.model_card`) beside the files.
+
+        The card is built from ``status`` when given, else from the task's status fetched after the model (so
+        it knows every round that went into it).
+        """
+        from fedclinic.model_card import build_card, write_card
+
+        package, model_hash = self._fetch(task_id, round)
+        folder = package.save(out_dir)
+        if status is None:
+            status = self.status(task_id)
+        write_card(folder, build_card(package.meta, model_hash=model_hash, status=status, requested_round=round))
+        return folder
 
 
 def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,

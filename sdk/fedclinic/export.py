@@ -4,8 +4,12 @@
 
     OUT_DIR/model.onnx            fp32 graph, dynamic batch (and sequence) axes, opset 18
     OUT_DIR/model.int8.onnx       with --int8: dynamic int8 quantization of the weights (onnxruntime)
-    OUT_DIR/tokenizer.json, fedclinic_model.json (and config.json)   what a server needs besides the graph
+    OUT_DIR/tokenizer.json, fedclinic_model.json (and config.json)   what a server needs besides the graph;
+                                  fedclinic_model.json is the label map (labels, and tags, in index order)
     OUT_DIR/export_report.json    parity figures, tolerances, inputs
+    OUT_DIR/model_card.json, MODEL_CARD.md   the package's model card (fedclinic.model_card) plus an
+                                  ``export`` section with the parity figures; made from fedclinic_model.json
+                                  alone when the package has no card (a package made locally)
 
 Inputs and outputs:
 
@@ -40,6 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.package import CARD_FILE, CARD_MARKDOWN_FILE
 
 OPSET = 18
 FP32_TOLERANCE = 1e-4
@@ -178,6 +183,9 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         raise ConfigError(f"{src} is not a folder; give a model package folder (e.g. from `fedclinic task download`)")
     if (out / "model.onnx").exists() and not overwrite:
         raise ConfigError(f"{out / 'model.onnx'} exists; choose another OUT_DIR or pass --overwrite")
+    from fedclinic.model_card import read_card
+
+    source_card = read_card(src)  # before any work: an unreadable card is reported at once
     package = ModelPackage.load(src)
     loaded = build_model(package)
     module, input_names = _wrapper(loaded)
@@ -195,7 +203,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         report = _export_into(stage, module, example, dynamic, input_names, batches, loaded, package, int8=int8,
-                              tolerance=tolerance, int8_tolerance=int8_tolerance, log=log)
+                              tolerance=tolerance, int8_tolerance=int8_tolerance, log=log, card=source_card)
         for name in report.files + ["export_report.json"]:
             (stage / name).replace(out / name)
         if not int8:
@@ -206,7 +214,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
 
 
 def _export_into(stage: Path, module, example, dynamic, input_names, batches, loaded, package, *, int8: bool,
-                 tolerance: float, int8_tolerance: float, log) -> ExportReport:
+                 tolerance: float, int8_tolerance: float, log, card: dict | None = None) -> ExportReport:
     import onnx
     import onnxruntime as ort
     import torch
@@ -271,8 +279,19 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
         if name in package.files:
             (out / name).write_bytes(package.files[name])
             report.files.append(name)
+    _write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []))
     (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _write_bundle_card(out: Path, report: ExportReport, card: dict | None, package, inputs: list[str],
+                       outputs: list[str]) -> None:
+    """The package's model card (or one made from fedclinic_model.json) plus the export section, into ``out``."""
+    from fedclinic.model_card import add_export, card_for_bundle, write_card
+
+    report.files += [CARD_FILE, CARD_MARKDOWN_FILE]
+    base = card_for_bundle(card, package.meta, model_hash=package.manifest().model_hash)
+    write_card(out, add_export(base, asdict(report), inputs=inputs, outputs=outputs))
 
 
 def _append_crf(path: Path, crf) -> None:

@@ -7,6 +7,10 @@ the folder is also a normal Hugging Face model folder (``from_pretrained(folder)
 Content addressing: a tensor's id is the sha256 of its raw little-endian C-order bytes; a model version's
 id (``model_hash``) is the sha256 of the canonical JSON of its manifest (tensor names, dtypes, shapes,
 hashes and file hashes). Two packages with equal ``model_hash`` are byte-identical.
+
+The model card a download writes beside the files (``model_card.json``, ``MODEL_CARD.md``; see
+:mod:`fedclinic.model_card`) describes the package and is not part of it: :meth:`ModelPackage.load` leaves
+them out, so a downloaded folder still hashes to the ``model_hash`` its card states.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from fedclinic.errors import IntegrityError
 
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "fedclinic_model.json"
+CARD_FILE = "model_card.json"
+CARD_MARKDOWN_FILE = "MODEL_CARD.md"
 
 
 def tensor_sha256(array: np.ndarray) -> str:
@@ -121,7 +127,9 @@ class ModelPackage:
 
     @classmethod
     def load(cls, folder: str | os.PathLike[str]) -> "ModelPackage":
-        """Read a package folder written by :meth:`save` (or a Hugging Face folder with safetensors)."""
+        """Read a package folder written by :meth:`save` (or a Hugging Face folder with safetensors).
+
+        The model card files at the top of the folder are not package files and are left out."""
         from safetensors.numpy import load_file
 
         root = Path(folder)
@@ -132,6 +140,7 @@ class ModelPackage:
             p.relative_to(root).as_posix(): p.read_bytes()
             for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != WEIGHTS_FILE and not p.name.startswith(".")
+            and not (p.parent == root and p.name in (CARD_FILE, CARD_MARKDOWN_FILE))
         }
         return cls(tensors=dict(load_file(str(weights))), files=files)
 

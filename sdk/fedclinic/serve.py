@@ -3,7 +3,9 @@
 API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
 
     GET  /healthz                -> 200 {"status": "ok"}                      (the process is up)
-    GET  /readyz                 -> 200 {"ready": true, "model": {...}}      (the model is loaded)
+    GET  /readyz                 -> 200 {"ready": true, "model": {...}}      (the model is loaded; "model" has
+                                                                              the model card's summary in "card"
+                                                                              when the bundle has a card)
     POST /v1/predict             {"texts": ["...", ...]}                     (text bundles)
                                  {"features": [[...], ...]}                   (feature bundles)
                              -> 200 {"predictions": [{"label": ..., "scores": {...}}, ...]}
@@ -43,6 +45,10 @@ class _BadRequest(Exception):
 def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
     """An HTTP server answering the API above with ``bundle`` (a :class:`fedclinic.serving.ClassifierBundle`)."""
     info = {"family": bundle.family, "labels": bundle.labels, "multi_label": bundle.multi_label}
+    if getattr(bundle, "card", None):
+        from fedclinic.model_card import card_summary
+
+        info["card"] = card_summary(bundle.card)
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "fedclinic-serve"

@@ -45,6 +45,7 @@ class ClassifierBundle(ModelMeta):
         if not meta_path.is_file():
             raise ConfigError(f"{root} has no fedclinic_model.json; it is not a bundle made by fedclinic export")
         self.meta = json.loads(meta_path.read_text())
+        self.card = _read_card_quietly(root)  # model_card.json when the bundle has one (exports since the card)
         self.max_length = int(self.meta.get("max_length", 128))
         self.threshold = float(threshold)
         options = ort.SessionOptions()
@@ -136,3 +137,13 @@ class ClassifierBundle(ModelMeta):
         for p in probs:
             rows.append({"label": self.labels[int(p.argmax())], "scores": {lab: float(v) for lab, v in zip(self.labels, p)}})
         return rows
+
+
+def _read_card_quietly(root: Path) -> dict[str, Any] | None:
+    """The bundle's model card, or None when it has none or it cannot be read (serving does not need it)."""
+    from fedclinic.model_card import read_card
+
+    try:
+        return read_card(root)
+    except ConfigError:
+        return None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from fedclinic.client import state_name
+from fedclinic.package import ModelPackage
 from fedclinic.task import Task
 
 from tests.integration.conftest import LABELS, make_examples, tiny_package
@@ -39,7 +42,7 @@ def _replay_site(package, rows, spec, optimizer_state=None, result_out=None):
     return training.compute_delta(before, module_tensors(loaded.module, names), names), result.num_samples
 
 
-def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory):
+def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory, tmp_path):
     fed = federation_factory(3, samples=(24, 32, 40))
     package = tiny_package("logreg")
     with fed.client() as client:
@@ -50,7 +53,15 @@ def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory
         assert all(r.uplink_bytes > 0 and r.downlink_bytes > 0 for r in final.rounds)
         models = {r: client.fetch_package(status.task_id, round=r) for r in (-1, 1, 2)}
         final_pkg = client.fetch_package(status.task_id)
+        downloaded = client.download(status.task_id, tmp_path / "final-model")
     assert final_pkg.manifest().model_hash == models[2].manifest().model_hash
+    # the model card written beside the download: 2 rounds by 3 sites, the last round's metrics
+    card = json.loads((downloaded / "model_card.json").read_text())
+    assert card["rounds_completed"] == 2 and card["num_sites"] == 3 and card["is_final"] is True
+    assert card["sites"] == ["site-a", "site-b", "site-c"] and card["task"]["id"] == status.task_id
+    assert card["final_round_metrics"] == dict(final.rounds[-1].metrics) and card["final_round_metrics"]
+    assert card["model_hash"] == final.final_model_hash == ModelPackage.load(downloaded).manifest().model_hash
+    assert "# Model card: it" in (downloaded / "MODEL_CARD.md").read_text()
     # round-2 downlink: only the changed (trained) tensors travel, never the whole model twice
     site_rows = {f"site-{c}": make_examples(n, seed=i) for i, (c, n) in enumerate(zip("abc", (24, 32, 40)))}
     for rnd, start in ((1, models[-1]), (2, models[1])):

@@ -61,6 +61,7 @@ def test_text_bundle_over_http(tmp_path, serve):
     assert _call(port, "/healthz") == (200, {"status": "ok"})
     status, ready = _call(port, "/readyz")
     assert status == 200 and ready["model"]["labels"] == LABELS
+    assert ready["model"]["card"]["model_hash"] and ready["model"]["card"]["task_id"] is None  # a local package
     status, out = _call(port, "/v1/predict", {"texts": ["fever cough", "rash"]})
     assert status == 200 and len(out["predictions"]) == 2
     assert all(p["label"] in LABELS and abs(sum(p["scores"].values()) - 1) < 1e-5 for p in out["predictions"])

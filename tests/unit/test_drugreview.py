@@ -109,3 +109,29 @@ def test_minilm_packages_with_the_documented_tensor_names():
     assert data.input_ids[0, 0] == loaded.tokenizer.token_to_id("[CLS]")
     with torch.no_grad():
         assert loaded.logits(data.input_ids, data.attention_mask).shape == (2, 5)
+
+
+def test_minilm_packages_as_an_ner_model_with_a_crf():
+    """The real encoder loads into the token-classification family; the tag head and CRF are new (seeded)."""
+    import numpy as np
+    import torch
+
+    from fedclinic.datasets.silver_ner import silver_ner
+    from fedclinic.models import build_model
+    from fedclinic.models.token_classification import package_ner_pretrained
+    from fedclinic.training import encode
+
+    folder = minilm_path()
+    pkg = package_ner_pretrained(folder, labels=["DRUG", "CONDITION"], architecture="transformer-crf", max_length=64)
+    assert pkg.meta["tags"] == ["O", "B-DRUG", "I-DRUG", "B-CONDITION", "I-CONDITION"]
+    assert pkg.tensors["classifier.weight"].shape == (5, 384) and pkg.tensors["crf.transitions"].shape == (5, 5)
+    assert not any(".pooler." in n for n in pkg.tensors)  # a token classifier has no pooler
+    from safetensors.numpy import load_file
+
+    original = load_file(str(folder / "model.safetensors"))
+    np.testing.assert_array_equal(pkg.tensors["bert.encoder.layer.3.output.dense.weight"],
+                                  original["encoder.layer.3.output.dense.weight"])
+    loaded = build_model(pkg)
+    data = encode(silver_ner("test")[:4], loaded, max_length=64)
+    with torch.no_grad():
+        assert loaded.decode(data.input_ids, data.attention_mask).shape == data.input_ids.shape

@@ -232,3 +232,38 @@ def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
     batches = parity_inputs(loaded, texts=[e.text for e in make_examples(16, seed=8)])
     with pytest.raises(ParityError, match="CRF path equals PyTorch's Viterbi path on"):
         check_paths(tmp_path / "wrong.onnx", loaded, batches, min_agreement=1.0)
+
+
+def test_bundle_card_carries_the_package_card_and_the_export_parity(tmp_path):
+    """The bundle's model card: the package's card plus an export section equal to export_report.json."""
+    from fedclinic.model_card import build_card, write_card
+    from fedclinic.package import ModelPackage
+    from fedclinic.proto import control_pb2, task_pb2
+
+    pkg = tiny_package("logreg", seed=2)
+    folder = pkg.save(tmp_path / "pkg")
+    status = control_pb2.TaskStatus(task_id="t-1", spec=task_pb2.TaskSpec(name="cc", dataset="notes"), rounds=[
+        control_pb2.RoundSummary(round=1, state=control_pb2.ROUND_STATE_CLOSED, model_hash=pkg.manifest().model_hash,
+                                 metrics={"train_loss": 0.5},
+                                 reports=[control_pb2.SiteReport(site_id="site-a", num_samples=3)])])
+    write_card(folder, build_card(pkg.meta, model_hash=pkg.manifest().model_hash, status=status))
+    assert ModelPackage.load(folder).manifest().model_hash == pkg.manifest().model_hash  # the card is no package file
+    report = export_onnx(folder, tmp_path / "out", int8=True)
+    out = tmp_path / "out"
+    saved = json.loads((out / "export_report.json").read_text())
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["task"]["id"] == "t-1" and card["rounds_completed"] == 1 and card["sites"] == ["site-a"]
+    ex = card["export"]
+    assert ex["opset"] == saved["opset"] == 18 and ex["inputs"] == ["input_ids", "attention_mask"]
+    for precision in ("fp32", "int8"):
+        assert ex[precision] == {k: v for k, v in saved[precision].items() if v is not None}
+    assert ex["fp32"]["max_abs_diff"] == report.fp32.max_abs_diff
+    assert {"model_card.json", "MODEL_CARD.md"} <= set(saved["files"]) and (out / "MODEL_CARD.md").is_file()
+    assert "## ONNX export" in (out / "MODEL_CARD.md").read_text()
+    # a package made locally (no card) still gets one, from fedclinic_model.json; no int8 section without --int8
+    tiny_package("logreg").save(tmp_path / "local")
+    export_onnx(tmp_path / "local", tmp_path / "out2")
+    local = json.loads((tmp_path / "out2" / "model_card.json").read_text())
+    assert local["task"] is None and local["labels"] == pkg.meta["labels"] and "int8" not in local["export"]
+    assert local["export"]["fp32"]["max_abs_diff"] == \
+        json.loads((tmp_path / "out2" / "export_report.json").read_text())["fp32"]["max_abs_diff"]

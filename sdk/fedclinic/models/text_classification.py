@@ -489,13 +489,14 @@ def _load_safetensors(path: Path, load_file) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _map_checkpoint(module, checkpoint: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _map_checkpoint(module, checkpoint: Mapping[str, np.ndarray],
+                    fresh_modules: tuple[str, ...] = _FRESH_MODULES) -> dict[str, np.ndarray]:
     """Match checkpoint names to the module's state-dict names.
 
     Accepts names with or without the base-model prefix (``bert.``) and legacy LayerNorm ``gamma``/``beta``.
     Raises IntegrityError when a tensor of the encoder itself is missing or has the wrong shape. The
     classification head is never taken from the checkpoint (a new task has new labels) and a pooler may be
-    absent; those keep their seeded initialisation.
+    absent; those keep their seeded initialisation. ``fresh_modules``: name prefixes of the task's new head(s).
     """
     state = module.state_dict()
     prefix = getattr(module, "base_model_prefix", "") or ""
@@ -506,14 +507,14 @@ def _map_checkpoint(module, checkpoint: Mapping[str, np.ndarray]) -> dict[str, n
         normalised[key] = arr
     mapped: dict[str, np.ndarray] = {}
     for name in state:
-        if name.startswith(_FRESH_MODULES):
+        if name.startswith(fresh_modules):
             continue  # the task's labels get a new head, even when the checkpoint has one for other labels
         if name in normalised:
             mapped[name] = normalised[name]
         elif prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in normalised:
             mapped[name] = normalised[name[len(prefix) + 1:]]
     missing = [n for n in state if n not in mapped]
-    fresh = [n for n in missing if n.startswith(_FRESH_MODULES) or ".pooler." in f".{n}"]
+    fresh = [n for n in missing if n.startswith(fresh_modules) or ".pooler." in f".{n}"]
     hard_missing = [n for n in missing if n not in fresh]
     if hard_missing:
         raise IntegrityError(f"the pretrained weights lack encoder tensor(s) {_fmt(hard_missing)}; the folder "

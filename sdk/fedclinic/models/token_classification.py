@@ -103,20 +103,26 @@ class TokenModel(LoadedModel):
     # the trainer's interface (fedclinic.training): a loss on a batch, and decoding for evaluation
     def training_loss(self, inputs: tuple["torch.Tensor", ...], targets: "torch.Tensor") -> "torch.Tensor":
         """Mean loss of a batch: CRF negative log-likelihood per sequence, or token cross-entropy."""
+        input_ids, mask = inputs
+        return self.loss_from_emissions(self.emissions(input_ids, mask), targets, mask)
+
+    def loss_from_emissions(self, emissions: "torch.Tensor", targets: "torch.Tensor", mask: "torch.Tensor"
+                            ) -> "torch.Tensor":
         import torch.nn.functional as F
 
-        input_ids, mask = inputs
-        em = self.emissions(input_ids, mask).float()
+        em = emissions.float()
         if self.has_crf:
             return self.module.crf.nll(em, targets, mask).mean()
         return F.cross_entropy(em.reshape(-1, em.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
 
     def decode(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
         """Best tag ids ``[batch, seq]`` (Viterbi with a CRF, else argmax); padded positions are 0 (``O``)."""
-        em = self.emissions(input_ids, attention_mask)
+        return self.decode_emissions(self.emissions(input_ids, attention_mask), attention_mask)
+
+    def decode_emissions(self, emissions: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
         if self.has_crf:
-            return self.module.crf.viterbi(em, attention_mask)
-        return em.argmax(dim=-1) * attention_mask.long()
+            return self.module.crf.viterbi(emissions, attention_mask)
+        return emissions.argmax(dim=-1) * attention_mask.long()
 
     def encode(self, examples: Sequence["NerExample"], *, max_length: int | None = None) -> "TokenData":
         return encode_ner(examples, self, max_length=max_length)
@@ -234,8 +240,9 @@ def evaluate_ner(loaded: TokenModel, data: TokenData, *, batch_size: int = 64) -
         for start in range(0, len(data), batch_size):
             idx = torch.arange(start, min(start + batch_size, len(data)))
             (ids, mask), y = data.batch(idx, device)
-            loss_sum += float(loaded.training_loss((ids, mask), y)) * len(idx)
-            pred = loaded.decode(ids, mask)
+            em = loaded.emissions(ids, mask)  # one forward pass serves the loss and the decoding
+            loss_sum += float(loaded.loss_from_emissions(em, y, mask)) * len(idx)
+            pred = loaded.decode_emissions(em, mask)
             on = mask.bool()
             correct += int(((pred == y) & on).sum())
             counted += int(on.sum())
@@ -321,7 +328,7 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
     config = _hf_token_config({**hf_cfg, **dict(config or {})}, tags)
     _check_transformer_fits(config, load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True), max_length)
     module = _build_module(config, architecture, len(tags), seed)
-    load_tensors(module, _map_checkpoint(module, _read_checkpoint(folder)))
+    load_tensors(module, _map_checkpoint(module, _read_checkpoint(folder), fresh_modules=("classifier.", "crf.")))
     meta = _meta(architecture, list(labels), scheme, max_length, str(hf_cfg.get("_name_or_path") or folder.name),
                  config.model_type)
     files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
