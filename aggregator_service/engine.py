@@ -591,6 +591,11 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
         problems.append("secure aggregation is not available in this release")
     if spec.privacy.level:
         problems.append("differential privacy is not available in this release")
+    if spec.tokenizer_sha256:
+        tokenizer = next((f for f in manifest.files if f.path == "tokenizer.json"), None)
+        if tokenizer is None or tokenizer.sha256 != spec.tokenizer_sha256:
+            problems.append("tokenizer_sha256 does not match the model's tokenizer.json (data contract: every site "
+                            "tokenizes with the tokenizer the task declares); submit the model with its own tokenizer")
     if spec.update.codec not in ("", "raw"):
         problems.append(f"codec {spec.update.codec!r} is not available in this release (use 'raw')")
     try:

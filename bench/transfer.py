@@ -9,13 +9,21 @@ A third figure, same run: the disk's own rate for writing and fsyncing the same 
 because an upload is acknowledged only once durable; and the end-to-end run once more with the aggregator
 state on tmpfs (/dev/shm), which shows the software path without the disk.
 
+CPU accounting, same run: the core-seconds per GB that the bare stream's client and server processes use,
+and SHA-256's own cost per GB (the protocol verifies every tensor's sha256 before acknowledging it). Sender
+and receiver share this machine's cores, so end to end cannot beat
+``cores / (bare core-s per GB + SHA-256 core-s per GB)`` even if parsing, writing and committing cost
+nothing; the bench prints that ceiling as a share of the bare stream.
+
 Target (issue #2): >= 0.5 GB/s end to end and >= 75 % of the bare stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -34,10 +42,14 @@ REPEATS = 3
 def bare_server(tls_dir: Path) -> None:
     from fedclinic.rpc import SERVER_OPTIONS, TlsFiles, server_credentials
 
+    busy = [0.0]  # CPU seconds of this process while a stream was open (all threads: gRPC's included)
+
     def sink(request_iterator, context):
+        before = _cpu_seconds()
         n = 0
         for msg in request_iterator:
             n += len(msg)
+        busy[0] += _cpu_seconds() - before
         return n.to_bytes(8, "little")
 
     handler = grpc.method_handlers_generic_handler("bench.Sink", {
@@ -51,6 +63,20 @@ def bare_server(tls_dir: Path) -> None:
     print(port, flush=True)
     sys.stdin.read()  # until the parent closes stdin
     server.stop(0)
+    print(f"{busy[0]:.6f}", flush=True)
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def sha256_gbs(nbytes: int = 256 << 20) -> float:
+    """Single-core SHA-256 throughput (what verifying every tensor costs the receiver)."""
+    data = os.urandom(nbytes)
+    t0 = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def disk_rate(folder: Path, nbytes: int, file_bytes: int = 4 << 20) -> float:
@@ -123,13 +149,16 @@ def main() -> int:
             with secure_channel(f"127.0.0.1:{port}", tls, server_name="localhost") as ch:
                 put = ch.stream_unary("/bench.Sink/Put")
                 put(iter(chunks[:2]), timeout=60)  # warm up the connection
+                client_cpu0 = _cpu_seconds()
                 for _ in range(REPEATS):
                     t0 = time.perf_counter()
                     got = int.from_bytes(put(iter(chunks), timeout=600), "little")
                     bare_times.append(time.perf_counter() - t0)
                     assert got == sum(len(c) for c in chunks)
+                client_cpu = _cpu_seconds() - client_cpu0
         finally:
             bare.stdin.close()
+            server_cpu_line = bare.stdout.readline()
             bare.wait(30)
         disk_gbs = disk_rate(Path(tmp), nbytes)
         task = Task(name="transfer-bench", dataset="none", labels=["a", "b"], min_sites=1, num_rounds=1)
@@ -142,6 +171,12 @@ def main() -> int:
     bare_gbs = nbytes / min(bare_times) / 1e9
     share = e2e_gbs / bare_gbs
     limit = min(bare_gbs, disk_gbs)
+    moved_gb = REPEATS * nbytes / 1e9
+    bare_cpu_per_gb = (client_cpu + float(server_cpu_line or "nan")) / moved_gb
+    sha_gbs = sha256_gbs()
+    cores = os.cpu_count() or 1
+    ceiling_gbs = cores / (bare_cpu_per_gb + 1.0 / sha_gbs)
+    ceiling_share = min(1.0, ceiling_gbs / bare_gbs)
     print(f"payload: {nbytes / 1e6:.0f} MB in {TENSORS} tensors, 2 MiB chunks, mTLS (ECDSA P-256) on 127.0.0.1")
     print(f"bare gRPC chunk stream (count bytes only):        {bare_gbs:.3f} GB/s (best of {REPEATS})")
     print(f"disk: write + fsync the same bytes as 4 MB files: {disk_gbs:.3f} GB/s")
@@ -150,9 +185,14 @@ def main() -> int:
     if tmpfs_gbs is not None:
         print(f"same, aggregator state on tmpfs (no disk):        {tmpfs_gbs:.3f} GB/s = "
               f"{100 * tmpfs_gbs / bare_gbs:.0f} % of bare")
+    print(f"cpu: the bare stream uses {bare_cpu_per_gb:.2f} core-s/GB (client + server, {cores} cores shared); "
+          f"SHA-256 runs at {sha_gbs:.2f} GB/s per core = {1 / sha_gbs:.2f} core-s/GB")
+    print(f"ceiling with verification and nothing else: {ceiling_gbs:.3f} GB/s = {100 * ceiling_share:.0f} % of bare "
+          f"on {cores} cores")
     met = e2e_gbs >= 0.5 and share >= 0.75
     print(f"RESULT transfer e2e_gbs={e2e_gbs:.3f} bare_gbs={bare_gbs:.3f} share={share:.2f} disk_gbs={disk_gbs:.3f} "
           f"tmpfs_e2e_gbs={tmpfs_gbs if tmpfs_gbs is None else round(tmpfs_gbs, 3)} "
+          f"share_ceiling={ceiling_share:.2f} "
           f"target=e2e>=0.5GB/s,share>=0.75 met={'yes' if met else 'no'}")
     return 0
 

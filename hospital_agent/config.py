@@ -19,6 +19,7 @@ Example::
     label_field = "label"
     eval_path = "/data/notes/val.jsonl"   # optional: the site's held-out split, used to evaluate global models
     # entities_field = "entities"          # NER JSONL ({"text", "entities": [{"start", "end", "label"}]})
+    # tokenizer_sha256 = "..."             # optional: the only tokenizer.json (sha256) tasks on it may use
 
     [policy]
     allowed_families = ["text-classification"]
@@ -42,6 +43,14 @@ ENV_PREFIX = "FEDCLINIC_AGENT"
 FORMATS = ("jsonl", "csv", "tsv", "conll")
 
 
+def _sha256_or_none(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise ConfigError(f"{where} tokenizer_sha256 must be 64 lowercase hex digits (sha256sum tokenizer.json)")
+    return value
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     name: str
@@ -51,6 +60,9 @@ class DatasetEntry:
     label_field: str = "label"
     eval_path: Path | None = None
     entities_field: str = "entities"     # NER JSONL: the list of {"start", "end", "label"} spans
+    #: when set, the only tokenizer (sha256 of tokenizer.json) tasks on this dataset may use: e.g. the one
+    #: the site validated its data, or de-identification, with
+    tokenizer_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,11 @@ class SitePolicy:
             return f"site policy does not allow tasks on dataset {spec.dataset!r}"
         if spec.dataset not in datasets:
             return f"this site has no dataset named {spec.dataset!r} in its registry"
+        pinned = datasets[spec.dataset].tokenizer_sha256
+        if pinned and spec.tokenizer_sha256 != pinned:
+            return (f"dataset {spec.dataset!r} is pinned to tokenizer {pinned[:12]}... but the task uses "
+                    f"{(spec.tokenizer_sha256 or 'none')[:12]}...; the site's data contract allows only the pinned "
+                    "tokenizer (change tokenizer_sha256 in [datasets] if the new one was reviewed)")
         if spec.privacy.level:
             return "the task asks for differential privacy, which this agent version cannot provide"
         if spec.secure_aggregation.enabled:
@@ -110,7 +127,8 @@ class AgentConfig:
             datasets[name] = DatasetEntry(name, p(entry["path"]), fmt, entry.get("text_field", "text"),
                                           entry.get("label_field", "label"),
                                           p(entry["eval_path"]) if entry.get("eval_path") else None,
-                                          entry.get("entities_field", "entities"))
+                                          entry.get("entities_field", "entities"),
+                                          _sha256_or_none(entry.get("tokenizer_sha256"), f"{source}: [datasets.{name}]"))
         pol = doc.get("policy") or {}
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))))

@@ -193,6 +193,10 @@ class Agent:
         from fedclinic import training
 
         manifest = manifest_from_proto(a.model)
+        declared = {f.path: f.sha256 for f in manifest.files}.get("tokenizer.json", "")
+        if a.spec.tokenizer_sha256 and declared != a.spec.tokenizer_sha256:
+            raise IntegrityError("the model's tokenizer.json is not the tokenizer the task declares "
+                                 "(tokenizer_sha256); refusing to train with it")
         state = self._tasks.setdefault(a.task_id, _TaskState())
         self._prepare_data(a, state)  # data contract first: nothing is downloaded for a site that cannot train
         self._sync_model(a, manifest, state)

@@ -80,3 +80,32 @@ def test_aggregator_config(tmp_path, monkeypatch):
     (tmp_path / "bad.toml").write_text(body.replace('listen = "127.0.0.1:0"\n', ""))
     with pytest.raises(ConfigError, match="missing required setting 'listen'"):
         AggregatorConfig.load(tmp_path / "bad.toml")
+
+
+def test_a_dataset_pinned_to_a_tokenizer_refuses_other_tokenizers(tmp_path):
+    pinned = "ab" * 32
+    (tmp_path / "agent.toml").write_text(AGENT + f'tokenizer_sha256 = "{pinned}"\n')
+    cfg = AgentConfig.load(tmp_path / "agent.toml")
+    ok = task_pb2.TaskSpec(family="text-classification", dataset="notes", tokenizer_sha256=pinned)
+    assert cfg.policy.refusal(ok, cfg.datasets) is None
+    other = task_pb2.TaskSpec(family="text-classification", dataset="notes", tokenizer_sha256="cd" * 32)
+    assert "pinned to tokenizer abababababab" in cfg.policy.refusal(other, cfg.datasets)
+    (tmp_path / "bad.toml").write_text(AGENT + 'tokenizer_sha256 = "not-a-hash"\n')
+    with pytest.raises(ConfigError, match=r"\[datasets.notes\] tokenizer_sha256 must be 64 lowercase hex digits"):
+        AgentConfig.load(tmp_path / "bad.toml")
+
+
+def test_aggregator_refuses_a_spec_whose_tokenizer_hash_is_not_the_models():
+    from aggregator_service.engine import Refused, validate_spec
+    from fedclinic.task import Task
+
+    from tests.integration.conftest import tiny_package
+
+    pkg = tiny_package("logreg")
+    task = Task(name="t", dataset="notes", labels=["cardio", "neuro"], architecture="logreg")
+    import hashlib
+
+    good = task.to_spec(tokenizer_sha256=hashlib.sha256(pkg.files["tokenizer.json"]).hexdigest())
+    validate_spec(good, pkg.manifest())
+    with pytest.raises(Refused, match="tokenizer_sha256 does not match the model's tokenizer.json"):
+        validate_spec(task.to_spec(tokenizer_sha256="00" * 32), pkg.manifest())
