@@ -28,8 +28,8 @@ quantization changes values by design. Weights are quantized per channel, on the
 this kept every test prediction; per-tensor scales did not).
 
 The exporter is torch's (``torch.onnx.export(..., dynamo=True)``); the graph is checked with ``onnx.checker``.
-The LSTM architecture is traced through its unpacked forward (``torch.compiler.is_exporting()``), which the
-parity check compares with the packed forward used in training.
+The LSTM architectures (text ``lstm``, NER ``cnn-bilstm-crf``) are traced through their unpacked forward
+(``torch.compiler.is_exporting()``), which the parity check compares with the packed forward used in training.
 """
 
 from __future__ import annotations
@@ -228,6 +228,7 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
     out = stage  # every file below lands in the staging folder
     tmp = out / "model.onnx.tmp"
     log(f"exporting {loaded.family}/{loaded.architecture} to ONNX (opset {OPSET})")
+    _forget_rnn_kernels()
     with torch.no_grad(), warnings.catch_warnings():
         # batch and seq of every input share one constraint; the exporter says so once per axis
         warnings.filterwarnings("ignore", message="# The axis name")
@@ -288,6 +289,22 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
     _write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []))
     (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _forget_rnn_kernels() -> None:
+    """Drop the kernels torch memoised for ``aten.lstm``/``aten.gru`` so this export traces them afresh.
+
+    For dynamic sequence lengths the exporter swaps in a while-loop decomposition of the LSTM while it traces,
+    but an op's memoised kernel (from an earlier export in this process) wins over the swap: the LSTM is then
+    unrolled over the example's length, the exporter pins ``seq`` to that length, and the graph refuses every
+    other length (seen with a second ``lstm``/``cnn-bilstm-crf`` export in one process).
+    """
+    import torch
+
+    for op in (torch.ops.aten.lstm.input, torch.ops.aten.gru.input):
+        cache = getattr(op, "_dispatch_cache", None)
+        if isinstance(cache, dict):
+            cache.clear()
 
 
 def _write_bundle_card(out: Path, report: ExportReport, card: dict | None, package, inputs: list[str],

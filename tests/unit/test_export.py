@@ -267,3 +267,40 @@ def test_bundle_card_carries_the_package_card_and_the_export_parity(tmp_path):
     assert local["task"] is None and local["labels"] == pkg.meta["labels"] and "int8" not in local["export"]
     assert local["export"]["fp32"]["max_abs_diff"] == \
         json.loads((tmp_path / "out2" / "export_report.json").read_text())["fp32"]["max_abs_diff"]
+
+
+def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
+    """cnn-bilstm-crf: the BiLSTM is traced through its unpacked forward; emissions within 1e-4 on ragged padded
+    batches, the graph's CRF path equals PyTorch's Viterbi path, and the served bundle finds the same entities."""
+    import onnxruntime as ort
+    import torch
+
+    from fedclinic.models import build_model
+    from fedclinic.serving import ClassifierBundle
+
+    from tests.unit.test_fedner_model import package as fedner_package
+    from tests.unit.test_token_classification import make_examples
+
+    pkg = fedner_package(seed=4, scheme="BIOES")
+    pkg.save(tmp_path / "pkg")
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out")  # seeded random batches of 1, 3, 8 rows, padded
+    assert report.architecture == "cnn-bilstm-crf"
+    assert report.fp32.max_abs_diff <= 1e-4 and report.fp32.path_agreement == 1.0
+    texts = [e.text for e in make_examples(20, seed=6)]
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out", texts=texts, overwrite=True)
+    assert report.fp32.max_abs_diff <= 1e-4 and report.fp32.path_agreement == 1.0
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["logits", "tags"]
+    # a batch and length never seen at export time; padding changes nothing for the real tokens
+    loaded = build_model(pkg)
+    ids = np.array([[2, 5, 6, 7, 8, 9, 10, 11, 3], [2, 12, 13, 3, 0, 0, 0, 0, 0]], np.int64)
+    mask = (ids != 0).astype(np.int64)
+    emissions, tags = session.run(["logits", "tags"], {"input_ids": ids, "attention_mask": mask})
+    alone = session.run(["logits"], {"input_ids": ids[1:, :4], "attention_mask": mask[1:, :4]})[0]
+    np.testing.assert_allclose(emissions[1, :4], alone[0], atol=1e-5)
+    with torch.no_grad():
+        want = loaded.emissions(torch.from_numpy(ids), torch.from_numpy(mask))
+        np.testing.assert_allclose(emissions, want.numpy(), atol=1e-4)
+        np.testing.assert_array_equal(tags * mask, loaded.decode(torch.from_numpy(ids), torch.from_numpy(mask)).numpy())
+    bundle = ClassifierBundle(tmp_path / "out", threads=1)
+    assert [row["entities"] for row in bundle.predict(texts[:6])] == loaded.predict_entities(texts[:6])

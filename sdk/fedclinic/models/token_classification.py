@@ -4,9 +4,10 @@ A task's labels are entity types (e.g. ``["DRUG", "CONDITION"]``); the tag set i
 scheme (:func:`fedclinic.ner_tags.tag_set`: ``O`` first, then ``B-``/``I-`` (BIO) or ``B-``/``I-``/``E-``/``S-``
 (BIOES) per type). ``fedclinic_model.json``::
 
-    {"format": 1, "family": "token-classification", "architecture": "transformer" | "transformer-crf",
+    {"format": 1, "family": "token-classification",
+     "architecture": "transformer" | "transformer-crf" | "cnn-bilstm-crf",
      "labels": ["DRUG", ...], "scheme": "BIO", "tags": ["O", "B-DRUG", ...], "max_length": 128,
-     "base_model": "...", "arch_config": {"model_type": "bert"}}
+     "base_model": "...", "arch_config": {"model_type": "bert"}}   (cnn-bilstm-crf: its hyperparameters)
 
 Architectures
 -------------
@@ -18,6 +19,12 @@ Architectures
     The same encoder and linear head, followed by a linear-chain CRF (:class:`fedclinic.models.crf.CRF`,
     tensors ``crf.*``). Loss: the CRF's negative log-likelihood per sequence (mean over the batch);
     decoding: Viterbi.
+``cnn-bilstm-crf``
+    The FedNER tagger (:mod:`fedclinic.models.fedner`): token embedding + character CNN over each token's
+    characters (taken from the tokenizer's vocabulary) -> word-level CNN -> BiLSTM (packed sequences) ->
+    linear emissions (``classifier.*``) -> CRF (``crf.*``). No HF ``config.json``: ``arch_config`` holds the
+    hyperparameters (:data:`fedclinic.models.fedner.FEDNER_DEFAULTS`, the paper's values) and is all
+    :func:`build` needs besides the tokenizer. Loss and decoding as ``transformer-crf``.
 
 Tokens and tags: every sub-word token is tagged (a token belongs to an entity when its character range
 overlaps the entity's span; see :func:`fedclinic.ner_tags.spans_to_token_tags`); special tokens (``[CLS]``,
@@ -68,7 +75,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FAMILY = "token-classification"
 FORMAT = 1
-ARCHITECTURES = ("transformer", "transformer-crf")
+ARCHITECTURES = ("transformer", "transformer-crf", "cnn-bilstm-crf")
+#: architectures whose module ends in a CRF (``module.crf``): CRF loss and Viterbi decoding
+CRF_ARCHITECTURES = ("transformer-crf", "cnn-bilstm-crf")
+#: architectures built from a Hugging Face config (``config.json`` in the package)
+HF_ARCHITECTURES = ("transformer", "transformer-crf")
 #: target id of positions that carry no tag (padding)
 IGNORE = -100
 
@@ -79,8 +90,9 @@ IGNORE = -100
 
 @dataclass
 class TokenModel(LoadedModel):
-    """A built NER model: the torch module (HF token classifier, with ``.crf`` when it has one), the task's
-    tokenizer and the parsed ``fedclinic_model.json``. ``logits`` are the per-token tag scores."""
+    """A built NER model: the torch module (HF token classifier, with ``.crf`` when it has one, or the FedNER
+    tagger), the task's tokenizer and the parsed ``fedclinic_model.json``. ``logits`` are the per-token tag
+    scores."""
 
     @property
     def scheme(self) -> str:
@@ -92,11 +104,13 @@ class TokenModel(LoadedModel):
 
     @property
     def has_crf(self) -> bool:
-        return self.architecture == "transformer-crf"
+        return self.architecture in CRF_ARCHITECTURES
 
     def logits(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
         """``[batch, seq]`` ids and mask -> ``[batch, seq, num_tags]`` per-token tag scores (the emissions)."""
-        return self.module(input_ids=input_ids, attention_mask=attention_mask).logits
+        if self.architecture in HF_ARCHITECTURES:
+            return self.module(input_ids=input_ids, attention_mask=attention_mask).logits
+        return self.module(input_ids, attention_mask)
 
     emissions = logits
 
@@ -300,10 +314,24 @@ def _build_module(config, architecture: str, num_tags: int, seed: int):
 
 
 def _meta(architecture: str, labels: list[str], scheme: str, max_length: int, base_model: str,
-          model_type: str) -> dict[str, Any]:
+          arch_config: Mapping[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "family": FAMILY, "architecture": architecture, "labels": list(labels),
             "scheme": scheme, "tags": tag_set(labels, scheme), "multi_label": False, "max_length": int(max_length),
-            "base_model": base_model, "arch_config": {"model_type": model_type}}
+            "base_model": base_model, "arch_config": dict(arch_config)}
+
+
+def _package_fedner(*, labels: Sequence[str], tags: list[str], scheme: str, tokenizer_json: bytes,
+                    config: Mapping[str, Any], max_length: int, seed: int, base_model: str) -> ModelPackage:
+    """A seeded cnn-bilstm-crf package: tensors, fedclinic_model.json (with arch_config) and tokenizer.json."""
+    from fedclinic.models import fedner
+
+    vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    arch = fedner.fedner_arch_config(config, vocab_size=vocab, pad_token_id=tokenizer_pad_id(tokenizer_json))
+    with _seeded(seed):
+        module = fedner.build_tagger(arch, len(tags), tokenizer_json).float()
+    meta = _meta(fedner.ARCHITECTURE, list(labels), scheme, max_length, base_model, arch)
+    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)}
+    return ModelPackage(tensors=module_tensors(module), files=files)
 
 
 def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architecture: str = "transformer",
@@ -311,18 +339,34 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
                            config: Mapping[str, Any] | None = None) -> ModelPackage:
     """Package a local Hugging Face encoder folder (``config.json`` + safetensors + ``tokenizer.json``) as an
     NER model: pretrained encoder, new seeded tag head (and CRF). Nothing is downloaded; only JSON and
-    safetensors are read."""
+    safetensors are read.
+
+    ``cnn-bilstm-crf``: only the folder's ``tokenizer.json`` (and tokenizer side files) is used; the network is
+    freshly initialised from ``seed`` and ``config`` sets its hyperparameters (see
+    :func:`package_ner_from_config`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(f"pretrained model folder {folder} does not exist; give a local folder with "
                           f"{HF_CONFIG_FILE}, model.safetensors and {TOKENIZER_FILE}")
+    architecture = _check_architecture(architecture)
+    tags = tag_set(labels, _check_scheme(scheme))
+    _check_max_length(max_length)
+    if architecture not in HF_ARCHITECTURES:
+        if not (folder / TOKENIZER_FILE).is_file():
+            raise ConfigError(f"{folder} has no {TOKENIZER_FILE}; the {architecture} architecture takes its "
+                              "vocabulary from a fast tokenizer's tokenizer.json")
+        cfg_path = folder / HF_CONFIG_FILE
+        hf_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        pkg = _package_fedner(labels=labels, tags=tags, scheme=scheme,
+                              tokenizer_json=(folder / TOKENIZER_FILE).read_bytes(), config=dict(config or {}),
+                              max_length=max_length, seed=seed,
+                              base_model=str(hf_cfg.get("_name_or_path") or folder.name))
+        pkg.files.update({n: (folder / n).read_bytes() for n in _TOKENIZER_SIDE_FILES if (folder / n).is_file()})
+        return pkg
     for name in (HF_CONFIG_FILE, TOKENIZER_FILE):
         if not (folder / name).is_file():
             raise ConfigError(f"{folder} has no {name}; an NER transformer needs its Hugging Face config and a "
                               "fast tokenizer's tokenizer.json")
-    architecture = _check_architecture(architecture)
-    tags = tag_set(labels, _check_scheme(scheme))
-    _check_max_length(max_length)
     hf_cfg = json.loads((folder / HF_CONFIG_FILE).read_text())
     tokenizer_json = (folder / TOKENIZER_FILE).read_bytes()
     config = _hf_token_config({**hf_cfg, **dict(config or {})}, tags)
@@ -330,7 +374,7 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
     module = _build_module(config, architecture, len(tags), seed)
     load_tensors(module, _map_checkpoint(module, _read_checkpoint(folder), fresh_modules=("classifier.", "crf.")))
     meta = _meta(architecture, list(labels), scheme, max_length, str(hf_cfg.get("_name_or_path") or folder.name),
-                 config.model_type)
+                 {"model_type": config.model_type})
     files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
              **{n: (folder / n).read_bytes() for n in _TOKENIZER_SIDE_FILES if (folder / n).is_file()}}
     return ModelPackage(tensors=module_tensors(module), files=files)
@@ -339,12 +383,19 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
 def package_ner_from_config(*, labels: Sequence[str], tokenizer_json: bytes | str, config: Mapping[str, Any],
                             architecture: str = "transformer", scheme: str = "BIO", max_length: int = 128,
                             seed: int = 0, base_model: str = "from-config") -> ModelPackage:
-    """A freshly initialised (seeded) NER model from an HF config dict with ``model_type`` — tiny test models."""
+    """A freshly initialised (seeded) NER model: from an HF config dict with ``model_type`` (``transformer``,
+    ``transformer-crf``; tiny test models), or for ``cnn-bilstm-crf`` from its hyperparameters (keys of
+    :data:`fedclinic.models.fedner.FEDNER_DEFAULTS`, defaults filled in; ``vocab_size`` and the padding id
+    always come from the tokenizer). Same seed, same package."""
     architecture = _check_architecture(architecture)
     tags = tag_set(labels, _check_scheme(scheme))
     _check_max_length(max_length)
     if isinstance(tokenizer_json, str):
         tokenizer_json = tokenizer_json.encode("utf-8")
+    if architecture not in HF_ARCHITECTURES:
+        return _package_fedner(labels=labels, tags=tags, scheme=scheme, tokenizer_json=tokenizer_json,
+                               config=config if config is not None else {}, max_length=max_length, seed=seed,
+                               base_model=base_model)
     vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
     cfg = dict(config)
     cfg.setdefault("vocab_size", vocab)
@@ -352,7 +403,7 @@ def package_ner_from_config(*, labels: Sequence[str], tokenizer_json: bytes | st
     hf_config = _hf_token_config(cfg, tags)
     _check_transformer_fits(hf_config, vocab, max_length)
     module = _build_module(hf_config, architecture, len(tags), seed)
-    meta = _meta(architecture, list(labels), scheme, max_length, base_model, hf_config.model_type)
+    meta = _meta(architecture, list(labels), scheme, max_length, base_model, {"model_type": hf_config.model_type})
     files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json), HF_CONFIG_FILE: _hf_config_bytes(module)}
     return ModelPackage(tensors=module_tensors(module), files=files)
 
@@ -370,10 +421,23 @@ def build(package: ModelPackage) -> TokenModel:
         raise IntegrityError(f"{META_FILE} declares tags {meta.get('tags')} but labels {labels} under {scheme} give "
                              f"{tags}; re-package the model")
     tok_bytes = package.files.get(TOKENIZER_FILE)
-    raw = package.files.get(HF_CONFIG_FILE)
-    if tok_bytes is None or raw is None:
-        raise IntegrityError(f"an NER package needs {TOKENIZER_FILE} and {HF_CONFIG_FILE}")
+    if tok_bytes is None:
+        raise IntegrityError(f"an NER package needs {TOKENIZER_FILE}")
     tokenizer = load_tokenizer(tok_bytes)
+    if architecture not in HF_ARCHITECTURES:
+        from fedclinic.models import fedner
+
+        arch = fedner.stored_arch_config(meta.get("arch_config") or {},
+                                         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+                                         pad_token_id=tokenizer_pad_id(tok_bytes))
+        with _seeded(0):  # the initial values are overwritten; seeding keeps the caller's RNG untouched
+            module = fedner.build_tagger(arch, len(tags), tok_bytes).float()
+        load_strict(module, package.tensors)
+        module.eval()
+        return TokenModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
+    raw = package.files.get(HF_CONFIG_FILE)
+    if raw is None:
+        raise IntegrityError(f"a {architecture} NER package needs {HF_CONFIG_FILE}")
     hf = json.loads(raw)
     config = _hf_token_config(hf, tags)
     if int(config.vocab_size) < tokenizer.get_vocab_size(with_added_tokens=True):
@@ -384,6 +448,6 @@ def build(package: ModelPackage) -> TokenModel:
     return TokenModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
 
 
-__all__ = ["ALLOWED_MODEL_TYPES", "ARCHITECTURES", "FAMILY", "TokenData", "TokenModel", "build", "encode_ner",
-           "encode_with_offsets", "evaluate_ner", "package_ner_from_config", "package_ner_pretrained",
+__all__ = ["ALLOWED_MODEL_TYPES", "ARCHITECTURES", "CRF_ARCHITECTURES", "FAMILY", "TokenData", "TokenModel", "build",
+           "encode_ner", "encode_with_offsets", "evaluate_ner", "package_ner_from_config", "package_ner_pretrained",
            "spans_from_tag_ids"]
