@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+SMALL_DIMS = {"embedding_dim": 100, "char_dim": 30, "char_filters": 50, "word_filters": 100, "lstm_hidden": 100}
 SITE_TYPES = {"site-A": ("DRUG",), "site-B": ("CONDITION",), "site-C": ("DRUG", "CONDITION")}
 
 
@@ -49,9 +50,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--local-epochs", type=int, default=1)
-    ap.add_argument("--learning-rate", type=float, default=2e-3)
+    ap.add_argument("--learning-rate", type=float, default=5e-3)
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dims", choices=("small", "paper"), default="small",
+                    help="small: embedding 100, char CNN 30->50, word CNN 100, LSTM 100 (CPU-sized); paper: the "
+                         "paper's 300/100->200/200/200")
+    ap.add_argument("--test-reviews", type=int, default=379, help="evaluate on the first N test reviews")
     ap.add_argument("--out", default="experiments/out/fedner")
     args = ap.parse_args()
 
@@ -64,12 +69,13 @@ def main() -> int:
     from fedclinic.simulate import simulate
     from fedclinic.training import TrainConfig
 
-    train, test = silver_ner("train"), silver_ner("test")
+    train, test = silver_ner("train"), silver_ner("test")[:args.test_reviews]
     shards = iid(len(train), len(SITE_TYPES), args.seed)
     sites = {name: annotated_as([train[i] for i in idx], types) for (name, types), idx in zip(SITE_TYPES.items(), shards)}
     site_tests = [annotated_as(test, types) for types in SITE_TYPES.values()]
     tokenizer = review_tokenizer([ex.text for ex in train])
-    package = package_ner_from_config(labels=list(NER_LABELS), tokenizer_json=tokenizer, config={},
+    dims = {} if args.dims == "paper" else SMALL_DIMS
+    package = package_ner_from_config(labels=list(NER_LABELS), tokenizer_json=tokenizer, config=dims,
                                       architecture="cnn-bilstm-crf", max_length=args.max_length, seed=args.seed)
     cfg = TrainConfig(local_epochs=args.local_epochs, batch_size=16, learning_rate=args.learning_rate,
                       optimizer="adam", max_length=args.max_length, seed=args.seed)

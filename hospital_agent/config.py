@@ -19,6 +19,9 @@ Example::
     label_field = "label"
     eval_path = "/data/notes/val.jsonl"   # optional: the site's held-out split, used to evaluate global models
     # entities_field = "entities"          # NER JSONL ({"text", "entities": [{"start", "end", "label"}]})
+    # question_field = "question"          # question-answering JSONL ({"question", "answer", "context"?})
+    # answer_field = "answer"
+    # context_field = "context"
     # tokenizer_sha256 = "..."             # optional: the only tokenizer.json (sha256) tasks on it may use
 
     [policy]
@@ -63,6 +66,9 @@ class DatasetEntry:
     #: when set, the only tokenizer (sha256 of tokenizer.json) tasks on this dataset may use: e.g. the one
     #: the site validated its data, or de-identification, with
     tokenizer_sha256: str | None = None
+    question_field: str = "question"     # question-answering JSONL: the question, the reference answer and an
+    answer_field: str = "answer"         # optional context passage
+    context_field: str = "context"
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,11 @@ class AgentConfig:
                                           entry.get("label_field", "label"),
                                           p(entry["eval_path"]) if entry.get("eval_path") else None,
                                           entry.get("entities_field", "entities"),
-                                          _sha256_or_none(entry.get("tokenizer_sha256"), f"{source}: [datasets.{name}]"))
+                                          _sha256_or_none(entry.get("tokenizer_sha256"),
+                                                          f"{source}: [datasets.{name}]"),
+                                          question_field=entry.get("question_field", "question"),
+                                          answer_field=entry.get("answer_field", "answer"),
+                                          context_field=entry.get("context_field", "context"))
         pol = doc.get("policy") or {}
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))))

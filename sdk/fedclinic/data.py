@@ -97,11 +97,23 @@ def read_dataset(
     text_field: str = "text",
     label_field: str = "label",
     entities_field: str = "entities",
-    label_set: Sequence[str],
+    question_field: str = "question",
+    answer_field: str = "answer",
+    context_field: str = "context",
+    label_set: Sequence[str] | None = None,
     multi_label: bool = False,
 ) -> list:
-    """Read a site dataset for a task of ``family``: :func:`read_classification` rows, or NER examples
-    (:func:`fedclinic.data_ner.read_ner`, JSONL spans or CoNLL) for ``token-classification``."""
+    """Read a site dataset for a task of ``family``: :func:`read_classification` rows, NER examples
+    (:func:`fedclinic.data_ner.read_ner`, JSONL spans or CoNLL) for ``token-classification``, or question/answer
+    pairs (:func:`fedclinic.data_qa.read_qa`, JSONL) for ``question-answering``, where ``label_set`` is ignored
+    (a generation task has no labels). The ``*_field`` arguments name the columns of each family."""
+    if family == "question-answering":
+        from fedclinic.data_qa import read_qa
+
+        return read_qa(path, format=format, question_field=question_field, answer_field=answer_field,
+                       context_field=context_field)
+    if label_set is None:
+        raise ConfigError(f"a {family} dataset needs the task's label_set")
     if family == "token-classification":
         from fedclinic.data_ner import read_ner
 
@@ -109,6 +121,24 @@ def read_dataset(
                         entities_field=entities_field)
     return read_classification(path, format=format, text_field=text_field, label_field=label_field,
                                label_set=label_set, multi_label=multi_label)
+
+
+def jsonl_objects(path, lines: Sequence[str], expects: str) -> Iterator[tuple[str, dict]]:
+    """``(where, object)`` for every non-blank line of a JSONL file (``where`` = "PATH: row N", 1-based), the
+    one JSONL row parser of the dataset readers. DatasetError naming the row for invalid JSON or a value that is
+    not an object (``expects`` says what the object should hold)."""
+    for row_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: row {row_no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
+                               "JSON object") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: expected a JSON object with {expects}, got {type(obj).__name__}")
+        yield where, obj
 
 
 def _check_label_set(label_set: Sequence[str]) -> list[str]:

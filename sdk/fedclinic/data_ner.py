@@ -22,14 +22,13 @@ valid, and every returned example has its entities sorted by start and non-overl
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedclinic.data import _check_label_set, _decode_guard, _fmt_labels, _open_text
+from fedclinic.data import _check_label_set, _decode_guard, _fmt_labels, _open_text, jsonl_objects
 from fedclinic.errors import DatasetError
 
 NER_FORMATS = ("jsonl", "conll")
@@ -108,18 +107,7 @@ def _read_jsonl(path, lines: list[str], labels: list[str], text_field: str,
                 entities_field: str) -> list[NerExample]:
     allowed = set(labels)
     out: list[NerExample] = []
-    for row_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: row {row_no}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                               "JSON object") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: expected a JSON object with {text_field!r} and {entities_field!r}, got "
-                               f"{type(obj).__name__}")
+    for where, obj in jsonl_objects(path, lines, f"{text_field!r} and {entities_field!r}"):
         text = obj.get(text_field)
         if text is None:
             raise DatasetError(f"{where}: missing text field {text_field!r}; every row needs the text to tag")

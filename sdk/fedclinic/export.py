@@ -193,6 +193,9 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
 
     source_card = read_card(src)  # before any work: an unreadable card is reported at once
     package = ModelPackage.load(src)
+    if package.meta.get("family") == "question-answering":
+        raise ConfigError("ONNX export of question-answering (causal LM) models is not available yet: it needs "
+                          "past key/values and a generation loop; serve the model with PyTorch for now")
     loaded = build_model(package)
     module, input_names = _wrapper(loaded)
     batches = parity_inputs(loaded, texts=texts)

@@ -20,12 +20,16 @@ for a package made locally); a section that is *absent* was not configured::
                          ModelPackage.load(folder).manifest().model_hash of the downloaded folder
     model_round          the round whose global model this is: 0 = the initial model; null = unknown
     is_final             true when this is the completed task's final model; null = unknown
-    family               "text-classification" | "token-classification" | "feature-classification"
+    family               "text-classification" | "token-classification" | "feature-classification" |
+                         "question-answering"
     architecture         e.g. "transformer", "lstm", "logreg", "transformer-crf"
     labels               class names in class-index order (token-classification: the entity types)
     multi_label          bool
     max_length           token sequence length (null for feature models)
     tag_scheme, tags     token-classification only: "BIO" | "BIOES" and the tag names in tag-index order
+    prompt, eos_token,   question-answering only: the prompt template every use of the model must apply
+    generation           ({"source", "template", "context_template", "answer_prefix"}), the token that ends
+                         an answer, and the generation settings ({"max_new_tokens", "eval_examples"})
     base_model           the pretrained model the task started from ("from-config" when built from a config)
     label_map            "fedclinic_model.json" (see above)
     task                 {"id", "name", "description", "state", "owner", "dataset", "submitted"} or null
@@ -145,6 +149,10 @@ def model_facts(meta: Mapping[str, Any]) -> dict[str, Any]:
     if meta.get("family") == "token-classification":
         facts["tag_scheme"] = meta.get("scheme", "BIO")
         facts["tags"] = list(meta.get("tags") or [])
+    if meta.get("family") == "question-answering":
+        facts["prompt"] = dict(meta.get("prompt") or {})
+        facts["eos_token"] = meta.get("eos_token")
+        facts["generation"] = dict(meta.get("generation") or {})
     return facts
 
 
@@ -222,6 +230,10 @@ def render_markdown(card: Mapping[str, Any]) -> str:
     ]
     if card.get("family") == "token-classification":
         rows += [("Tag scheme", card.get("tag_scheme")), ("Tags", ", ".join(card.get("tags") or []) or None)]
+    if card.get("family") == "question-answering":
+        prompt = card.get("prompt") or {}
+        rows += [("Prompt", f"{prompt.get('source')}: `{json.dumps(prompt.get('template'))}`" if prompt else None),
+                 ("End of answer", f"`{card.get('eos_token')}`" if card.get("eos_token") else None)]
     rows += [("Multi-label", "yes" if card.get("multi_label") else "no"), ("Max length", card.get("max_length")),
              ("Model hash", f"`{card.get('model_hash')}`"), ("Label map", f"`{card.get('label_map', META_FILE)}`")]
     lines += ["## Model", "", *_table(("", ""), rows), ""]

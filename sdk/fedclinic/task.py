@@ -39,7 +39,10 @@ from fedclinic.proto import task_pb2
 from fedclinic.tomlconfig import load_toml
 
 FAMILIES = {"text-classification": ("transformer", "lstm", "logreg"),
-            "token-classification": ("transformer", "transformer-crf")}
+            "token-classification": ("transformer", "transformer-crf", "cnn-bilstm-crf"),
+            "question-answering": ("causal-lm",)}
+#: families whose tasks have no label set (answers are generated text)
+UNLABELLED_FAMILIES = ("question-answering",)
 _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
           "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
@@ -50,7 +53,7 @@ _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s
 class Task:
     name: str
     dataset: str
-    labels: list[str]
+    labels: list[str] = field(default_factory=list)  # question-answering: none (leave empty)
     model: str = ""                      # local pretrained folder; or pass a ModelPackage to Client.submit
     family: str = "text-classification"
     architecture: str = "transformer"
@@ -103,6 +106,11 @@ class Task:
                 p.append(f"tag_scheme {self.tag_scheme!r} is not BIO or BIOES")
             if self.multi_label:
                 p.append("multi_label does not apply to token-classification")
+        elif self.family in UNLABELLED_FAMILIES:
+            if self.labels:
+                p.append(f"labels do not apply to {self.family} (answers are generated text); leave labels empty")
+            if self.multi_label:
+                p.append(f"multi_label does not apply to {self.family}")
         elif len(self.labels) < 2:
             p.append("labels needs at least two classes")
         if len(set(self.labels)) != len(self.labels):
@@ -178,7 +186,8 @@ class Task:
         unknown = sorted(set(flat) - known)
         if unknown:
             raise ConfigError(f"{path}: unknown setting(s) {unknown}")
-        missing = [k for k in ("name", "dataset", "labels") if k not in flat]
+        required = ("name", "dataset") if flat.get("family") in UNLABELLED_FAMILIES else ("name", "dataset", "labels")
+        missing = [k for k in required if k not in flat]
         if missing:
             raise ConfigError(f"{path}: missing required setting(s) {missing}")
         if flat.get("model"):
@@ -201,6 +210,10 @@ def package_for_task(task: Task):
 
     if not task.model:
         raise FedclinicError("the task names no model folder; set Task.model or pass package=")
+    if task.family == "question-answering":
+        from fedclinic.models.causal_lm import package_qa_pretrained
+
+        return package_qa_pretrained(task.model, max_length=task.max_length)
     if task.family == "token-classification":
         from fedclinic.models.token_classification import package_ner_pretrained
 

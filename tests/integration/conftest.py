@@ -60,6 +60,21 @@ def write_site_data(folder: Path, n: int, seed: int) -> Path:
     return path
 
 
+def replay_site_delta(start_package, examples, spec):
+    """What a site computes in one round (delta over every tensor, its sample count), recomputed here with the
+    same shared code from the task's spec: the reference the family federation tests compare against."""
+    from fedclinic import training
+    from fedclinic.models import build_model, module_tensors
+
+    loaded = build_model(start_package)
+    cfg = training.TrainConfig.from_proto(spec.training)
+    data = training.encode(examples, loaded, max_length=cfg.max_length)
+    names = list(start_package.tensors)
+    before = module_tensors(loaded.module, names)
+    result = training.train_local(loaded, data, cfg, trainable=names)
+    return training.compute_delta(before, module_tensors(loaded.module, names), names), result.num_samples
+
+
 @pytest.fixture
 def federation_factory(tmp_path, request):
     """Build LocalFederations with N sites holding synthetic clinical-ish text; torn down after the test."""

@@ -14,6 +14,8 @@ from fedclinic.task import Task
 
 from tests.unit.test_token_classification import LABELS, make_examples, package
 
+from tests.integration.conftest import replay_site_delta
+
 pytestmark = pytest.mark.integration
 
 NER_POLICY = {"allowed_families": ["token-classification"], "allowed_datasets": ["ner"]}
@@ -40,19 +42,6 @@ def _write_conll(path, examples) -> None:
             pos = end + 1
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
-
-
-def _replay(start_package, examples, spec):
-    from fedclinic import training
-    from fedclinic.models import build_model, module_tensors
-
-    loaded = build_model(start_package)
-    cfg = training.TrainConfig.from_proto(spec.training)
-    data = training.encode(examples, loaded, max_length=cfg.max_length)
-    names = list(start_package.tensors)
-    before = module_tensors(loaded.module, names)
-    result = training.train_local(loaded, data, cfg, trainable=names)
-    return training.compute_delta(before, module_tensors(loaded.module, names), names), result.num_samples
 
 
 def test_ner_task_trains_across_agents_with_conll_and_jsonl_sites(tmp_path):
@@ -90,7 +79,7 @@ def test_ner_task_trains_across_agents_with_conll_and_jsonl_sites(tmp_path):
     here = training.evaluate(model, training.encode(eval_examples, model))
     assert final.rounds[1].metrics["eval_strict_f1"] == pytest.approx(here["strict_f1"], abs=1e-9)
     # the CoNLL site read the same examples as its JSONL twin would: FedAvg of the replayed deltas matches
-    deltas = [_replay(start, ex, final.spec) for ex in site_examples.values()]
+    deltas = [replay_site_delta(start, ex, final.spec) for ex in site_examples.values()]
     total = sum(n for _, n in deltas)
     for name, base in start.tensors.items():
         expected = base + sum(n * d[name] for d, n in deltas) / total

@@ -304,3 +304,15 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
         np.testing.assert_array_equal(tags * mask, loaded.decode(torch.from_numpy(ids), torch.from_numpy(mask)).numpy())
     bundle = ClassifierBundle(tmp_path / "out", threads=1)
     assert [row["entities"] for row in bundle.predict(texts[:6])] == loaded.predict_entities(texts[:6])
+
+
+def test_a_question_answering_model_is_refused_with_the_reason(tmp_path):
+    from fedclinic.package import META_FILE, ModelPackage
+
+    pkg = tiny_package("logreg")
+    meta = json.loads(pkg.files[META_FILE])
+    meta["family"] = "question-answering"
+    ModelPackage(pkg.tensors, {**pkg.files, META_FILE: json.dumps(meta).encode()}).save(tmp_path / "pkg")
+    with pytest.raises(ConfigError, match="question-answering .causal LM. models is not available yet"):
+        export_onnx(tmp_path / "pkg", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

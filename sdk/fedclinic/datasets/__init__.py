@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from fedclinic.datasets.drugreview import condition_classification, load_drug_reviews, minilm_path
+from fedclinic.datasets.smollm2 import smollm2_folder
 
-__all__ = ["condition_classification", "load_drug_reviews", "minilm_path"]
+__all__ = ["condition_classification", "load_drug_reviews", "minilm_path", "smollm2_folder"]
