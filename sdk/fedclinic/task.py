@@ -87,6 +87,9 @@ class Task:
     strategy_params: dict[str, float | str] = field(default_factory=dict)  # numbers and names (e.g. granularity)
     trainable: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
+    #: architecture settings applied when the initial model is packaged from ``model`` (``[model_config]``):
+    #: e.g. the FedNER tagger's sizes, LSTM sizes, or HF config fields that keep shapes (dropout)
+    model_config: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError listing every problem (and how to fix it)."""
@@ -139,6 +142,8 @@ class Task:
                 make_strategy(self.strategy, self.strategy_params)
             except ConfigError as exc:
                 p.append(str(exc))
+        if not isinstance(self.model_config, dict) or not all(isinstance(k, str) for k in self.model_config):
+            p.append("model_config must be a table of settings (e.g. [model_config] lstm_hidden = 100)")
         for pat in [*self.trainable, *self.frozen]:
             try:
                 re.compile(pat)
@@ -213,16 +218,18 @@ def package_for_task(task: Task):
     if task.family == "question-answering":
         from fedclinic.models.causal_lm import package_qa_pretrained
 
-        return package_qa_pretrained(task.model, max_length=task.max_length)
+        return package_qa_pretrained(task.model, max_length=task.max_length, config=task.model_config or None)
     if task.family == "token-classification":
         from fedclinic.models.token_classification import package_ner_pretrained
 
         return package_ner_pretrained(task.model, labels=task.labels, architecture=task.architecture,
-                                      scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed)
+                                      scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed,
+                                      config=task.model_config or None)
     from fedclinic.models import package_pretrained
 
     return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
-                              multi_label=task.multi_label, max_length=task.max_length, seed=task.seed)
+                              multi_label=task.multi_label, max_length=task.max_length, seed=task.seed,
+                              config=task.model_config or None)
 
 
 def _section(value: Any, allowed: tuple[str, ...], name: str) -> dict[str, Any]:

@@ -64,3 +64,25 @@ def test_string_strategy_options_travel_in_their_own_map_and_are_checked():
         Task(name="k", dataset="d", labels=["a", "b"], strategy="fedatt", strategy_params={"granularity": "layer"}).validate()
     with pytest.raises(ConfigError, match=r"strategy parameter\(s\) \['on'\] must be numbers or strings"):
         Task(name="k", dataset="d", labels=["a", "b"], strategy="fedatt", strategy_params={"on": True}).validate()
+
+
+def test_model_config_sizes_the_packaged_model(tmp_path):
+    """[model_config] reaches the packager: here the FedNER tagger's sizes; a wrong key is refused."""
+    from fedclinic.errors import ConfigError
+    from fedclinic.task import package_for_task
+
+    from tests.unit.test_token_classification import tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(tokenizer())
+    (tmp_path / "task.toml").write_text(
+        'name = "ner"\nfamily = "token-classification"\narchitecture = "cnn-bilstm-crf"\ndataset = "notes"\n'
+        'labels = ["DRUG", "CONDITION"]\nmodel = "tok"\n'
+        '[model_config]\nembedding_dim = 16\nchar_dim = 8\nchar_filters = 8\nword_filters = 16\nlstm_hidden = 8\n')
+    task = Task.from_toml(tmp_path / "task.toml")
+    pkg = package_for_task(task)
+    assert pkg.meta["arch_config"]["embedding_dim"] == 16 and pkg.tensors["lstm.weight_hh_l0"].shape == (32, 8)
+    task.model_config = {"lstm_size": 8}
+    with pytest.raises(ConfigError, match="lstm_size"):
+        package_for_task(task)
