@@ -180,9 +180,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     from fedclinic.models import build_model
     from fedclinic.package import ModelPackage
 
-    if int8_tolerance is None:
-        int8_tolerance = INT8_TOKEN_TOLERANCE if _per_token(Path(model_dir)) else INT8_TOLERANCE
-    if not tolerance > 0 or not int8_tolerance > 0:
+    if not tolerance > 0 or not (int8_tolerance is None or int8_tolerance > 0):
         raise ConfigError("tolerances must be > 0")
     src, out = Path(model_dir), Path(out_dir)
     if not src.is_dir():
@@ -197,6 +195,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         raise ConfigError("ONNX export of question-answering (causal LM) models is not available yet: it needs "
                           "past key/values and a generation loop; serve the model with PyTorch for now")
     loaded = build_model(package)
+    if int8_tolerance is None:  # per-token scores: the maximum runs over every token of every input
+        int8_tolerance = INT8_TOKEN_TOLERANCE if loaded.family == "token-classification" else INT8_TOLERANCE
     module, input_names = _wrapper(loaded)
     batches = parity_inputs(loaded, texts=texts)
     example = tuple(torch.from_numpy(x) for x in batches[-1])
@@ -245,16 +245,20 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
         with torch.no_grad():
             return module(*(torch.from_numpy(x) for x in xs)).float().numpy()
 
-    def session_runner(path: Path):
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return lambda *xs: session.run(["logits"], dict(zip(input_names, xs)))[0]
+    def session(path: Path):
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def logits_of(sess):
+        return lambda *xs: sess.run(["logits"], dict(zip(input_names, xs)))[0]
 
     crf = getattr(loaded.module, "crf", None)
     if crf is not None:
         _append_crf(tmp, crf)
-    fp32 = check_parity(session_runner(tmp), torch_logits, batches, tolerance=tolerance)
+        want_paths = torch_paths(loaded, batches)  # PyTorch's Viterbi, once for the fp32 and int8 checks
+    fp32_session = session(tmp)
+    fp32 = check_parity(logits_of(fp32_session), torch_logits, batches, tolerance=tolerance)
     if crf is not None:
-        fp32.path_agreement = check_paths(tmp, loaded, batches, min_agreement=1.0)
+        fp32.path_agreement = check_paths(fp32_session, want_paths, batches, min_agreement=1.0)
     tmp.replace(out / "model.onnx")
     log(f"fp32 parity: max |ONNX - PyTorch| = {fp32.max_abs_diff:.3g} over {fp32.inputs} inputs "
         f"(tolerance {tolerance:g})")
@@ -277,10 +281,11 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
                              op_types_to_quantize=["MatMul"])
         finally:
             plain.unlink(missing_ok=True)
-        report.int8 = check_parity(session_runner(qtmp), torch_logits, batches, tolerance=int8_tolerance,
+        int8_session = session(qtmp)
+        report.int8 = check_parity(logits_of(int8_session), torch_logits, batches, tolerance=int8_tolerance,
                                    min_agreement=INT8_MIN_AGREEMENT)
         if crf is not None:
-            report.int8.path_agreement = check_paths(qtmp, loaded, batches, min_agreement=0.0)
+            report.int8.path_agreement = check_paths(int8_session, want_paths, batches, min_agreement=0.0)
         qtmp.replace(out / "model.int8.onnx")
         report.files.append("model.int8.onnx")
         log(f"int8 parity: max |ONNX - PyTorch| = {report.int8.max_abs_diff:.3g}, top-1 agreement "
@@ -320,15 +325,6 @@ def _write_bundle_card(out: Path, report: ExportReport, card: dict | None, packa
     write_card(out, add_export(base, asdict(report), inputs=inputs, outputs=outputs))
 
 
-def _per_token(model_dir: Path) -> bool:
-    """True for a package whose outputs are per-token scores (token classification)."""
-    meta = model_dir / "fedclinic_model.json"
-    try:
-        return json.loads(meta.read_text()).get("family") == "token-classification"
-    except (OSError, ValueError):
-        return False  # build_model reports the broken package with its own message
-
-
 def _append_crf(path: Path, crf) -> None:
     """Append the CRF's Viterbi decoding to the exported emission graph at ``path`` (output ``tags``)."""
     import onnx
@@ -351,18 +347,20 @@ def _append_crf(path: Path, crf) -> None:
     onnx.save(model, str(path))
 
 
-def check_paths(path: Path, loaded, batches, *, min_agreement: float) -> float:
-    """Share of sequences whose ONNX ``tags`` equal PyTorch's Viterbi path (on non-padding positions);
-    ParityError below ``min_agreement``."""
-    import onnxruntime as ort
+def torch_paths(loaded, batches) -> list[np.ndarray]:
+    """PyTorch's Viterbi path ``[batch, seq]`` for every parity batch (``(input_ids, attention_mask)``)."""
     import torch
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        return [loaded.decode(torch.from_numpy(ids), torch.from_numpy(mask)).numpy() for ids, mask in batches]
+
+
+def check_paths(session, want_paths: Sequence[np.ndarray], batches, *, min_agreement: float) -> float:
+    """Share of sequences whose ONNX ``tags`` (from the onnxruntime ``session``) equal PyTorch's paths
+    ``want_paths`` (:func:`torch_paths`) on non-padding positions; ParityError below ``min_agreement``."""
     same = total = 0
-    for ids, mask in batches:
+    for (ids, mask), want in zip(batches, want_paths):
         got = session.run(["tags"], {"input_ids": ids, "attention_mask": mask})[0]
-        with torch.no_grad():
-            want = loaded.decode(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         same += int(sum(np.array_equal(g[m > 0], w[m > 0]) for g, w, m in zip(got, want, mask)))
         total += len(ids)
     share = same / max(total, 1)

@@ -60,6 +60,20 @@ def write_site_data(folder: Path, n: int, seed: int) -> Path:
     return path
 
 
+def run_task(root: Path, sites, task, package):
+    """Start a federation of ``sites`` under ``root``, submit ``task`` with ``package``, wait for it to
+    complete (asserting it did) and return ``(final status, round-1 global package)``."""
+    from fedclinic.client import state_name
+
+    with LocalFederation(root, sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            status = client.submit(task, package=package)
+            final = client.wait(status.task_id, timeout=300, progress=False)
+            assert state_name(final.state) == "completed", final.error
+            return final, client.fetch_package(status.task_id, round=1)
+
+
 def replay_site_delta(start_package, examples, spec):
     """What a site computes in one round (delta over every tensor, its sample count), recomputed here with the
     same shared code from the task's spec: the reference the family federation tests compare against."""

@@ -8,13 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic.client import state_name
-from fedclinic.localfed import LocalFederation, SiteSetup
+from fedclinic.localfed import SiteSetup
 from fedclinic.task import Task
 
 from tests.unit.test_token_classification import LABELS, make_examples, package
 
-from tests.integration.conftest import replay_site_delta
+from tests.integration.conftest import replay_site_delta, run_task
 
 pytestmark = pytest.mark.integration
 
@@ -60,13 +59,7 @@ def test_ner_task_trains_across_agents_with_conll_and_jsonl_sites(tmp_path):
                 labels=LABELS, num_rounds=2, min_sites=3, local_epochs=2, batch_size=8, learning_rate=5e-3,
                 optimizer="adamw", max_length=32, round_timeout_s=180, on_quorum_miss="fail")
     start = package("transformer-crf")
-    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
-        fed.start()
-        with fed.client() as client:
-            status = client.submit(task, package=start)
-            final = client.wait(status.task_id, timeout=300, progress=False)
-            assert state_name(final.state) == "completed", final.error
-            round1 = client.fetch_package(status.task_id, round=1)
+    final, round1 = run_task(tmp_path / "fed", sites, task, start)
     # every site evaluated the global model on its held-out split: entity metrics arrive in the round summary
     for r in final.rounds:
         assert {"eval_strict_f1", "eval_relaxed_f1", "eval_token_accuracy"} <= set(r.metrics), dict(r.metrics)

@@ -9,14 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic.client import state_name
 from fedclinic.data_qa import QAExample
-from fedclinic.localfed import LocalFederation, SiteSetup
+from fedclinic.localfed import SiteSetup
 from fedclinic.task import Task
 
 from tests.unit.test_causal_lm import one_thread, package, toy_examples  # noqa: F401 (one_thread: a fixture)
 
-from tests.integration.conftest import replay_site_delta
+from tests.integration.conftest import replay_site_delta, run_task
 
 pytestmark = pytest.mark.integration
 
@@ -46,13 +45,7 @@ def test_qa_task_trains_across_agents_and_reports_generation_metrics(tmp_path):
                 num_rounds=2, min_sites=2, local_epochs=10, batch_size=4, learning_rate=5e-3, max_length=32,
                 round_timeout_s=180, on_quorum_miss="fail")
     start = package()
-    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
-        fed.start()
-        with fed.client() as client:
-            status = client.submit(task, package=start)
-            final = client.wait(status.task_id, timeout=300, progress=False)
-            assert state_name(final.state) == "completed", final.error
-            round1 = client.fetch_package(status.task_id, round=1)
+    final, round1 = run_task(tmp_path / "fed", sites, task, start)
     # every site evaluated the global model on its held-out split by generating answers
     keys = ("eval_rougeL", "eval_bleu", "eval_meteor", "eval_exact_match", "eval_token_accuracy")
     for r in final.rounds:

@@ -221,25 +221,36 @@ def load_tokenizer(tokenizer_json: bytes | str) -> "tokenizers.Tokenizer":
     return tok
 
 
-def encode_texts(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int, pad_id: int,
-                 pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(input_ids, attention_mask)``, int64 ``[n, width]``: each text tokenized and truncated to ``max_length``,
-    right-padded with ``pad_id`` to the longest one (or to ``pad_to``). The one tokenization path of the
-    trainer, the exporter and the serving bundle, so a served model sees exactly what it was trained on.
-    """
+def tokenize_truncated(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int) -> list:
+    """The tokenizer's encodings of ``texts``, each truncated to ``max_length`` tokens (no padding): the one
+    tokenization step of every text family (:func:`encode_texts`, the NER encoder with offsets)."""
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length)
     try:
-        encs = tokenizer.encode_batch(list(texts))
+        return tokenizer.encode_batch(list(texts))
     finally:
         tokenizer.no_truncation()
-    width = max(pad_to or 0, 1, *(len(e.ids) for e in encs)) if encs else max(pad_to or 0, 1)
+
+
+def pad_encodings(encs: Sequence, *, pad_id: int, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)``, int64 ``[n, width]``, right-padded with ``pad_id`` to the longest
+    encoding (or to ``pad_to``)."""
+    width = max(pad_to or 0, 1, *(len(e.ids) for e in encs))
     ids = np.full((len(encs), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(encs), width), dtype=np.int64)
     for i, e in enumerate(encs):
         ids[i, :len(e.ids)] = e.ids
         mask[i, :len(e.ids)] = 1
     return ids, mask
+
+
+def encode_texts(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int, pad_id: int,
+                 pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)``, int64 ``[n, width]``: each text tokenized and truncated to ``max_length``,
+    right-padded with ``pad_id`` to the longest one (or to ``pad_to``). The one tokenization path of the
+    trainer, the exporter and the serving bundle, so a served model sees exactly what it was trained on.
+    """
+    return pad_encodings(tokenize_truncated(tokenizer, texts, max_length=max_length), pad_id=pad_id, pad_to=pad_to)
 
 
 def tokenizer_pad_id(tokenizer_json: bytes | str) -> int:

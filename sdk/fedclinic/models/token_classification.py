@@ -60,6 +60,8 @@ from fedclinic.models.text_classification import (
     load_tensors,
     load_tokenizer,
     module_tensors,
+    pad_encodings,
+    tokenize_truncated,
     tokenizer_pad_id,
 )
 from fedclinic.ner_tags import (SCHEMES, entity_scores, spans_to_token_tags, tag_set, tags_to_spans,
@@ -187,21 +189,10 @@ def encode_with_offsets(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str],
     """``(input_ids, attention_mask, offsets)``: as :func:`~fedclinic.models.text_classification.encode_texts`,
     plus each kept token's character offsets (``(0, 0)`` for special tokens). The one NER tokenization path of
     the trainer, the exporter and the serving bundle."""
-    tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length)
-    try:
-        encs = tokenizer.encode_batch(list(texts))
-    finally:
-        tokenizer.no_truncation()
-    width = max(1, *(len(e.ids) for e in encs)) if encs else 1
-    ids = np.full((len(encs), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(encs), width), dtype=np.int64)
-    offsets = []
-    for i, e in enumerate(encs):
-        ids[i, :len(e.ids)] = e.ids
-        mask[i, :len(e.ids)] = 1
-        specials = e.special_tokens_mask
-        offsets.append([(0, 0) if specials[k] else (int(a), int(b)) for k, (a, b) in enumerate(e.offsets)])
+    encs = tokenize_truncated(tokenizer, texts, max_length=max_length)
+    ids, mask = pad_encodings(encs, pad_id=pad_id)
+    offsets = [[(0, 0) if special else (int(a), int(b)) for special, (a, b) in zip(e.special_tokens_mask, e.offsets)]
+               for e in encs]
     return ids, mask, offsets
 
 
