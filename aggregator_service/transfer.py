@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from fedclinic.blobstore import BlobStore, fsync_dir
+from fedclinic.durable_file import DurableFile
 from fedclinic.errors import IntegrityError
 from fedclinic.package import Manifest
 from fedclinic.proto import tensors_pb2
@@ -16,12 +17,14 @@ from aggregator_service.engine import UpdateLayout
 
 
 class SpillWriter:
-    """Writes an update's tensors back to back into one file; one fsync makes the whole update durable."""
+    """Writes an update's tensors back to back into one file; one fsync makes the whole update durable.
+
+    The file is a :class:`~fedclinic.durable_file.DurableFile` (O_DIRECT where the filesystem allows it)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.tmp = path.with_suffix(".part")
-        self._f = open(self.tmp, "wb")
+        self._f = DurableFile(self.tmp)
         self.layout = UpdateLayout([])
         self._offset = 0
 
@@ -41,16 +44,13 @@ class SpillWriter:
         self.discard()
 
     def finish(self) -> int:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        self._f.close()  # fsync'd on return
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
         return self._offset
 
     def discard(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        self._f.discard()
         self.tmp.unlink(missing_ok=True)
 
 
@@ -90,27 +90,30 @@ def send_model(blobs: BlobStore, manifest: Manifest, *, have: set[str], include_
     yield tensors_pb2.ModelChunk(manifest=manifest_to_proto(manifest))
     if include_files:
         for f in manifest.files:
-            for c in file_chunks(f.path, blobs.read(f.sha256)):
+            data = blobs.read(f.sha256)
+            for c in file_chunks(f.path, data):
                 if counter is not None:
-                    counter[0] += len(c.data)
+                    counter[0] += min(CHUNK_BYTES, len(data) - c.offset)
                 yield tensors_pb2.ModelChunk(file=c)
     for t in manifest.tensors:
         if t.sha256 in have:
             continue
-        for c in _file_tensor_chunks(blobs.path(t.sha256), header_of(t)):
+        for c, nbytes in _file_tensor_chunks(blobs.path(t.sha256), header_of(t)):
             if counter is not None:
-                counter[0] += len(c.data)
+                counter[0] += nbytes  # not len(c.data): each read of a protobuf bytes field copies it
             yield tensors_pb2.ModelChunk(tensor=c)
 
 
-def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader) -> Iterator[tensors_pb2.TensorChunk]:
-    """Chunks read straight from a blob file (one copy per chunk, never the whole tensor in memory)."""
+def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader
+                        ) -> Iterator[tuple[tensors_pb2.TensorChunk, int]]:
+    """(chunk, payload bytes) read straight from a blob file (one copy per chunk, never the whole tensor in
+    memory)."""
     if header.encoded_nbytes == 0:
-        yield tensors_pb2.TensorChunk(name=header.name, header=header, offset=0, data=b"")
+        yield tensors_pb2.TensorChunk(name=header.name, header=header, offset=0, data=b""), 0
         return
     with open(path, "rb") as fh:
         offset = 0
         while data := fh.read(CHUNK_BYTES):
             yield tensors_pb2.TensorChunk(name=header.name, header=header if offset == 0 else None, offset=offset,
-                                          data=data)
+                                          data=data), len(data)
             offset += len(data)

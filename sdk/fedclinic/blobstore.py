@@ -1,21 +1,21 @@
 """A content-addressed store of immutable blobs on local disk (used by the aggregator and the agent).
 
 A blob's id is the hex sha256 of its bytes; it lives at ``root/ab/cdef...``. Writes go to a temporary
-file in the same folder, are hashed while written, fsync'd, checked against the expected hash, and only
-then renamed into place (followed by an fsync of the folder), so a crash never leaves a partial blob under
-a valid name and a blob that exists is always complete and correct.
+file under ``root/tmp`` (a :class:`~fedclinic.durable_file.DurableFile`: O_DIRECT where the filesystem allows
+it), are hashed while written, fsync'd, checked against the expected hash, and only then renamed into place
+(followed by an fsync of the folder), so a crash never leaves a partial blob under a valid name and a blob
+that exists is always complete and correct.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import BinaryIO
-
 import numpy as np
 
+from fedclinic.durable_file import DurableFile
 from fedclinic.errors import IntegrityError
 
 
@@ -38,9 +38,8 @@ class BlobWriter:
         self._verified_by_caller = verified_by_caller
         self.expected_sha256 = expected_sha256
         self.expected_nbytes = expected_nbytes
-        fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="blob-")
-        self._tmp = Path(name)
-        self._file: BinaryIO | None = os.fdopen(fd, "wb")
+        self._tmp = store.tmp_dir / f"blob-{secrets.token_hex(8)}"
+        self._file: DurableFile | None = DurableFile(self._tmp)
         self._hash = hashlib.sha256()
         self.nbytes = 0
 
@@ -62,9 +61,7 @@ class BlobWriter:
                 raise IntegrityError(f"blob has {self.nbytes} bytes, {self.expected_nbytes} were declared")
             if self.expected_sha256 is not None and digest != self.expected_sha256:
                 raise IntegrityError(f"blob sha256 {digest[:12]}... does not match declared {self.expected_sha256[:12]}...")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+            self._file.close()  # fsync'd on return
             self._file = None
             self._store._publish(self._tmp, digest)
         except BaseException:
@@ -74,7 +71,7 @@ class BlobWriter:
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self._file.discard()
             self._file = None
         self._tmp.unlink(missing_ok=True)
 

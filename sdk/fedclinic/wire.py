@@ -148,12 +148,13 @@ class ChunkAssembler:
         self.nbytes = 0
 
     def add(self, chunk: pb.TensorChunk) -> None:
-        if len(chunk.data) > MAX_CHUNK_BYTES:
-            raise IntegrityError(f"chunk of {chunk.name!r} has {len(chunk.data)} bytes; the limit is {MAX_CHUNK_BYTES}")
+        data = chunk.data  # read once: each read of a protobuf bytes field is a fresh copy
+        if len(data) > MAX_CHUNK_BYTES:
+            raise IntegrityError(f"chunk of {chunk.name!r} has {len(data)} bytes; the limit is {MAX_CHUNK_BYTES}")
         if chunk.offset == 0 and chunk.HasField("header"):
             self._start(chunk)
             if self._open is None:  # an empty tensor is complete with its header
-                if chunk.data:
+                if data:
                     raise IntegrityError(f"tensor {chunk.name!r}: data sent for an empty tensor")
                 return
         cur = self._open
@@ -161,7 +162,6 @@ class ChunkAssembler:
             raise IntegrityError(f"chunk of tensor {chunk.name!r} at offset {chunk.offset} arrived before its header")
         if chunk.offset != cur.received:
             raise IntegrityError(f"tensor {chunk.name!r}: chunk offset {chunk.offset}, expected {cur.received}")
-        data = chunk.data
         if cur.received + len(data) > cur.header.encoded_nbytes:
             raise IntegrityError(f"tensor {chunk.name!r}: more bytes than the {cur.header.encoded_nbytes} declared")
         if len(data) % cur.itemsize:
@@ -251,10 +251,11 @@ class FileAssembler:
         if p not in self._meta:
             raise IntegrityError(f"chunk of file {p!r} arrived before its first chunk")
         total, sha, got = self._meta[p]
-        if chunk.offset != got or got + len(chunk.data) > total:
+        data = chunk.data  # read once (each read copies)
+        if chunk.offset != got or got + len(data) > total:
             raise IntegrityError(f"file {p!r}: bad chunk offset {chunk.offset} or size")
-        self._parts[p].append(chunk.data)
-        got += len(chunk.data)
+        self._parts[p].append(data)
+        got += len(data)
         self._meta[p] = (total, sha, got)
         if got == total:
             data = b"".join(self._parts.pop(p))
