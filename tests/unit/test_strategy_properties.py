@@ -62,6 +62,11 @@ def _ref_norm_bounded(g, ds, w, p):
     return _ref_fedavg(g, scaled, w, {})
 
 
+def _ref_client_dp(g, ds, w, p):
+    """dp-fedavg with its noise switched off (see _no_dp_noise): clipped updates, equal weights."""
+    return _ref_norm_bounded(g, ds, np.ones(len(ds)), {"max_norm": p.get("clip_norm", 1.0)})
+
+
 def _ref_krum(g, ds, w, p):
     n, f = len(ds), p.get("byzantine", 1)
     dist = np.array([[np.sum((a - b) ** 2) for b in ds] for a in ds])
@@ -93,6 +98,7 @@ REFERENCES = {
     "weipro": ({}, _ref_weipro),
     "trimmed-mean": ({"beta": 0.2}, _ref_trimmed),
     "norm-bounded": ({"max_norm": 2.0}, _ref_norm_bounded),
+    "dp-fedavg": ({"clip_norm": 2.0, "noise_multiplier": 1.0}, _ref_client_dp),
     "multi-krum": ({"byzantine": 1}, _ref_krum),
     "fedavgm": ({}, _ref_fedopt("fedavgm")),
     "fedadagrad": ({}, _ref_fedopt("fedadagrad")),
@@ -115,6 +121,23 @@ def _run(name, params, g, ds, w, order=None, files=None):
     for i in order if order is not None else range(len(ds)):
         s.accept({"w": files[i] if files else ds[i]}, float(w[i]), site=f"s{i}")
     return s.finalize()["w"]
+
+
+class _ZeroNoise:
+    def standard_normal(self, size, dtype=np.float64):
+        return np.zeros(size, dtype)
+
+    def normal(self, loc=0.0, scale=1.0):
+        return loc
+
+
+@pytest.fixture(autouse=True)
+def _no_dp_noise(monkeypatch):
+    """The aggregation math of dp-fedavg is compared with its reference without noise (tests/unit/test_client_dp
+    checks the noise itself)."""
+    from fedclinic.strategies import client_dp
+
+    monkeypatch.setattr(client_dp, "_noise_generator", _ZeroNoise)
 
 
 sites_st = st.integers(5, 8)

@@ -6,6 +6,7 @@ from typing import Mapping
 
 from fedclinic.errors import ConfigError
 from fedclinic.strategies.base import Strategy
+from fedclinic.strategies.client_dp import ClientDP
 from fedclinic.strategies.dynamic import DynamicWeighting
 from fedclinic.strategies.fedatt import FedAtt
 from fedclinic.strategies.fedavg import FedAvg
@@ -14,7 +15,7 @@ from fedclinic.strategies.robust import Median, MultiKrum, NormBounded, TrimmedM
 from fedclinic.strategies.weipro import WeiPro
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
-    FedAvg, FedAvgM, FedAtt, DynamicWeighting, WeiPro, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded, MultiKrum)}
+    FedAvg, ClientDP, FedAvgM, FedAtt, DynamicWeighting, WeiPro, FedAdagrad, FedAdam, FedYogi, Median, TrimmedMean, NormBounded, MultiKrum)}
 
 
 def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strategy:
@@ -29,5 +30,5 @@ def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strat
         raise ConfigError(f"strategy {name!r}: bad parameters {dict(params or {})}: {exc}") from None
 
 
-__all__ = ["STRATEGIES", "DynamicWeighting", "FedAtt", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Median", "MultiKrum", "NormBounded", "Strategy",
+__all__ = ["STRATEGIES", "ClientDP", "DynamicWeighting", "FedAtt", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi", "Median", "MultiKrum", "NormBounded", "Strategy",
            "TrimmedMean", "WeiPro", "make_strategy"]
