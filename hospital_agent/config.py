@@ -22,6 +22,7 @@ Example::
     # question_field = "question"          # question-answering JSONL ({"question", "answer", "context"?})
     # answer_field = "answer"
     # context_field = "context"
+    # image_field = "image"                # image + text manifests (CSV/TSV/JSONL: image path, text, labels)
     # tokenizer_sha256 = "..."             # optional: the only tokenizer.json (sha256) tasks on it may use
 
     [policy]
@@ -69,6 +70,7 @@ class DatasetEntry:
     question_field: str = "question"     # question-answering JSONL: the question, the reference answer and an
     answer_field: str = "answer"         # optional context passage
     context_field: str = "context"
+    image_field: str = "image"           # image + text manifest: the image path, relative to the manifest's folder
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class AgentConfig:
                                                           f"{source}: [datasets.{name}]"),
                                           question_field=entry.get("question_field", "question"),
                                           answer_field=entry.get("answer_field", "answer"),
-                                          context_field=entry.get("context_field", "context"))
+                                          context_field=entry.get("context_field", "context"),
+                                          image_field=entry.get("image_field", "image"))
         pol = doc.get("policy") or {}
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))))

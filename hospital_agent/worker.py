@@ -249,7 +249,8 @@ class Agent:
         entry = self.config.datasets[a.spec.dataset]
         kwargs = dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
                       entities_field=entry.entities_field, question_field=entry.question_field,
-                      answer_field=entry.answer_field, context_field=entry.context_field, label_set=list(a.spec.labels),
+                      answer_field=entry.answer_field, context_field=entry.context_field,
+                      image_field=entry.image_field, label_set=list(a.spec.labels),
                       multi_label=a.spec.multi_label)
         if state.raw_train is None:
             state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)

@@ -210,8 +210,8 @@ def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,
 
 
 #: round metric -> how the progress line names it (the first one a round has is shown)
-HEADLINE_METRICS = (("eval_accuracy", "site-eval acc"), ("eval_strict_f1", "site-eval entity F1"),
-                    ("eval_rougeL", "site-eval ROUGE-L"))
+HEADLINE_METRICS = (("eval_macro_auc", "site-eval macro AUC"), ("eval_accuracy", "site-eval acc"),
+                    ("eval_strict_f1", "site-eval entity F1"), ("eval_rougeL", "site-eval ROUGE-L"))
 
 
 def _headline(metrics) -> str:

@@ -100,13 +100,16 @@ def read_dataset(
     question_field: str = "question",
     answer_field: str = "answer",
     context_field: str = "context",
+    image_field: str = "image",
     label_set: Sequence[str] | None = None,
     multi_label: bool = False,
 ) -> list:
     """Read a site dataset for a task of ``family``: :func:`read_classification` rows, NER examples
-    (:func:`fedclinic.data_ner.read_ner`, JSONL spans or CoNLL) for ``token-classification``, or question/answer
+    (:func:`fedclinic.data_ner.read_ner`, JSONL spans or CoNLL) for ``token-classification``, question/answer
     pairs (:func:`fedclinic.data_qa.read_qa`, JSONL) for ``question-answering``, where ``label_set`` is ignored
-    (a generation task has no labels). The ``*_field`` arguments name the columns of each family."""
+    (a generation task has no labels), or image + report examples (:func:`fedclinic.data_image.read_image_text`,
+    a CSV/TSV/JSONL manifest of image paths, reports and labels; always multi-label) for
+    ``image-text-classification``. The ``*_field`` arguments name the columns of each family."""
     if family == "question-answering":
         from fedclinic.data_qa import read_qa
 
@@ -119,6 +122,11 @@ def read_dataset(
 
         return read_ner(path, format=format, label_set=label_set, text_field=text_field,
                         entities_field=entities_field)
+    if family == "image-text-classification":
+        from fedclinic.data_image import read_image_text
+
+        return read_image_text(path, format=format, label_set=label_set, image_field=image_field,
+                               text_field=text_field, label_field=label_field)
     return read_classification(path, format=format, text_field=text_field, label_field=label_field,
                                label_set=label_set, multi_label=multi_label)
 

@@ -21,12 +21,14 @@ for a package made locally); a section that is *absent* was not configured::
     model_round          the round whose global model this is: 0 = the initial model; null = unknown
     is_final             true when this is the completed task's final model; null = unknown
     family               "text-classification" | "token-classification" | "feature-classification" |
-                         "question-answering"
+                         "question-answering" | "image-text-classification"
     architecture         e.g. "transformer", "lstm", "logreg", "transformer-crf"
     labels               class names in class-index order (token-classification: the entity types)
     multi_label          bool
     max_length           token sequence length (null for feature models)
     tag_scheme, tags     token-classification only: "BIO" | "BIOES" and the tag names in tag-index order
+    image                image-text-classification only: the input every use of the model must prepare,
+                         {"channels": 1, "size", "mean", "std", "preprocessing": "fedclinic.data_image"}
     prompt, eos_token,   question-answering only: the prompt template every use of the model must apply
     generation           ({"source", "template", "context_template", "answer_prefix"}), the token that ends
                          an answer, and the generation settings ({"max_new_tokens", "eval_examples"})
@@ -76,7 +78,8 @@ EVAL_NOTE = ("eval_* metrics of a round are the sites' evaluation of the model t
              "previous round's global model); train_* come from the sites' local training in that round. No site "
              "has evaluated the final model itself.")
 #: the round metrics shown first in the Markdown table (the rest follow in name order)
-HEADLINE_METRICS = ("eval_accuracy", "eval_macro_f1", "eval_strict_f1", "eval_relaxed_f1", "eval_loss", "train_loss")
+HEADLINE_METRICS = ("eval_accuracy", "eval_macro_f1", "eval_macro_auc", "eval_strict_f1", "eval_relaxed_f1",
+                    "eval_loss", "train_loss")
 
 Card = dict[str, Any]
 
@@ -153,6 +156,10 @@ def model_facts(meta: Mapping[str, Any]) -> dict[str, Any]:
         facts["prompt"] = dict(meta.get("prompt") or {})
         facts["eos_token"] = meta.get("eos_token")
         facts["generation"] = dict(meta.get("generation") or {})
+    if meta.get("family") == "image-text-classification":
+        arch = meta.get("arch_config") or {}
+        facts["image"] = {"channels": 1, "size": arch.get("image_size"), "mean": arch.get("image_mean"),
+                          "std": arch.get("image_std"), "preprocessing": "fedclinic.data_image"}
     return facts
 
 
@@ -234,6 +241,10 @@ def render_markdown(card: Mapping[str, Any]) -> str:
         prompt = card.get("prompt") or {}
         rows += [("Prompt", f"{prompt.get('source')}: `{json.dumps(prompt.get('template'))}`" if prompt else None),
                  ("End of answer", f"`{card.get('eos_token')}`" if card.get("eos_token") else None)]
+    if card.get("family") == "image-text-classification":
+        image = card.get("image") or {}
+        rows += [("Image input", f"grayscale {image.get('size')} x {image.get('size')}, (v - {image.get('mean')}) / "
+                                 f"{image.get('std')} ({image.get('preprocessing')})" if image else None)]
     rows += [("Multi-label", "yes" if card.get("multi_label") else "no"), ("Max length", card.get("max_length")),
              ("Model hash", f"`{card.get('model_hash')}`"), ("Label map", f"`{card.get('label_map', META_FILE)}`")]
     lines += ["## Model", "", *_table(("", ""), rows), ""]

@@ -40,7 +40,10 @@ from fedclinic.tomlconfig import load_toml
 
 FAMILIES = {"text-classification": ("transformer", "lstm", "logreg"),
             "token-classification": ("transformer", "transformer-crf", "cnn-bilstm-crf"),
-            "question-answering": ("causal-lm",)}
+            "question-answering": ("causal-lm",),
+            "image-text-classification": ("resnet-bilstm",)}
+#: families whose outputs are independent sigmoids: a task must say multi_label = true
+MULTI_LABEL_FAMILIES = ("image-text-classification",)
 #: families whose tasks have no label set (answers are generated text)
 UNLABELLED_FAMILIES = ("question-answering",)
 _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
@@ -114,6 +117,12 @@ class Task:
                 p.append(f"labels do not apply to {self.family} (answers are generated text); leave labels empty")
             if self.multi_label:
                 p.append(f"multi_label does not apply to {self.family}")
+        elif self.family in MULTI_LABEL_FAMILIES:
+            if not self.labels:
+                p.append("labels needs at least one finding")
+            if not self.multi_label:
+                p.append(f"{self.family} is multi-label (one sigmoid output per label, binary cross-entropy); "
+                         "set multi_label = true")
         elif len(self.labels) < 2:
             p.append("labels needs at least two classes")
         if len(set(self.labels)) != len(self.labels):
@@ -225,6 +234,11 @@ def package_for_task(task: Task):
         return package_ner_pretrained(task.model, labels=task.labels, architecture=task.architecture,
                                       scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed,
                                       config=task.model_config or None)
+    if task.family == "image-text-classification":
+        from fedclinic.models.image_text import package_image_text_pretrained
+
+        return package_image_text_pretrained(task.model, labels=task.labels, max_length=task.max_length,
+                                             seed=task.seed, config=task.model_config or None)
     from fedclinic.models import package_pretrained
 
     return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,

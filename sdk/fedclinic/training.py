@@ -198,7 +198,7 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
     """Tokenize ``examples`` with the task's tokenizer (truncated to ``max_length``) into tensors."""
     import torch
 
-    if hasattr(loaded, "encode"):  # a family with its own encoding (token classification)
+    if hasattr(loaded, "encode"):  # a family with its own encoding (token classification, image + text)
         return loaded.encode(examples, max_length=max_length)
     if max_length is None:
         max_length = loaded.max_length
@@ -353,7 +353,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
 
 def _batch_loss(loaded, multi_label: bool) -> Callable[[tuple, "torch.Tensor"], "torch.Tensor"]:
     """``loss(inputs, targets)`` -> the batch's mean loss: the family's own ``training_loss`` when it has one
-    (token classification), else the classification loss on ``loaded.logits(*inputs)`` (computed in float32)."""
+    (token classification, image + text), else the classification loss on ``loaded.logits(*inputs)`` (computed in float32)."""
     own = getattr(loaded, "training_loss", None)
     if own is not None:
         return own
@@ -426,7 +426,7 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    if hasattr(loaded, "evaluate"):  # a family with its own metrics (token classification: entity-level F1)
+    if hasattr(loaded, "evaluate"):  # a family with its own metrics (entity-level F1; per-label F1 and AUC)
         return loaded.evaluate(data, batch_size=batch_size)
     if len(data) == 0:
         raise DatasetError("no evaluation examples; the evaluation set is empty")

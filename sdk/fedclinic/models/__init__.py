@@ -3,7 +3,8 @@
 A package names its family in ``fedclinic_model.json``; :func:`build_model` dispatches on it through
 :data:`FAMILIES`. Only built-in families and architectures exist: a package carries tensors and JSON, never
 code. Families register here (``register_family``): "text-classification", "feature-classification",
-"token-classification" (NER) and "question-answering" (a causal LM that answers by generation).
+"token-classification" (NER), "question-answering" (a causal LM that answers by generation) and
+"image-text-classification" (an image and its report -> multi-label findings: ResNet + BiLSTM, IU-CXR).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.models import causal_lm, feature_classification, text_classification, token_classification
+from fedclinic.models import (causal_lm, feature_classification, image_text, text_classification,
+                              token_classification)
 from fedclinic.models.text_classification import (
     ALLOWED_MODEL_TYPES,
     ARCHITECTURES,
@@ -35,6 +37,7 @@ FAMILIES: dict[str, Callable[[ModelPackage], Any]] = {
     feature_classification.FAMILY: feature_classification.build,
     token_classification.FAMILY: token_classification.build,
     causal_lm.FAMILY: causal_lm.build,
+    image_text.FAMILY: image_text.build,
 }
 
 

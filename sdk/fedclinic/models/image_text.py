@@ -1,0 +1,569 @@
+"""The "image-text-classification" model family: an image and its report -> multi-label findings (IU-CXR).
+
+The IU-CXR capstone's multimodal classifier (shared/seeds/specs/iucxr_multimodal_dynamic_weighting.md §4):
+a ResNet image branch and a (Bi)LSTM text branch, fused late by concatenation, with one sigmoid output per
+label trained with binary cross-entropy. ``fedclinic_model.json``::
+
+    {"format": 1, "family": "image-text-classification", "architecture": "resnet-bilstm",
+     "labels": ["normal", "cardiomegaly", ...], "multi_label": true, "max_length": 128,
+     "base_model": "...", "arch_config": {"image_size": 224, "image_mean": 0.5, "image_std": 0.5,
+                                          "resnet_hidden_sizes": [...], ..., "vocab_size": V, "pad_token_id": 0}}
+
+Network (``B`` examples, ``S`` = ``image_size``, ``L`` tokens, sizes from ``arch_config``)::
+
+    image  [B, 1, S, S] -> ResNet (transformers' ResNetModel, 1 input channel) -> global average pool [B, H_img]
+                        -> image_proj: Linear(H_img, branch_hidden) -> ReLU -> Dropout -> Linear(., branch_dim) -> ReLU
+    text   [B, L] ids   -> text_embedding -> text_lstm (packed: padding never enters the recurrence), feature =
+                           the last layer's final hidden state (both directions concatenated when bidirectional)
+                        -> text_proj: Linear(H_txt, branch_hidden) -> ReLU -> Dropout -> Linear(., branch_dim) -> ReLU
+    fusion              concat[text, image] (text first, as the notebook) -> Linear(2 branch_dim, fusion_hidden)
+                        -> ReLU -> Dropout -> classifier: Linear(fusion_hidden, C)  = the logits z  [B, C]
+
+    p = sigmoid(z);   loss = mean over the B x C entries of BCE(z, y) = -[y log p + (1 - y) log(1 - p)]
+
+Defaults (:data:`IMAGE_TEXT_DEFAULTS`) follow the paper where it is specific: ResNet-50's shape (bottleneck
+blocks, depths 3-4-6-3, widths 256-512-1024-2048), 224 x 224 images, a 128-d embedding, a *bidirectional*
+LSTM of 128 units (the report says bidirectional; the notebook ran a unidirectional one: set
+``bidirectional = false``), 128 -> 64 branch projections, a 128-unit fusion layer and dropout 0.5. Images
+are one grayscale channel, preprocessed as :mod:`fedclinic.data_image` states (resize, ``(v - mean) / std``).
+
+Tensor names: ``image_encoder.*`` (the ResNet: ``image_encoder.embedder.embedder.convolution.weight``,
+``image_encoder.encoder.stages.{s}.layers.{l}....``, batch-norm ``weight``/``bias``/``running_mean``/
+``running_var``), ``image_proj.{0,3}.*``, ``text_embedding.weight``, ``text_lstm.weight_ih_l{k}[_reverse]``...,
+``text_proj.{0,3}.*``, ``fusion.0.*``, ``classifier.*``. Every tensor is float32: batch norm's
+``num_batches_tracked`` counter is removed (momentum is fixed at 0.1, so the counter is never read), which lets
+FedAvg average every tensor, running statistics included (the sample-weighted mean of the sites' statistics).
+
+Batch norm and freezing: a batch-norm layer whose affine weight is not being trained (the task freezes it,
+e.g. ``frozen = ['image_encoder\\..*']`` as the notebook froze ResNet-50) runs in inference mode during
+training: it normalises with its running statistics and does not update them (Keras's behaviour for frozen
+layers). Otherwise statistics would drift at every site while the weights stay global. Select a layer's
+running statistics together with its weight (the default, all tensors, does).
+
+Pretrained image encoder: :func:`package_image_text_pretrained` reads a local Hugging Face ResNet folder
+(``config.json`` with ``model_type = "resnet"`` + ``model.safetensors``; nothing is downloaded). Its first
+convolution is made single-channel by summing its filters over the input channels, which is exact for a
+gray image fed as three equal channels with one normalisation. The text branch and the heads are new.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from fedclinic.errors import ConfigError, DatasetError, IntegrityError
+from fedclinic.models.text_classification import (
+    HF_CONFIG_FILE,
+    TOKENIZER_FILE,
+    LoadedModel,
+    _check_labels,
+    _check_max_length,
+    _fmt,
+    _meta_bytes,
+    _read_checkpoint,
+    _seeded,
+    encode_texts,
+    load_strict,
+    load_tensors,
+    load_tokenizer,
+    module_tensors,
+    tokenizer_pad_id,
+)
+from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.training import EncodedData
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from fedclinic.data_image import ImageTextExample
+
+FAMILY = "image-text-classification"
+FORMAT = 1
+ARCHITECTURE = "resnet-bilstm"
+ARCHITECTURES = (ARCHITECTURE,)
+
+#: architecture settings (``[model_config]`` of a task); see the module doc
+IMAGE_TEXT_DEFAULTS: dict[str, Any] = {
+    "image_size": 224,
+    "image_mean": 0.5,
+    "image_std": 0.5,
+    "resnet_embedding_size": 64,
+    "resnet_hidden_sizes": [256, 512, 1024, 2048],
+    "resnet_depths": [3, 4, 6, 3],
+    "resnet_layer_type": "bottleneck",
+    "resnet_downsample_in_first_stage": False,
+    "resnet_downsample_in_bottleneck": False,
+    "embedding_dim": 128,
+    "lstm_hidden": 128,
+    "lstm_layers": 1,
+    "bidirectional": True,
+    "branch_hidden": 128,
+    "branch_dim": 64,
+    "fusion_hidden": 128,
+    "dropout": 0.5,
+}
+#: grayscale normalisation used with a pretrained (ImageNet) ResNet: the means of ImageNet's RGB mean and std
+PRETRAINED_IMAGE_MEAN = 0.449
+PRETRAINED_IMAGE_STD = 0.226
+_RESNET_KEYS = ("resnet_embedding_size", "resnet_hidden_sizes", "resnet_depths", "resnet_layer_type",
+                "resnet_downsample_in_first_stage", "resnet_downsample_in_bottleneck")
+_POSITIVE_INTS = ("image_size", "resnet_embedding_size", "embedding_dim", "lstm_hidden", "lstm_layers",
+                  "branch_hidden", "branch_dim", "fusion_hidden")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the torch module
+
+
+def _net_class():
+    import torch
+    from torch import nn
+    from torch.nn.utils.rnn import pack_padded_sequence
+    from transformers import ResNetConfig, ResNetModel
+
+    def projection(n_in: int, hidden: int, out: int, dropout: float) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out), nn.ReLU())
+
+    class ImageTextNet(nn.Module):
+        """ResNet image branch + (Bi)LSTM text branch, late fusion, one logit per label (module doc)."""
+
+        def __init__(self, arch: Mapping[str, Any], num_labels: int) -> None:
+            super().__init__()
+            config = ResNetConfig(
+                num_channels=1, embedding_size=arch["resnet_embedding_size"],
+                hidden_sizes=list(arch["resnet_hidden_sizes"]), depths=list(arch["resnet_depths"]),
+                layer_type=arch["resnet_layer_type"], hidden_act="relu",
+                downsample_in_first_stage=arch["resnet_downsample_in_first_stage"],
+                downsample_in_bottleneck=arch["resnet_downsample_in_bottleneck"])
+            self.image_encoder = ResNetModel(config)
+            for m in self.image_encoder.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.num_batches_tracked = None  # never read with a fixed momentum; keeps every tensor float
+            dropout = float(arch["dropout"])
+            self.image_proj = projection(config.hidden_sizes[-1], arch["branch_hidden"], arch["branch_dim"], dropout)
+            self.bidirectional = bool(arch["bidirectional"])
+            self.text_embedding = nn.Embedding(arch["vocab_size"], arch["embedding_dim"],
+                                               padding_idx=arch["pad_token_id"])
+            layers = int(arch["lstm_layers"])
+            self.text_lstm = nn.LSTM(arch["embedding_dim"], arch["lstm_hidden"], num_layers=layers, batch_first=True,
+                                     bidirectional=self.bidirectional, dropout=dropout if layers > 1 else 0.0)
+            text_out = arch["lstm_hidden"] * (2 if self.bidirectional else 1)
+            self.text_proj = projection(text_out, arch["branch_hidden"], arch["branch_dim"], dropout)
+            self.fusion = nn.Sequential(nn.Linear(2 * arch["branch_dim"], arch["fusion_hidden"]), nn.ReLU(),
+                                        nn.Dropout(dropout))
+            self.classifier = nn.Linear(arch["fusion_hidden"], num_labels)
+
+        def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            """``[B, 1, S, S]`` -> the ResNet's globally average-pooled features ``[B, H_img]``."""
+            return self.image_encoder(pixel_values).pooler_output.flatten(1)
+
+        def text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            """``[B, L]`` ids and mask -> the last LSTM layer's final hidden state(s) ``[B, H_txt]``."""
+            lengths = attention_mask.sum(dim=1).clamp(min=1).to("cpu", torch.int64)
+            packed = pack_padded_sequence(self.text_embedding(input_ids), lengths, batch_first=True,
+                                          enforce_sorted=False)
+            _, (h_n, _) = self.text_lstm(packed)  # [layers * dirs, B, hidden], in input order
+            return torch.cat([h_n[-2], h_n[-1]], dim=-1) if self.bidirectional else h_n[-1]
+
+        def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+            text = self.text_proj(self.text_features(input_ids, attention_mask))
+            image = self.image_proj(self.image_features(pixel_values))
+            return self.classifier(self.fusion(torch.cat([text, image], dim=-1)))
+
+        def train(self, mode: bool = True) -> "ImageTextNet":
+            """As nn.Module.train, except that batch norm whose weight is not trained stays in inference mode."""
+            super().train(mode)
+            if mode:
+                for m in self.modules():
+                    if (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None
+                            and not m.weight.requires_grad):
+                        m.eval()
+            return self
+
+    return ImageTextNet
+
+
+def _build_module(arch: Mapping[str, Any], num_labels: int, seed: int):
+    with _seeded(seed):
+        return _net_class()(arch, num_labels).float()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# loaded model and encoded data
+
+
+@dataclass
+class ImageTextData(EncodedData):
+    """Encoded image + text examples (CPU tensors): ``pixel_values`` float32 ``[N, 1, S, S]`` (preprocessed as
+    :mod:`fedclinic.data_image` states), token ids and mask ``[N, L]``, multi-hot ``labels`` ``[N, C]``.
+
+    A batch is ``((pixel_values, input_ids, attention_mask), labels)``, trimmed to its longest text.
+    """
+
+    pixel_values: "torch.Tensor" = None  # type: ignore[assignment]
+
+    def batch(self, idx: "torch.Tensor", device: "torch.device"):
+        (ids, mask), y = super().batch(idx, device)
+        return (self.pixel_values[idx].to(device, non_blocking=device.type == "cuda"), ids, mask), y
+
+
+@dataclass
+class ImageTextModel(LoadedModel):
+    """A built image + text model: the torch module, the task's tokenizer and the parsed ``fedclinic_model.json``.
+
+    ``logits(pixel_values, input_ids, attention_mask)`` are one score per label; ``sigmoid`` gives the
+    probabilities. The trainer (:mod:`fedclinic.training`) calls :meth:`encode`, :meth:`training_loss` and
+    :meth:`evaluate`.
+    """
+
+    @property
+    def arch_config(self) -> dict[str, Any]:
+        return dict(self.meta.get("arch_config") or {})
+
+    @property
+    def image_size(self) -> int:
+        return int(self.arch_config["image_size"])
+
+    @property
+    def image_mean(self) -> float:
+        return float(self.arch_config["image_mean"])
+
+    @property
+    def image_std(self) -> float:
+        return float(self.arch_config["image_std"])
+
+    def logits(self, pixel_values: "torch.Tensor", input_ids: "torch.Tensor",
+               attention_mask: "torch.Tensor") -> "torch.Tensor":
+        """``[B, 1, S, S]`` images, ``[B, L]`` ids and mask -> ``[B, C]`` logits."""
+        return self.module(pixel_values, input_ids, attention_mask)
+
+    def training_loss(self, inputs: tuple["torch.Tensor", ...], targets: "torch.Tensor") -> "torch.Tensor":
+        """Mean binary cross-entropy over the batch's examples and labels (on float32 logits)."""
+        import torch.nn.functional as F
+
+        return F.binary_cross_entropy_with_logits(self.logits(*inputs).float(), targets)
+
+    def encode(self, examples: Sequence["ImageTextExample"], *, max_length: int | None = None) -> ImageTextData:
+        return encode_image_text(examples, self, max_length=max_length)
+
+    def evaluate(self, data: ImageTextData, *, batch_size: int = 64) -> dict[str, float]:
+        return evaluate_image_text(self, data, batch_size=batch_size)
+
+    def predict_proba(self, images: Sequence[str | Path], texts: Sequence[str]) -> np.ndarray:
+        """Label probabilities ``[N, C]`` (sigmoid of the logits) for image files and their reports."""
+        import torch
+
+        from fedclinic.data_image import load_image
+
+        if len(images) != len(texts):
+            raise ConfigError(f"{len(images)} images but {len(texts)} texts; give one report per image")
+        if not images:
+            return np.zeros((0, len(self.labels)), dtype=np.float32)
+        px = np.stack([load_image(p, size=self.image_size, mean=self.image_mean, std=self.image_std) for p in images])
+        ids, mask = encode_texts(self.tokenizer, list(texts), max_length=self.max_length, pad_id=self.pad_id)
+        device = next(self.module.parameters()).device
+        was_training = self.module.training
+        self.module.eval()
+        with torch.no_grad():
+            z = self.logits(torch.from_numpy(px).to(device), torch.from_numpy(ids).to(device),
+                            torch.from_numpy(mask).to(device))
+        self.module.train(was_training)
+        return torch.sigmoid(z.float()).cpu().numpy()
+
+
+def encode_image_text(examples: Sequence["ImageTextExample"], loaded: ImageTextModel, *,
+                      max_length: int | None = None) -> ImageTextData:
+    """Decode and preprocess every image at the model's size, tokenize every report, multi-hot the labels.
+
+    DatasetError naming the example's manifest row for a label the model does not know or an image that no
+    longer decodes (it was valid when the manifest was read).
+    """
+    import torch
+
+    from fedclinic.data_image import load_image
+
+    max_length = loaded.max_length if max_length is None else max_length
+    _check_max_length(max_length)
+    if not examples:
+        raise DatasetError("no examples to encode; the dataset is empty, so there is nothing to train")
+    index = {lab: i for i, lab in enumerate(loaded.labels)}
+    y = np.zeros((len(examples), len(index)), dtype=np.float32)
+    pixels = np.empty((len(examples), 1, loaded.image_size, loaded.image_size), dtype=np.float32)
+    for i, ex in enumerate(examples):
+        if not hasattr(ex, "image"):
+            raise DatasetError(f"example {i} is not an image + text example; read the dataset with "
+                               "fedclinic.data_image.read_image_text (or read_dataset('image-text-classification', ...))")
+        where = ex.source or f"example {i}"
+        bad = [lab for lab in ex.labels if lab not in index]
+        if bad or not ex.labels:
+            raise DatasetError(f"{where}: label(s) {list(ex.labels)} not in the model's labels {loaded.labels}")
+        y[i, [index[lab] for lab in ex.labels]] = 1.0
+        pixels[i] = load_image(ex.image, size=loaded.image_size, mean=loaded.image_mean, std=loaded.image_std,
+                               where=where)
+    ids, mask = encode_texts(loaded.tokenizer, [ex.text for ex in examples], max_length=max_length,
+                             pad_id=loaded.pad_id)
+    return ImageTextData(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         labels=torch.from_numpy(y), multi_label=True, num_labels=len(index),
+                         pixel_values=torch.from_numpy(pixels))
+
+
+def evaluate_image_text(loaded: ImageTextModel, data: ImageTextData, *, batch_size: int = 64) -> dict[str, float]:
+    """``loss`` (the training loss: mean BCE over examples and labels), ``f1/<label>``, ``auc/<label>``,
+    ``macro_f1``, ``macro_auc``, ``accuracy`` (exact match), ``label_accuracy`` and ``n``.
+
+    A label is predicted when its logit is > 0 (probability > 0.5); AUC ranks the logits (not the
+    probabilities, whose float32 sigmoid saturates into ties). Definitions: :mod:`fedclinic.multilabel_metrics`;
+    a label without both classes in ``data`` has AUC NaN, which the aggregator's round summary skips.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from fedclinic.multilabel_metrics import multilabel_scores
+
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if len(data) == 0:
+        raise DatasetError("no evaluation examples; the evaluation set is empty")
+    module = loaded.module
+    device = next(module.parameters()).device
+    was_training = module.training
+    module.eval()
+    loss_sum = 0.0
+    logits = []
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            idx = torch.arange(start, min(start + batch_size, len(data)))
+            inputs, y = data.batch(idx, device)
+            z = loaded.logits(*inputs).float()
+            loss_sum += float(F.binary_cross_entropy_with_logits(z, y, reduction="sum")) / y.shape[1]
+            logits.append(z.cpu())
+    module.train(was_training)
+    scores = multilabel_scores(data.labels.numpy(), torch.cat(logits).numpy(), loaded.labels, threshold=0.0)
+    return {"loss": loss_sum / len(data), **scores, "n": float(len(data))}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configuration
+
+
+def image_text_arch_config(config: Mapping[str, Any] | None, *, vocab_size: int, pad_token_id: int,
+                           base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The full, validated ``arch_config``: :data:`IMAGE_TEXT_DEFAULTS` (or ``base``) updated with ``config``,
+    plus the tokenizer's ``vocab_size`` and ``pad_token_id``. ConfigError names every bad key."""
+    config = dict(config or {})
+    config.pop("vocab_size", None)
+    config.pop("pad_token_id", None)
+    unknown = sorted(set(config) - set(IMAGE_TEXT_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"unknown {FAMILY} config key(s) {unknown}; allowed: {sorted(IMAGE_TEXT_DEFAULTS)}")
+    out = {**dict(base or IMAGE_TEXT_DEFAULTS), **config, "vocab_size": int(vocab_size), "pad_token_id": int(pad_token_id)}
+    p: list[str] = []
+
+    def positive_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    for key in _POSITIVE_INTS:
+        if not positive_int(out[key]):
+            p.append(f"{key} must be a positive integer, got {out[key]!r}")
+    if positive_int(out["image_size"]) and out["image_size"] < 8:
+        p.append(f"image_size must be >= 8 (the ResNet stem alone downsamples by 4), got {out['image_size']}")
+    for key in ("resnet_hidden_sizes", "resnet_depths"):
+        v = out[key]
+        if not isinstance(v, (list, tuple)) or not v or not all(positive_int(x) for x in v):
+            p.append(f"{key} must be a non-empty list of positive integers, got {v!r}")
+        else:
+            out[key] = [int(x) for x in v]
+    if (isinstance(out["resnet_hidden_sizes"], list) and isinstance(out["resnet_depths"], list)
+            and len(out["resnet_hidden_sizes"]) != len(out["resnet_depths"])):
+        p.append(f"resnet_hidden_sizes and resnet_depths need one entry per stage; got "
+                 f"{len(out['resnet_hidden_sizes'])} and {len(out['resnet_depths'])}")
+    if out["resnet_layer_type"] not in ("basic", "bottleneck"):
+        p.append(f"resnet_layer_type must be 'basic' or 'bottleneck', got {out['resnet_layer_type']!r}")
+    for key in ("bidirectional", "resnet_downsample_in_first_stage", "resnet_downsample_in_bottleneck"):
+        if not isinstance(out[key], bool):
+            p.append(f"{key} must be true or false, got {out[key]!r}")
+    if not isinstance(out["dropout"], (int, float)) or isinstance(out["dropout"], bool) or \
+            not 0.0 <= float(out["dropout"]) < 1.0:
+        p.append(f"dropout must be in [0, 1), got {out['dropout']!r}")
+    for key in ("image_mean", "image_std"):
+        v = out[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            p.append(f"{key} must be a finite number, got {v!r}")
+    if isinstance(out["image_std"], (int, float)) and not out["image_std"] > 0:
+        p.append(f"image_std must be > 0, got {out['image_std']!r}")
+    if p:
+        raise ConfigError(f"invalid {FAMILY} config: " + "; ".join(p))
+    out["dropout"] = float(out["dropout"])
+    out["image_mean"] = float(out["image_mean"])
+    out["image_std"] = float(out["image_std"])
+    return out
+
+
+def _check_architecture(architecture: Any) -> str:
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"unknown architecture {architecture!r} for family {FAMILY!r}; "
+                          f"choose one of: {', '.join(ARCHITECTURES)}")
+    return str(architecture)
+
+
+def _meta(labels: list[str], max_length: int, base_model: str, arch: Mapping[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "family": FAMILY, "architecture": ARCHITECTURE, "labels": list(labels),
+            "multi_label": True, "max_length": int(max_length), "base_model": base_model, "arch_config": dict(arch)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# packaging and building
+
+
+def package_image_text_from_config(*, labels: Sequence[str], tokenizer_json: bytes | str,
+                                   config: Mapping[str, Any] | None = None, architecture: str = ARCHITECTURE,
+                                   max_length: int = 128, seed: int = 0,
+                                   base_model: str = "from-config") -> ModelPackage:
+    """A freshly initialised (seeded: same seed, same package) image + text model.
+
+    ``config``: keys of :data:`IMAGE_TEXT_DEFAULTS` (unknown keys are refused); ``vocab_size`` and the padding
+    id come from ``tokenizer_json`` (a ``tokenizer.json``, e.g. from
+    :func:`fedclinic.models.wordlevel_tokenizer_json`). Tiny test models set small ResNet stages, e.g.
+    ``{"image_size": 32, "resnet_embedding_size": 8, "resnet_hidden_sizes": [8, 16], "resnet_depths": [1, 1],
+    "resnet_layer_type": "basic", ...}``.
+    """
+    _check_architecture(architecture)
+    labels = _check_labels(labels, True)
+    _check_max_length(max_length)
+    if isinstance(tokenizer_json, str):
+        tokenizer_json = tokenizer_json.encode("utf-8")
+    tokenizer = load_tokenizer(tokenizer_json)
+    arch = image_text_arch_config(config, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+                                  pad_token_id=tokenizer_pad_id(tokenizer_json))
+    module = _build_module(arch, len(labels), seed)
+    meta = _meta(labels, max_length, base_model, arch)
+    return ModelPackage(tensors=module_tensors(module),
+                        files={META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)})
+
+
+def package_image_text_pretrained(path: str | Path, *, labels: Sequence[str], tokenizer_json: bytes | str | None = None,
+                                  config: Mapping[str, Any] | None = None, max_length: int = 128,
+                                  seed: int = 0) -> ModelPackage:
+    """Package a model whose ResNet comes from a local Hugging Face ResNet folder; the rest is new (seeded).
+
+    The folder holds ``config.json`` (``model_type = "resnet"``) and ``model.safetensors`` (of ``ResNetModel``
+    or ``ResNetForImageClassification``: a ``resnet.`` prefix and the ``classifier.*`` head are accepted and
+    the head is dropped), and ``tokenizer.json`` unless ``tokenizer_json`` is given. A folder without
+    ``config.json`` supplies only the tokenizer: the model is then :func:`package_image_text_from_config`'s. The ResNet's shape comes
+    from its ``config.json`` (``resnet_*`` keys in ``config`` are refused); ``image_mean``/``image_std``
+    default to :data:`PRETRAINED_IMAGE_MEAN`/:data:`PRETRAINED_IMAGE_STD`. The first convolution's filters
+    are summed over their input channels (module doc). Nothing is downloaded; only JSON and safetensors
+    are read.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"pretrained model folder {folder} does not exist; give a local folder with "
+                          f"{HF_CONFIG_FILE} (a ResNet), model.safetensors and {TOKENIZER_FILE}")
+    labels = _check_labels(labels, True)
+    _check_max_length(max_length)
+    if tokenizer_json is None:
+        tok_path = folder / TOKENIZER_FILE
+        if not tok_path.is_file():
+            raise ConfigError(f"{folder} has no {TOKENIZER_FILE}; put the task's tokenizer there or pass "
+                              "tokenizer_json=")
+        tokenizer_json = tok_path.read_bytes()
+    elif isinstance(tokenizer_json, str):
+        tokenizer_json = tokenizer_json.encode("utf-8")
+    tokenizer = load_tokenizer(tokenizer_json)
+    cfg_path = folder / HF_CONFIG_FILE
+    if not cfg_path.is_file():  # a tokenizer only: the whole network starts fresh (seeded) from ``config``
+        return package_image_text_from_config(labels=labels, tokenizer_json=tokenizer_json, config=config,
+                                              max_length=max_length, seed=seed, base_model=folder.name)
+    hf = json.loads(cfg_path.read_text())
+    if hf.get("model_type") != "resnet":
+        raise ConfigError(f"{cfg_path} has model_type {hf.get('model_type')!r}; the image branch must be a "
+                          "transformers ResNet (model_type 'resnet')")
+    if hf.get("hidden_act", "relu") != "relu":
+        raise ConfigError(f"{cfg_path} has hidden_act {hf.get('hidden_act')!r}; only ReLU ResNets are supported")
+    given = sorted(k for k in (config or {}) if k in _RESNET_KEYS)
+    if given:
+        raise ConfigError(f"config sets {given}, but a pretrained ResNet's shape comes from {cfg_path}")
+    base = {**IMAGE_TEXT_DEFAULTS, "image_mean": PRETRAINED_IMAGE_MEAN, "image_std": PRETRAINED_IMAGE_STD,
+            "resnet_embedding_size": hf.get("embedding_size", 64),
+            "resnet_hidden_sizes": hf.get("hidden_sizes", IMAGE_TEXT_DEFAULTS["resnet_hidden_sizes"]),
+            "resnet_depths": hf.get("depths", IMAGE_TEXT_DEFAULTS["resnet_depths"]),
+            "resnet_layer_type": hf.get("layer_type", "bottleneck"),
+            "resnet_downsample_in_first_stage": bool(hf.get("downsample_in_first_stage", False)),
+            "resnet_downsample_in_bottleneck": bool(hf.get("downsample_in_bottleneck", False))}
+    arch = image_text_arch_config(config, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+                                  pad_token_id=tokenizer_pad_id(tokenizer_json), base=base)
+    module = _build_module(arch, len(labels), seed)
+    load_tensors(module, _map_resnet_checkpoint(module, _read_checkpoint(folder), folder))
+    base_model = str(hf.get("_name_or_path") or folder.name)
+    meta = _meta(labels, max_length, base_model, arch)
+    return ModelPackage(tensors=module_tensors(module),
+                        files={META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)})
+
+
+def _map_resnet_checkpoint(module, checkpoint: Mapping[str, np.ndarray], folder: Path) -> dict[str, np.ndarray]:
+    """Checkpoint tensors -> ``image_encoder.*`` names; every ResNet tensor must be there with its shape."""
+    wanted = {n for n in module.state_dict() if n.startswith("image_encoder.")}
+    mapped: dict[str, np.ndarray] = {}
+    for key, arr in checkpoint.items():
+        if key.startswith("classifier.") or key.endswith("num_batches_tracked"):
+            continue
+        name = "image_encoder." + (key[len("resnet."):] if key.startswith("resnet.") else key)
+        if name in wanted:
+            mapped[name] = np.asarray(arr, dtype=np.float32)
+    stem = "image_encoder.embedder.embedder.convolution.weight"
+    if stem in mapped and mapped[stem].ndim == 4 and mapped[stem].shape[1] != 1:
+        mapped[stem] = mapped[stem].sum(axis=1, keepdims=True)  # gray replicated on every input channel
+    missing = sorted(wanted - set(mapped))
+    if missing:
+        raise IntegrityError(f"the ResNet weights in {folder} lack tensor(s) {_fmt(missing)}; the folder does not "
+                             f"match its {HF_CONFIG_FILE}")
+    state = module.state_dict()
+    bad = [f"{n} {tuple(a.shape)} != model {tuple(state[n].shape)}" for n, a in mapped.items()
+           if tuple(a.shape) != tuple(state[n].shape)]
+    if bad:
+        raise IntegrityError(f"pretrained ResNet tensor shape mismatch: {_fmt(bad)}")
+    return mapped
+
+
+def build(package: ModelPackage) -> ImageTextModel:
+    """Build the module of an image + text package and load its tensors strictly (CPU, eval mode)."""
+    meta = package.meta
+    _check_architecture(meta.get("architecture"))
+    labels = meta.get("labels")
+    if not isinstance(labels, list):
+        raise IntegrityError(f"{META_FILE} has no label list")
+    labels = _check_labels(labels, True)
+    if meta.get("multi_label") is not True:
+        raise IntegrityError(f"{META_FILE} of an {FAMILY} model must say multi_label: true (sigmoid outputs)")
+    tok_bytes = package.files.get(TOKENIZER_FILE)
+    if tok_bytes is None:
+        raise IntegrityError(f"the package has no {TOKENIZER_FILE}; an image + text model carries its tokenizer")
+    tokenizer = load_tokenizer(tok_bytes)
+    stored = dict(meta.get("arch_config") or {})
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if int(stored.get("vocab_size", -1)) != vocab:
+        raise IntegrityError(f"{META_FILE} declares vocab_size {stored.get('vocab_size')} but {TOKENIZER_FILE} has "
+                             f"{vocab} tokens")
+    missing = sorted(set(IMAGE_TEXT_DEFAULTS) - set(stored))
+    if missing:
+        raise IntegrityError(f"{META_FILE} arch_config lacks {missing}; re-package the model")
+    try:
+        arch = image_text_arch_config({k: v for k, v in stored.items() if k in IMAGE_TEXT_DEFAULTS},
+                                      vocab_size=vocab, pad_token_id=int(stored.get("pad_token_id", 0)))
+    except ConfigError as exc:
+        raise IntegrityError(f"{META_FILE}: {exc}") from None
+    module = _build_module(arch, len(labels), 0)  # initial values are overwritten; seeding keeps the caller's RNG
+    load_strict(module, package.tensors)
+    module.eval()
+    return ImageTextModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
+
+
+__all__ = ["ARCHITECTURE", "ARCHITECTURES", "FAMILY", "IMAGE_TEXT_DEFAULTS", "ImageTextData", "ImageTextModel",
+           "PRETRAINED_IMAGE_MEAN", "PRETRAINED_IMAGE_STD", "build", "encode_image_text", "evaluate_image_text",
+           "image_text_arch_config", "package_image_text_from_config", "package_image_text_pretrained"]
