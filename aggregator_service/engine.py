@@ -31,7 +31,7 @@ from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.selection import select_names
-from fedclinic.strategies import Strategy, make_strategy
+from fedclinic.strategies import ClientDP, Strategy, make_strategy
 from fedclinic.strategies.tensorsource import FileTensor
 from fedclinic.wire import manifest_to_proto
 from aggregator_service.store import Store, now_ms
@@ -74,6 +74,22 @@ class _Accumulator:
     round: int
     strategy: Strategy
     folded: set[str] = field(default_factory=set)  # update ids
+
+
+def privacy_metrics(site_metrics: list[dict[str, float]], strategy) -> dict[str, float]:
+    """A round's privacy figures: sample-level DP -> ``dp_epsilon`` / ``dp_delta`` = the largest cumulative spend
+    any site reported (each site's guarantee covers its own records; the weakest one is the task's); client-level
+    DP -> ``client_dp_epsilon`` (``client_dp_delta``) from the aggregator's own accountant, and the clip norm."""
+    out: dict[str, float] = {}
+    spends = [m["dp_epsilon"] for m in site_metrics if "dp_epsilon" in m]
+    if spends:
+        out["dp_epsilon"] = max(spends)
+        out["dp_delta"] = max(m.get("dp_delta", 0.0) for m in site_metrics)
+    if isinstance(strategy, ClientDP):
+        out["client_dp_epsilon"] = strategy.epsilon()
+        out["client_dp_delta"] = strategy.delta
+        out["client_dp_clip_norm"] = strategy.clip_norm
+    return out
 
 
 def weighted_mean(reports: Iterable[tuple[int, dict[str, float]]]) -> dict[str, float]:
@@ -480,9 +496,11 @@ class Engine:
                        for key, arr in acc.strategy.state().items()}
         reports = self.store.all("SELECT num_samples, metrics, eval_metrics FROM updates WHERE task_id=? AND round=?",
                                  (task_id, rnd.round))
-        metrics = weighted_mean((r.num_samples, json.loads(r.metrics)) for r in reports)
+        site_metrics = [json.loads(r.metrics) for r in reports]
+        metrics = weighted_mean((r.num_samples, m) for r, m in zip(reports, site_metrics))
         metrics.update({f"eval_{k}": v for k, v in
                         weighted_mean((r.num_samples, json.loads(r.eval_metrics)) for r in reports).items()})
+        metrics.update(privacy_metrics(site_metrics, acc.strategy))
         with self.store.tx() as c:
             model_hash = self.store.put_model(c, manifest)
             c.execute("UPDATE rounds SET state=?, closed_ms=?, model_hash=?, metrics=?, strategy_state=? "
@@ -567,6 +585,28 @@ def strategy_of(spec: task_pb2.TaskSpec):
     return make_strategy(spec.strategy, {**dict(spec.strategy_params), **dict(spec.strategy_options)})
 
 
+def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
+    """The task's privacy settings, checked as fedclinic.task.Task checks them (the SDK may be another version)."""
+    pc = spec.privacy
+    if not pc.level:
+        return []
+    if pc.level == "client":
+        return [] if spec.strategy == "dp-fedavg" else [
+            'privacy level "client" needs strategy "dp-fedavg" (clip and noise of whole updates at the aggregator)']
+    if pc.level != "sample":
+        return [f'privacy level must be "sample" or "client", got {pc.level!r}']
+    problems = []
+    if (pc.target_epsilon > 0) == (pc.noise_multiplier > 0):
+        problems.append("privacy: give target_epsilon or noise_multiplier (positive), not both")
+    if not 0 < pc.target_delta < 1:
+        problems.append("privacy: target_delta must be in (0, 1)")
+    if pc.accountant not in ("", "rdp", "prv"):
+        problems.append(f"privacy: accountant {pc.accountant!r} is not rdp or prv")
+    if spec.strategy == "dp-fedavg":
+        problems.append('privacy level "sample" already noises at the sites; "dp-fedavg" is for level "client"')
+    return problems
+
+
 def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
     """Reject task specs that cannot run, with a message that says what to change."""
     rc = spec.rounds
@@ -589,8 +629,7 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
         problems.append("rounds.on_quorum_miss must be 'retry' or 'fail'")
     if spec.secure_aggregation.enabled:
         problems.append("secure aggregation is not available in this release")
-    if spec.privacy.level:
-        problems.append("differential privacy is not available in this release")
+    problems.extend(privacy_problems(spec))
     if spec.tokenizer_sha256:
         tokenizer = next((f for f in manifest.files if f.path == "tokenizer.json"), None)
         if tokenizer is None or tokenizer.sha256 != spec.tokenizer_sha256:

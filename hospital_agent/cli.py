@@ -50,6 +50,38 @@ def check_config(path: str) -> list[str]:
     return problems
 
 
+def privacy_status(config_path: str) -> int:
+    """Print the privacy ledger: per dataset its budget, what has left the site, what running tasks may still
+    spend; per task planned vs spent epsilon and the rounds charged. Reads the ledger only (no network)."""
+    from hospital_agent.config import AgentConfig
+    from hospital_agent.privacy_ledger import PrivacyLedger
+
+    try:
+        config = AgentConfig.load(config_path)
+    except FedclinicError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ledger = PrivacyLedger(config.work_dir / "privacy-ledger.sqlite")
+    for entry in config.datasets.values():
+        if entry.privacy_epsilon is not None and entry.privacy_delta is not None:
+            ledger.set_budget(entry.name, entry.privacy_epsilon, entry.privacy_delta)
+    rows = ledger.status()
+    if not rows:
+        print("no dataset has a privacy budget; set privacy_epsilon and privacy_delta under [datasets.NAME]")
+        return 0
+    print(f"{'dataset':<20} {'budget eps':>10} {'delta':>8} {'spent':>8} {'committed':>10} {'left':>8}")
+    for d in rows:
+        budget = d.budget
+        print(f"{d.dataset:<20} {budget.epsilon if budget else float('nan'):>10.3f} "
+              f"{budget.delta if budget else float('nan'):>8.1e} {d.spent_epsilon:>8.3f} {d.committed_epsilon:>10.3f} "
+              f"{d.remaining_epsilon if d.remaining_epsilon is not None else float('nan'):>8.3f}")
+        for t in d.tasks:
+            state = "finished" if t.finished else "running"
+            print(f"  task {t.task_id}: planned {t.planned_epsilon:.3f}, spent {t.spent_epsilon:.3f} "
+                  f"(delta {t.delta:.1e}) over {t.rounds_charged} round(s), {state}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hospital-agent", description="fedclinic hospital agent")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--config", required=True, help="path to agent.toml")
     chk = sub.add_parser("check-config", help="validate configuration, certificates and datasets")
     chk.add_argument("--config", required=True)
+    priv = sub.add_parser("privacy", help="the site's differential-privacy budgets and spend")
+    priv_sub = priv.add_subparsers(dest="privacy_command", required=True)
+    pst = priv_sub.add_parser("status", help="budget, spent and committed epsilon per dataset, and per task")
+    pst.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+
+    if args.command == "privacy":
+        return privacy_status(args.config)
 
     if args.command == "check-config":
         problems = check_config(args.config)

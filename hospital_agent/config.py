@@ -24,6 +24,8 @@ Example::
     # context_field = "context"
     # image_field = "image"                # image + text manifests (CSV/TSV/JSONL: image path, text, labels)
     # tokenizer_sha256 = "..."             # optional: the only tokenizer.json (sha256) tasks on it may use
+    # privacy_epsilon = 8.0                # the dataset's privacy budget over all DP tasks (with privacy_delta);
+    # privacy_delta = 1e-5                 # without one, tasks asking for sample-level DP on it are refused
 
     [policy]
     allowed_families = ["text-classification"]
@@ -55,6 +57,17 @@ def _sha256_or_none(value: Any, where: str) -> str | None:
     return value
 
 
+def _privacy_budget(entry: dict[str, Any], where: str) -> dict[str, float]:
+    eps, delta = entry.get("privacy_epsilon"), entry.get("privacy_delta")
+    if eps is None and delta is None:
+        return {}
+    if eps is None or delta is None:
+        raise ConfigError(f"{where}: set both privacy_epsilon and privacy_delta (the dataset's privacy budget)")
+    if not (isinstance(eps, (int, float)) and eps > 0) or not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise ConfigError(f"{where}: privacy_epsilon must be > 0 and privacy_delta in (0, 1), e.g. 8.0 and 1e-5")
+    return {"privacy_epsilon": float(eps), "privacy_delta": float(delta)}
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     name: str
@@ -71,6 +84,9 @@ class DatasetEntry:
     answer_field: str = "answer"         # optional context passage
     context_field: str = "context"
     image_field: str = "image"           # image + text manifest: the image path, relative to the manifest's folder
+    #: the dataset's differential-privacy budget over every task that trains on it (hospital_agent.privacy_ledger)
+    privacy_epsilon: float | None = None
+    privacy_delta: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,8 +108,8 @@ class SitePolicy:
             return (f"dataset {spec.dataset!r} is pinned to tokenizer {pinned[:12]}... but the task uses "
                     f"{(spec.tokenizer_sha256 or 'none')[:12]}...; the site's data contract allows only the pinned "
                     "tokenizer (change tokenizer_sha256 in [datasets] if the new one was reviewed)")
-        if spec.privacy.level:
-            return "the task asks for differential privacy, which this agent version cannot provide"
+        if spec.privacy.level not in ("", "sample", "client"):
+            return f"the task asks for privacy level {spec.privacy.level!r}, which this agent does not know"
         if spec.secure_aggregation.enabled:
             return "the task asks for secure aggregation, which this agent version cannot provide"
         return None
@@ -141,7 +157,8 @@ class AgentConfig:
                                           question_field=entry.get("question_field", "question"),
                                           answer_field=entry.get("answer_field", "answer"),
                                           context_field=entry.get("context_field", "context"),
-                                          image_field=entry.get("image_field", "image"))
+                                          image_field=entry.get("image_field", "image"),
+                                          **_privacy_budget(entry, f"{source}: [datasets.{name}]"))
         pol = doc.get("policy") or {}
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))))

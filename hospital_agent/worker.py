@@ -30,7 +30,7 @@ import structlog
 import fedclinic
 from fedclinic.blobstore import BlobStore
 from fedclinic.failpoints import failpoint
-from fedclinic.errors import DatasetError, FedclinicError, IntegrityError
+from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError
 from fedclinic.package import Manifest, ModelPackage, tensor_sha256
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.rpc import explain_rpc_error, secure_channel
@@ -39,6 +39,8 @@ from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_t
 
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
+from hospital_agent.privacy_ledger import BudgetExceeded
+from hospital_agent.site_privacy import PrivatePlan, SitePrivacy
 
 log = structlog.get_logger("fedclinic.agent")
 _UPDATE_TENSOR_FIELD = agent_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["tensor"].number
@@ -61,6 +63,8 @@ class _TaskState:
     #: local optimizer moments by tensor name, for tasks with optimizer_state = "keep" (memory only: an agent
     #: restart starts them afresh, as "reset" would)
     optimizer_state: dict | None = None
+    #: the task's DP-SGD plan (sample-level privacy), admitted to the ledger once
+    private: "PrivatePlan | None" = None
 
 
 class Agent:
@@ -69,6 +73,7 @@ class Agent:
         config.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = BlobStore(config.work_dir / "cache")
         self.outbox = Outbox(config.work_dir / "outbox")
+        self.privacy = SitePrivacy(config.work_dir / "privacy-ledger.sqlite", config.datasets)
         self.stop_event = threading.Event()
         self.site_id = ""
         self._queue: "queue.Queue[agent_pb2.WorkItem]" = queue.Queue()
@@ -199,11 +204,19 @@ class Agent:
                                  "(tokenizer_sha256); refusing to train with it")
         state = self._tasks.setdefault(a.task_id, _TaskState())
         self._prepare_data(a, state)  # data contract first: nothing is downloaded for a site that cannot train
-        self._sync_model(a, manifest, state)
-        loaded = state.loaded
         cfg = training.TrainConfig.from_proto(a.spec.training)
         cfg.device = self.config.device
         cfg.mixed_precision = cfg.mixed_precision and self.config.mixed_precision
+        if state.private is None and a.spec.privacy.level == "sample":
+            try:  # the privacy budget next: nothing is downloaded for a task the site cannot afford
+                state.private = self.privacy.admit(a.task_id, a.spec, len(state.raw_train), batch_size=cfg.batch_size,
+                                                   local_epochs=cfg.local_epochs)
+            except (BudgetExceeded, ConfigError) as exc:
+                log.warning("private task refused", reason=str(exc))
+                self._decline(a, str(exc), permanent=True)
+                return
+        self._sync_model(a, manifest, state)
+        loaded = state.loaded
         eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
         send = list(a.send_tensors)
         from fedclinic.models import module_tensors
@@ -219,8 +232,14 @@ class Agent:
             if step == total or step % 10 == 0:
                 log.info("training", step=step, steps=total, loss=round(loss, 4))
 
-        result = training.train_local(loaded, state.train_data, cfg, trainable=send, progress=progress,
-                                      optimizer_state=state.optimizer_state)
+        if state.private is not None:
+            from fedclinic.privacy.dp_sgd import train_local_private
+
+            result = train_local_private(loaded, state.train_data, cfg, state.private.dp_sgd, trainable=send,
+                                         progress=progress)
+        else:
+            result = training.train_local(loaded, state.train_data, cfg, trainable=send, progress=progress,
+                                          optimizer_state=state.optimizer_state)
         state.optimizer_state = result.optimizer_state
         after = module_tensors(loaded.module, send)
         delta = training.compute_delta(before, after, send)
@@ -233,6 +252,16 @@ class Agent:
             idempotency_key=f"{a.task_id}:{a.round}:{self.site_id}:{uuid.uuid4().hex}",
             base_model_hash=manifest.model_hash, kind=task_pb2.UPDATE_KIND_DELTA, num_samples=result.num_samples,
             metrics=metrics, eval_metrics={k: float(v) for k, v in eval_metrics.items()})
+        if state.private is not None:
+            try:  # charged before the update is written or sent; a refused charge sends nothing
+                header.dp.CopyFrom(self.privacy.charge(a.task_id, a.spec, a.round, state.private))
+            except BudgetExceeded as exc:
+                log.warning("update withheld: privacy budget", reason=str(exc))
+                self._decline(a, str(exc), permanent=True)
+                return
+            header.metrics["dp_epsilon"] = header.dp.epsilon  # per-site spend, visible in the task's rounds
+            header.metrics["dp_delta"] = header.dp.delta
+            log.info("privacy charged", epsilon=round(header.dp.epsilon, 4), delta=header.dp.delta)
         for name in send:
             arr = delta[name]
             header.tensors.append(tensors_pb2.TensorHeader(

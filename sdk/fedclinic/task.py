@@ -28,6 +28,7 @@ set, the base model (a local pretrained folder) and the training/round settings.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -93,6 +94,11 @@ class Task:
     #: architecture settings applied when the initial model is packaged from ``model`` (``[model_config]``):
     #: e.g. the FedNER tagger's sizes, LSTM sizes, or HF config fields that keep shapes (dropout)
     model_config: dict[str, Any] = field(default_factory=dict)
+    #: ``[privacy]``: level = "sample" (DP-SGD at every site, fedclinic.privacy.dp_sgd) with target_epsilon (for
+    #: the whole task at each site) or noise_multiplier, target_delta, max_grad_norm (per-example clip C) and
+    #: accountant ("rdp" | "prv"); level = "client" (clip + noise of whole updates at the aggregator), which
+    #: needs strategy "dp-fedavg" (its parameters carry clip and noise). Empty = no differential privacy.
+    privacy: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError listing every problem (and how to fix it)."""
@@ -128,6 +134,7 @@ class Task:
         if len(set(self.labels)) != len(self.labels):
             p.append("labels contains duplicates")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        p.extend(privacy_problems(self.privacy, self.family, self.architecture, self.strategy))
         for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
                          ("max_length", 8)):
             if getattr(self, name) < lo:
@@ -177,6 +184,7 @@ class Task:
             strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
             update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec="raw",
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen),
+            privacy=privacy_config(self.privacy),
             tokenizer_sha256=tokenizer_sha256)
 
     @classmethod
@@ -213,6 +221,56 @@ class Task:
             raise ConfigError(f"{path}: {exc}") from None
         task.validate()
         return task
+
+
+PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant")
+
+
+def privacy_problems(privacy: dict[str, Any], family: str, architecture: str, strategy: str) -> list[str]:
+    """What is wrong with a task's ``[privacy]`` section (empty list when nothing)."""
+    if not privacy:
+        return []
+    p = [f"privacy: unknown setting {k!r} (known: {', '.join(PRIVACY_KEYS)})" for k in privacy if k not in PRIVACY_KEYS]
+    level = privacy.get("level", "")
+    if level == "client":
+        if strategy != "dp-fedavg":
+            p.append('privacy level "client" clips and noises whole updates at the aggregator: use strategy '
+                     '"dp-fedavg" (its clip_norm and noise_multiplier set the mechanism)')
+        return p
+    if level != "sample":
+        return p + [f'privacy level must be "sample" (DP-SGD at each site) or "client", got {level!r}']
+    from fedclinic.privacy.dp_sgd import check_supported
+
+    try:
+        check_supported(family, architecture)
+    except ConfigError as exc:
+        p.append(f"privacy: {exc}")
+    eps, sigma = privacy.get("target_epsilon"), privacy.get("noise_multiplier")
+    if (eps is None) == (sigma is None):
+        p.append("privacy: give target_epsilon (the whole task's budget at each site) or noise_multiplier, not both")
+    for key in ("target_epsilon", "noise_multiplier", "max_grad_norm"):
+        v = privacy.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            p.append(f"privacy: {key} must be a positive number, got {v!r}")
+    delta = privacy.get("target_delta", 1e-5)
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        p.append(f"privacy: target_delta must be in (0, 1), e.g. 1e-5, got {delta!r}")
+    if privacy.get("accountant", "rdp") not in ("rdp", "prv"):
+        p.append(f"privacy: accountant must be \"rdp\" or \"prv\", got {privacy.get('accountant')!r}")
+    return p
+
+
+def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
+    if not privacy:
+        return task_pb2.PrivacyConfig()
+    level = privacy.get("level", "")
+    if level == "client":
+        return task_pb2.PrivacyConfig(level="client")
+    return task_pb2.PrivacyConfig(level=level, target_epsilon=float(privacy.get("target_epsilon") or 0.0),
+                                  target_delta=float(privacy.get("target_delta", 1e-5)),
+                                  max_grad_norm=float(privacy.get("max_grad_norm", 1.0)),
+                                  noise_multiplier=float(privacy.get("noise_multiplier") or 0.0),
+                                  accountant=str(privacy.get("accountant", "rdp")))
 
 
 def package_for_task(task: Task):

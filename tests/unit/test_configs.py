@@ -64,7 +64,23 @@ def test_site_policy_refusals(tmp_path):
     assert "dataset 'x'" in cfg.policy.refusal(task_pb2.TaskSpec(family="text-classification", dataset="x"),
                                                cfg.datasets)
     dp = task_pb2.TaskSpec(family="text-classification", dataset="notes", privacy=task_pb2.PrivacyConfig(level="sample"))
-    assert "differential privacy" in cfg.policy.refusal(dp, cfg.datasets)
+    assert cfg.policy.refusal(dp, cfg.datasets) is None  # the privacy ledger decides (budget) when the task arrives
+    odd = task_pb2.TaskSpec(family="text-classification", dataset="notes", privacy=task_pb2.PrivacyConfig(level="x"))
+    assert "privacy level 'x'" in cfg.policy.refusal(odd, cfg.datasets)
+
+
+def test_dataset_privacy_budget_settings(tmp_path):
+    (tmp_path / "agent.toml").write_text(AGENT.replace("[datasets.notes]\n", "[datasets.notes]\nprivacy_epsilon = 8.0\n"
+                                                       "privacy_delta = 1e-5\n"))
+    entry = AgentConfig.load(tmp_path / "agent.toml").datasets["notes"]
+    assert (entry.privacy_epsilon, entry.privacy_delta) == (8.0, 1e-5)
+    (tmp_path / "half.toml").write_text(AGENT.replace("[datasets.notes]\n", "[datasets.notes]\nprivacy_epsilon = 8.0\n"))
+    with pytest.raises(ConfigError, match="set both privacy_epsilon and privacy_delta"):
+        AgentConfig.load(tmp_path / "half.toml")
+    (tmp_path / "bad.toml").write_text(AGENT.replace("[datasets.notes]\n", "[datasets.notes]\nprivacy_epsilon = -1\n"
+                                                     "privacy_delta = 1e-5\n"))
+    with pytest.raises(ConfigError, match="privacy_epsilon must be > 0"):
+        AgentConfig.load(tmp_path / "bad.toml")
 
 
 def test_aggregator_config(tmp_path, monkeypatch):

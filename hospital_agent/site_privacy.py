@@ -1,0 +1,74 @@
+"""Sample-level DP at the site: plan a private task, admit it against the dataset's budget, charge each round
+before its update leaves.
+
+For a task whose spec asks for ``privacy.level = "sample"``:
+
+1. :meth:`SitePrivacy.admit` (before anything is downloaded or trained) plans DP-SGD for the whole task —
+   sampling rate ``q = batch_size / n``, ``local_epochs / q`` steps per round, the noise multiplier that meets
+   the task's ``target_epsilon`` over all its rounds (or the epsilon a given ``noise_multiplier`` spends) —
+   and reserves the planned epsilon in the privacy ledger. A task that would exceed the dataset's budget,
+   or that asks for DP-SGD on a model without per-sample gradients, is refused with the reason.
+2. After local training, :meth:`SitePrivacy.charge` adds the round's steps to the task's accountant (restored
+   from the ledger, so a restart continues it), charges the new cumulative epsilon to the ledger, and only
+   then returns the ``DpReport`` the update carries. If the charge is refused, the update is not sent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedclinic.privacy.accounting import TaskAccountant, TaskPlan, plan_task
+from fedclinic.privacy.dp_sgd import DPSGD, check_supported
+from fedclinic.proto import agent_pb2, task_pb2
+
+from hospital_agent.config import DatasetEntry
+from hospital_agent.privacy_ledger import PrivacyLedger
+
+
+@dataclass(frozen=True)
+class PrivatePlan:
+    plan: TaskPlan
+    max_grad_norm: float
+
+    @property
+    def dp_sgd(self) -> DPSGD:
+        return DPSGD(self.plan.noise_multiplier, self.max_grad_norm, self.plan.sample_rate, self.plan.steps_per_round)
+
+
+class SitePrivacy:
+    def __init__(self, ledger_path: Path, datasets: dict[str, DatasetEntry]) -> None:
+        self.ledger = PrivacyLedger(ledger_path)
+        for entry in datasets.values():
+            if entry.privacy_epsilon is not None and entry.privacy_delta is not None:
+                self.ledger.set_budget(entry.name, entry.privacy_epsilon, entry.privacy_delta)
+
+    def admit(self, task_id: str, spec: task_pb2.TaskSpec, num_examples: int, *, batch_size: int,
+              local_epochs: int) -> PrivatePlan | None:
+        """None for a task without sample-level DP; else the plan, reserved in the ledger (raises
+        ConfigError / BudgetExceeded with the reason otherwise)."""
+        pc = spec.privacy
+        if pc.level != "sample":
+            return None
+        check_supported(spec.family, spec.architecture)
+        plan = plan_task(num_examples=num_examples, batch_size=batch_size, local_epochs=local_epochs,
+                         rounds=max(1, spec.rounds.num_rounds), delta=pc.target_delta or 1e-5,
+                         accountant=pc.accountant or "rdp",
+                         target_epsilon=pc.target_epsilon or None, noise_multiplier=pc.noise_multiplier or None)
+        self.ledger.admit(spec.dataset, task_id, plan.planned_epsilon, plan.delta, accountant="")
+        return PrivatePlan(plan, pc.max_grad_norm or 1.0)
+
+    def charge(self, task_id: str, spec: task_pb2.TaskSpec, round_number: int, private: PrivatePlan
+               ) -> agent_pb2.DpReport:
+        """Charge one trained round to the ledger (before its update is written or sent); its DpReport."""
+        plan = private.plan
+        saved = self.ledger.accountant_state(spec.dataset, task_id)
+        accountant = TaskAccountant.from_json(saved) if saved else TaskAccountant(plan.accountant, plan.delta)
+        nxt = accountant.with_steps(plan.noise_multiplier, plan.sample_rate, plan.steps_per_round)
+        epsilon = nxt.epsilon()
+        if not math.isfinite(epsilon):
+            epsilon = float("inf")
+        self.ledger.charge(spec.dataset, task_id, round_number, epsilon, accountant=nxt.to_json())
+        return agent_pb2.DpReport(epsilon=epsilon, delta=plan.delta, noise_multiplier=plan.noise_multiplier,
+                                  max_grad_norm=private.max_grad_norm, accountant=plan.accountant)

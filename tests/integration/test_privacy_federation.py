@@ -1,0 +1,91 @@
+"""Sample-level DP over the real services: every site trains with DP-SGD, charges its ledger before sending,
+reports its spend; a site whose budget cannot cover the task refuses it and the owner hears why."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedclinic.client import state_name
+from fedclinic.localfed import LocalFederation, SiteSetup
+from fedclinic.task import Task
+from hospital_agent.privacy_ledger import PrivacyLedger
+
+from tests.integration.conftest import LABELS, tiny_package, write_site_data
+
+pytestmark = pytest.mark.integration
+
+
+def _sites(tmp_path, budgets: dict[str, float]) -> list[SiteSetup]:
+    sites = []
+    for i, (name, eps) in enumerate(budgets.items()):
+        path = write_site_data(tmp_path / "data" / name, 24 + 8 * i, seed=i)
+        sites.append(SiteSetup(name, datasets={"notes": {"path": str(path), "format": "jsonl",
+                                                         "privacy_epsilon": eps, "privacy_delta": 1e-4}}))
+    return sites
+
+
+def _task(**kw) -> Task:
+    args = dict(name="dp-it", dataset="notes", labels=LABELS, architecture="transformer", num_rounds=2, min_sites=2,
+                local_epochs=1, batch_size=8, learning_rate=0.05, optimizer="sgd", max_length=16,
+                round_timeout_s=180, on_quorum_miss="fail",
+                privacy={"level": "sample", "target_epsilon": 4.0, "target_delta": 1e-5, "max_grad_norm": 1.0})
+    args.update(kw)
+    return Task(**args)
+
+
+def test_private_task_charges_every_site_before_sending(tmp_path):
+    sites = _sites(tmp_path, {"site-a": 10.0, "site-b": 10.0})
+    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            st = client.submit(_task(), package=tiny_package("transformer"))
+            final = client.wait(st.task_id, timeout=300, progress=False)
+        assert state_name(final.state) == "completed", final.error
+        first, last = final.rounds[0].metrics, final.rounds[1].metrics
+        assert 0 < first["dp_epsilon"] < last["dp_epsilon"] <= 4.0 + 1e-6  # cumulative, within the target
+        assert last["dp_delta"] == pytest.approx(1e-5)
+        for report in final.rounds[1].reports:
+            assert 0 < report.metrics["dp_epsilon"] <= 4.0 + 1e-6
+        spends = {}
+        for site in ("site-a", "site-b"):
+            [spend] = PrivacyLedger(tmp_path / "fed" / f"agent-{site}" / "privacy-ledger.sqlite").status()
+            assert spend.budget.epsilon == 10.0 and spend.tasks[0].rounds_charged == 2
+            spends[site] = spend.spent_epsilon
+            # what the site reported equals what its ledger charged
+            reported = next(r.metrics["dp_epsilon"] for r in final.rounds[1].reports if r.site_id == site)
+            assert spend.spent_epsilon == pytest.approx(reported)
+        assert max(spends.values()) == pytest.approx(last["dp_epsilon"])
+
+
+def test_a_site_without_enough_budget_refuses_and_the_owner_hears_why(tmp_path):
+    sites = _sites(tmp_path, {"site-a": 10.0, "site-b": 1.0})
+    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            st = client.submit(_task(num_rounds=1, round_timeout_s=30), package=tiny_package("transformer"))
+            final = client.wait(st.task_id, timeout=300, progress=False)
+        assert state_name(final.state) == "failed"
+        refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]
+        assert refusal and "only epsilon 1" in refusal[0] and "privacy officer" in refusal[0]
+        [spend] = PrivacyLedger(tmp_path / "fed" / "agent-site-b" / "privacy-ledger.sqlite").status()
+        assert spend.tasks == () and spend.spent_epsilon == 0.0  # nothing reserved, nothing trained or sent
+
+
+def test_privacy_status_command_shows_budget_and_spend(tmp_path):
+    import subprocess
+    import sys
+
+    sites = _sites(tmp_path, {"site-a": 6.0})
+    fed = LocalFederation(tmp_path / "fed", sites, agent_threads=1)
+    fed.make_pki()
+    config = fed.write_agent_config("site-a")
+    ledger = PrivacyLedger(tmp_path / "fed" / "agent-site-a" / "privacy-ledger.sqlite")
+    ledger.set_budget("notes", 6.0, 1e-4)
+    ledger.admit("notes", "t-123", 4.0, 1e-5)
+    ledger.charge("notes", "t-123", 0, 1.5)
+    out = subprocess.run([sys.executable, "-m", "hospital_agent.cli", "privacy", "status", "--config", str(config)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("notes"))
+    assert row.split()[1:] == ["6.000", "1.0e-04", "1.500", "4.000", "2.000"]
+    assert "task t-123: planned 4.000, spent 1.500 (delta 1.0e-05) over 1 round(s), running" in out.stdout
