@@ -1,0 +1,41 @@
+"""Secure aggregation: SecAgg+ (Bell et al., CCS 2020) with SecAgg (Bonawitz et al., CCS 2017) as the
+complete-graph case. A transport-free library: the gRPC layer carries the messages.
+
+The aggregator learns ``sum_{u in survivors} q(x_u) mod 2^32`` and nothing else about the individual
+quantized updates ``q(x_u)`` (honest-but-curious server; see SECURITY.md for what a malicious server
+can still do). Modules, one job each:
+
+=================  =====================================================================================
+``config``         :class:`SessionParams` (cohort, threshold, graph degree, quantizer, model hash, nonce)
+                   and the site's :class:`ClientPolicy`
+``quantize``       fixed-point :class:`Quantizer` into Z_{2^32} with a stated error bound
+``shamir``         t-of-n Shamir sharing over F_p, p = 2^256 + 297
+``keys``           X25519 key pairs, HKDF-SHA256 derivations bound to session and client ids
+``share_crypto``   AES-256-GCM encryption of shares, AD = (session, phase, sender, receiver)
+``masks``          AES-256-CTR mask expansion into uint32 vectors, applied in place
+``graph``          complete graph or seeded random k-regular Harary graph
+``messages``       the phase messages
+``client``         :class:`ClientSession`: one site, one round, with the refusing checks
+``server``         :class:`ServerSession`: routing, streaming fold, dropout recovery, unmasking
+``inprocess``      :func:`run_round`: every phase in one process (simulator, tests, benchmarks)
+=================  =====================================================================================
+"""
+
+from fedclinic.secagg.client import ClientSession
+from fedclinic.secagg.config import ClientPolicy, SessionParams, default_threshold
+from fedclinic.secagg.errors import (SecAggAbort, SecAggConfigError, SecAggError, SecAggInputError,
+                                     SecAggIntegrityError, SecAggProtocolError, SecAggRefusal)
+from fedclinic.secagg.graph import NeighbourGraph, suggested_degree
+from fedclinic.secagg.inprocess import run_round
+from fedclinic.secagg.messages import (AdvertiseKeys, AggregateResult, KeyDirectory, MaskedInput,
+                                       MaskedInputRequest, Phase, ShareKeys, UnmaskRequest, UnmaskResponse)
+from fedclinic.secagg.quantize import Quantizer
+from fedclinic.secagg.server import ServerSession
+
+__all__ = [
+    "AdvertiseKeys", "AggregateResult", "ClientPolicy", "ClientSession", "KeyDirectory", "MaskedInput",
+    "MaskedInputRequest", "NeighbourGraph", "Phase", "Quantizer", "SecAggAbort", "SecAggConfigError",
+    "SecAggError", "SecAggInputError", "SecAggIntegrityError", "SecAggProtocolError", "SecAggRefusal",
+    "ServerSession", "SessionParams", "ShareKeys", "UnmaskRequest", "UnmaskResponse", "default_threshold",
+    "run_round", "suggested_degree",
+]

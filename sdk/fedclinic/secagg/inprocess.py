@@ -1,0 +1,50 @@
+"""Run one complete session with in-process clients (simulator, tests, benchmarks): no transport.
+
+``drop`` maps a phase to the clients that go silent *in* that phase and stay silent afterwards:
+``Phase.ADVERTISE`` (never advertise), ``Phase.SHARE_KEYS`` (advertised, never share keys),
+``Phase.MASKED_INPUT`` (shared keys, never send the masked input) and ``Phase.UNMASK`` (sent the masked
+input, never reveal shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from fedclinic.secagg.client import ClientSession
+from fedclinic.secagg.config import MIN_COHORT_FLOOR, ClientPolicy, SessionParams
+from fedclinic.secagg.messages import AggregateResult, Phase
+from fedclinic.secagg.server import ServerSession
+
+
+def run_round(params: SessionParams, updates: Mapping[str, np.ndarray], *,
+              drop: Mapping[Phase, Iterable[str]] | None = None, policy: ClientPolicy | None = None,
+              min_cohort: int = MIN_COHORT_FLOOR) -> AggregateResult:
+    """Drive every phase of one session and return the server's :class:`AggregateResult`.
+
+    ``updates`` must hold a vector for every cohort member that reaches the masked-input phase.
+    Raises whatever the protocol raises (e.g. :class:`SecAggAbort` below threshold).
+    """
+    gone: dict[Phase, set[str]] = {ph: set(ids) for ph, ids in (drop or {}).items()}
+    silent: set[str] = set()
+    server = ServerSession(params, min_cohort=min_cohort)
+    clients = {c: ClientSession(c, params, committed_model_hash=params.model_hash, policy=policy)
+               for c in params.cohort}
+
+    def live(phase: Phase) -> list[str]:
+        silent.update(gone.get(phase, ()))
+        return [c for c in params.cohort if c not in silent]
+
+    for c in live(Phase.ADVERTISE):
+        server.receive_advertise(clients[c].advertise())
+    directory = server.close_advertise()
+    for c in live(Phase.SHARE_KEYS):
+        server.receive_share_keys(clients[c].share_keys(directory))
+    requests = server.close_share_keys()
+    for c in live(Phase.MASKED_INPUT):
+        server.receive_masked_input(clients[c].masked_input(requests[c], updates[c]))
+    unmask = server.close_masked_input()
+    for c in live(Phase.UNMASK):
+        server.receive_unmask(clients[c].unmask(unmask))
+    return server.finish()
