@@ -44,6 +44,9 @@ FAMILY_OF = {"classification": "text-classification", "ner": "token-classificati
 EXTRA_METRICS = {"classification": [], "ner": ["strict_f1", "relaxed_f1"], "qa": ["rougeL", "bleu", "meteor"]}
 
 
+DP_DELTA = 1e-5
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=("classification", "ner", "qa"), default="classification",
                    help="condition classification, DRUG/CONDITION entity recognition with a CRF, or question "
@@ -65,6 +68,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration for --split dirichlet")
     p.add_argument("--no-baselines", action="store_true", help="skip the centralized and local-only baselines")
     p.add_argument("--no-export", action="store_true", help="skip the ONNX export of the final model")
+    p.add_argument("--privacy-epsilon", type=float, default=None,
+                   help="classification: train with sample-level DP-SGD at every site, this epsilon (delta 1e-5) for "
+                        "the whole task; each site's dataset gets exactly that budget")
 
 
 def _say(msg: str) -> None:
@@ -226,9 +232,12 @@ def run_demo(args: argparse.Namespace) -> int:
         site_train[name] = rows[n_eval:]
         _write_jsonl(out / "data" / name / "train.jsonl", rows[n_eval:])
         _write_jsonl(out / "data" / name / "eval.jsonl", rows[:n_eval])
+        budget = ({"privacy_epsilon": args.privacy_epsilon, "privacy_delta": DP_DELTA}
+                  if args.privacy_epsilon is not None else {})
         sites.append(SiteSetup(name, datasets={DEMO_DATASET: {
             "path": str(out / "data" / name / "train.jsonl"), "eval_path": str(out / "data" / name / "eval.jsonl"),
-            "format": "jsonl"}}, policy={"allowed_families": [FAMILY_OF[args.task]], "allowed_datasets": [DEMO_DATASET]}))
+            "format": "jsonl", **budget}},
+            policy={"allowed_families": [FAMILY_OF[args.task]], "allowed_datasets": [DEMO_DATASET]}))
         if qa:
             mix = {kind: sum(1 for ex in rows if ex.question == q) for kind, q in QA_QUESTIONS.items()}
             what = "questions"
@@ -257,7 +266,14 @@ def run_demo(args: argparse.Namespace) -> int:
         package = package_qa_pretrained(model_dir, max_length=args.max_length, max_new_tokens=16,
                                         eval_examples=len(test))
     batch_size = 8 if qa else 16
-    task = Task(name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
+    privacy = {}
+    if args.privacy_epsilon is not None:
+        if args.task != "classification":
+            raise SystemExit("--privacy-epsilon applies to the classification demo (DP-SGD needs per-example "
+                             "gradients; see fedclinic.privacy.dp_sgd)")
+        privacy = {"level": "sample", "target_epsilon": args.privacy_epsilon, "target_delta": DP_DELTA,
+                   "max_grad_norm": 1.0}
+    task = Task(privacy=privacy, name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
                 learning_rate=args.learning_rate, max_length=args.max_length, seed=args.seed,
                 trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", **family)
@@ -295,6 +311,8 @@ def run_demo(args: argparse.Namespace) -> int:
         row = {"round": r.round, "global_accuracy": m["accuracy"], "uplink_bytes": r.uplink_bytes,
                "downlink_bytes": r.downlink_bytes, "sites": [s.site_id for s in r.reports]}
         row.update({f"global_{k}": m[k] for k in extra})
+        if "dp_epsilon" in r.metrics:
+            row["dp_epsilon"] = r.metrics["dp_epsilon"]
         report["rounds"].append(row)
         cols = "".join(f"  {m[k]:>10.3f}" for k in extra)
         _say(f"{r.round:>5}  {m['accuracy']:>17.3f}{cols}  {len(r.reports):>5}  {r.uplink_bytes:>12,}  "
@@ -339,6 +357,12 @@ def run_demo(args: argparse.Namespace) -> int:
         for k in extra:
             _say(f"federated final {k} {last[f'global_{k}']:.3f} vs centralized {report[f'centralized_{k}']:.3f} "
                  f"and local-only {report[f'local_only_{k}']:.3f}")
+    if privacy:
+        spent = last.get("dp_epsilon")
+        report["privacy"] = {"level": "sample", "target_epsilon": args.privacy_epsilon, "delta": DP_DELTA,
+                             "epsilon_spent": spent, "max_grad_norm": privacy["max_grad_norm"]}
+        _say(f"privacy: DP-SGD at every site, epsilon {spent:.3f} of {args.privacy_epsilon} spent (delta {DP_DELTA}); "
+             "the baselines above are not private")
     onnx_report = None
     if qa:
         _say("(ONNX export of causal LMs is not available yet; the final model is a PyTorch package)")

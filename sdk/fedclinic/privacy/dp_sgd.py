@@ -179,7 +179,11 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
                 continue  # an empty Poisson sample releases nothing; the accountant still counts the step
             inputs, y = data.batch(idx, device)
             loss = loss_fn(inputs, y)
-            loss.backward()
+            with warnings.catch_warnings():
+                # frozen embeddings feed the first trained layer: torch notes that the full backward hooks then
+                # fire on module outputs only, which is all Opacus' per-sample gradients need
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                loss.backward()
             dp_optimizer.step()
             loss_sum += float(loss.detach()) * len(idx)
             seen += len(idx)
