@@ -1,4 +1,4 @@
-"""``fedclinic serve BUNDLE``: an HTTP/JSON inference service for an exported classifier bundle.
+"""``fedclinic serve BUNDLE``: an HTTP/JSON inference service for an exported model bundle.
 
 API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
 
@@ -8,9 +8,16 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
                                                                               when the bundle has a card)
     POST /v1/predict             {"texts": ["...", ...]}                     (text bundles)
                                  {"features": [[...], ...]}                   (feature bundles)
+                                 {"texts": [question, ...], "contexts": [context, ...]}
+                                                                              (question-answering bundles;
+                                                                              "contexts" optional, one per
+                                                                              question, "" for none)
                              -> 200 {"predictions": [{"label": ..., "scores": {...}}, ...]}
+                                    NER: [{"entities": [...]}, ...]; question-answering: [{"answer": "..."}, ...]
 
-Limits: at most ``MAX_ITEMS`` inputs and ``MAX_BODY`` bytes per request. It binds to 127.0.0.1 by default.
+Limits: at most ``MAX_ITEMS`` inputs (``MAX_QUESTIONS`` questions: each answer is generated token by token)
+and ``MAX_BODY`` bytes per request; a question whose prompt exceeds the model's prompt budget gets a 422,
+not a silently shortened question. It binds to 127.0.0.1 by default.
 The HTTP service has no TLS and no authentication: expose it only behind the hospital's reverse proxy or
 integration engine (see SECURITY.md).
 
@@ -35,11 +42,31 @@ import numpy as np
 from fedclinic.errors import ConfigError, FedclinicError
 
 MAX_ITEMS = 256
+#: questions per request to a question-answering bundle (generation costs one model step per answer token)
+MAX_QUESTIONS = 32
 MAX_BODY = 1 << 20
 
 
 class _BadRequest(Exception):
     pass
+
+
+def _item_limit(bundle) -> int:
+    return MAX_QUESTIONS if bundle.family == "question-answering" else MAX_ITEMS
+
+
+def _contexts(bundle, contexts: Any, count: int) -> list[str] | None:
+    """The request's contexts (None: none given), checked: only question-answering bundles take them, one
+    string per question."""
+    if contexts is None or contexts == []:
+        return None
+    if bundle.family != "question-answering":
+        raise _BadRequest(f"'contexts' are for question-answering bundles; this model is {bundle.family}")
+    if not isinstance(contexts, list) or not all(isinstance(c, str) for c in contexts):
+        raise _BadRequest("'contexts' must be a list of strings, one per question (\"\" for none)")
+    if len(contexts) != count:
+        raise _BadRequest(f"{len(contexts)} contexts for {count} questions; give one per question (\"\" for none)")
+    return contexts
 
 
 def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
@@ -100,10 +127,11 @@ def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingH
             items = body.get(key)
             if not isinstance(items, list) or not items:
                 raise _BadRequest(f"expected a non-empty list in {key!r} (this model is {bundle.family})")
-            if len(items) > MAX_ITEMS:
-                raise _BadRequest(f"{len(items)} inputs; the limit is {MAX_ITEMS} per call")
+            if len(items) > _item_limit(bundle):
+                raise _BadRequest(f"{len(items)} inputs; the limit is {_item_limit(bundle)} per call")
             if key == "texts":
-                return bundle.predict(items)
+                contexts = _contexts(bundle, body.get("contexts"), len(items))
+                return bundle.predict(items) if contexts is None else bundle.predict(items, contexts=contexts)
             try:
                 x = np.asarray(items, dtype=np.float32)
             except (TypeError, ValueError):
@@ -117,7 +145,8 @@ def _prediction_message(p: dict):
     from fedclinic.proto import inference_pb2
 
     return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p.get("scores", {}),
-                                    entities=[inference_pb2.Entity(**e) for e in p.get("entities", [])])
+                                    entities=[inference_pb2.Entity(**e) for e in p.get("entities", [])],
+                                    answer=p.get("answer", ""))
 
 
 def make_grpc_server(bundle, address: str, tls=None):
@@ -145,9 +174,11 @@ def make_grpc_server(bundle, address: str, tls=None):
                 else:
                     if not request.texts:
                         raise _BadRequest(f"send texts (this model is {bundle.family})")
-                    if len(request.texts) > MAX_ITEMS:
-                        raise _BadRequest(f"{len(request.texts)} inputs; the limit is {MAX_ITEMS} per call")
-                    items = bundle.predict(list(request.texts))
+                    if len(request.texts) > _item_limit(bundle):
+                        raise _BadRequest(f"{len(request.texts)} inputs; the limit is {_item_limit(bundle)} per call")
+                    contexts = _contexts(bundle, list(request.contexts), len(request.texts))
+                    items = (bundle.predict(list(request.texts)) if contexts is None else
+                             bundle.predict(list(request.texts), contexts=contexts))
             except (_BadRequest, FedclinicError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return inference_pb2.PredictResponse(predictions=[_prediction_message(p) for p in items])
@@ -168,7 +199,7 @@ def make_grpc_server(bundle, address: str, tls=None):
 
 
 def add_serve_command(sub) -> None:
-    p = sub.add_parser("serve", help="serve an exported classifier over HTTP/JSON")
+    p = sub.add_parser("serve", help="serve an exported model bundle over HTTP/JSON (and gRPC)")
     p.add_argument("bundle", help="a folder written by `fedclinic export onnx`")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")

@@ -16,6 +16,17 @@ entities found, in character offsets of each input text::
 
 Its graph returns the CRF's Viterbi path (output ``tags``) when the model has a CRF, else per-token scores
 whose argmax is the tag.
+
+A question-answering bundle (a causal LM exported with past key/values) answers each text, taken as a
+question, with a generated answer (greedy, at most the bundle's ``generation.max_new_tokens`` tokens), built
+from the same prompt as in training (:mod:`fedclinic.onnx_generate`); ``contexts`` optionally gives each
+question a context passage::
+
+    bundle.predict(["What is sertraline used for?"])
+    # [{"answer": "Depression."}]
+
+A question whose prompt would not fit the model's prompt budget (``max_length`` minus the room kept for the
+answer) is refused with a DatasetError rather than cut, as is an empty one.
 """
 
 from __future__ import annotations
@@ -29,8 +40,17 @@ import numpy as np
 from fedclinic.errors import ConfigError, DatasetError
 from fedclinic.models.meta import ModelMeta
 
+QA_FAMILY = "question-answering"
+TEXT_FAMILIES = ("text-classification", "token-classification", QA_FAMILY)
+
 
 class ClassifierBundle(ModelMeta):
+    """An exported bundle (any family) loaded for prediction on onnxruntime; see the module docstring.
+
+    ``int8`` serves ``model.int8.onnx``; ``threads`` sets onnxruntime's intra-op threads (0: its default);
+    ``threshold`` is the multi-label decision threshold. Raises ConfigError when the folder is not a complete
+    bundle."""
+
     def __init__(self, folder: str | Path, *, int8: bool = False, threads: int = 0, threshold: float = 0.5) -> None:
         import onnxruntime as ort
 
@@ -54,7 +74,8 @@ class ClassifierBundle(ModelMeta):
         self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
         self._tokenizer = None
         self._pad_id = 0
-        if self.family in ("text-classification", "token-classification"):
+        self._qa = None
+        if self.family in TEXT_FAMILIES:
             from fedclinic.models.text_classification import load_tokenizer, tokenizer_pad_id
 
             tok_path = root / "tokenizer.json"
@@ -63,7 +84,12 @@ class ClassifierBundle(ModelMeta):
                                   f"`fedclinic export onnx` into a fresh folder")
             raw = tok_path.read_bytes()
             self._tokenizer = load_tokenizer(raw)
-            self._pad_id = tokenizer_pad_id(raw)
+            if self.family == QA_FAMILY:
+                from fedclinic.onnx_generate import OnnxQAModel
+
+                self._qa = OnnxQAModel(self.session, self.meta, self._tokenizer)
+            else:
+                self._pad_id = tokenizer_pad_id(raw)
 
     def encode(self, texts: Sequence[str], *, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask) as the trainer builds them: truncated to max_length, right-padded to
@@ -78,12 +104,20 @@ class ClassifierBundle(ModelMeta):
         return encode_texts(self._tokenizer, texts, max_length=self.max_length, pad_id=self._pad_id, pad_to=pad_to)
 
     def logits(self, texts: Sequence[str], *, pad_to: int | None = None) -> np.ndarray:
+        if self._qa is not None:
+            raise ConfigError("a question-answering bundle generates answers; use predict or predict_answers")
         ids, mask = self.encode(texts, pad_to=pad_to)
         return self.session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
 
-    def predict(self, texts: Sequence[str], *, batch_size: int = 32) -> list[dict[str, Any]]:
+    def predict(self, texts: Sequence[str], *, batch_size: int = 32,
+                contexts: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """One prediction per text: ``label`` (or ``labels`` for multi-label) and ``scores`` per label; for an
-        NER bundle, ``entities``."""
+        NER bundle, ``entities``; for a question-answering bundle, ``answer`` (``contexts``: one per text, "" for
+        none; only question-answering bundles take them)."""
+        if self._qa is not None:
+            return self.predict_answers(texts, contexts, batch_size=min(batch_size, 8))
+        if contexts is not None:
+            raise ConfigError(f"a {self.family} bundle takes no contexts; only question-answering bundles do")
         if self.family == "token-classification":
             return self.predict_entities(texts, batch_size=batch_size)
         out: list[dict[str, Any]] = []
@@ -115,6 +149,20 @@ class ClassifierBundle(ModelMeta):
             out.extend({"entities": spans_from_tag_ids(text, pred[i], mask[i], offsets[i], tags, scheme)}
                        for i, text in enumerate(chunk))
         return out
+
+    def predict_answers(self, questions: Sequence[str], contexts: Sequence[str] | None = None, *,
+                        batch_size: int = 8, max_new_tokens: int | None = None) -> list[dict[str, Any]]:
+        """``{"answer": "..."}`` per question (a question-answering bundle): greedy generation, at most
+        ``max_new_tokens`` tokens (default: the bundle's). DatasetError for an empty question, a context that is
+        not a string, or a prompt longer than the model's prompt budget; ConfigError for a context count that
+        does not match."""
+        if self._qa is None:
+            raise ConfigError(f"a {self.family} bundle does not answer questions; use predict")
+        if isinstance(questions, str):
+            raise ConfigError("questions must be a list of strings, not one string")
+        answers = self._qa.generate(list(questions), None if contexts is None else list(contexts),
+                                    max_new_tokens=max_new_tokens, batch_size=batch_size, strict=True)
+        return [{"answer": a} for a in answers]
 
     def predict_features(self, features: np.ndarray) -> list[dict[str, Any]]:
         if self.family != "feature-classification":

@@ -1,4 +1,4 @@
-"""`fedclinic serve` as a real process on 127.0.0.1, queried over HTTP."""
+"""`fedclinic serve` as real processes on 127.0.0.1, over HTTP and gRPC: classifiers, NER, question answering."""
 
 from __future__ import annotations
 
@@ -187,3 +187,68 @@ def test_ner_bundle_over_http_and_grpc(tmp_path, serve):
         [(e["start"], e["end"], e["label"], e["text"]) for e in expected]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def _trained_qa_bundle(tmp_path):
+    """A tiny GPT-2 trained to answer the toy questions (tests/unit/test_causal_lm.py), exported to ONNX with past
+    key/values, and the PyTorch model it came from."""
+    from fedclinic.models import build_model, module_tensors
+    from fedclinic.models.causal_lm import stored_names
+    from fedclinic.package import ModelPackage
+
+    from tests.unit.test_causal_lm import package, toy_examples, train
+
+    start = package(seed=1)
+    model = build_model(start)
+    train(model, toy_examples())
+    ModelPackage(module_tensors(model.module, stored_names(model.module)), start.files).save(tmp_path / "qa-pkg")
+    export_onnx(tmp_path / "qa-pkg", tmp_path / "qa-bundle")
+    return tmp_path / "qa-bundle", model
+
+
+def test_question_answering_bundle_over_http_and_grpc(tmp_path, serve):
+    import grpc
+
+    from fedclinic.proto import inference_pb2, inference_pb2_grpc
+
+    bundle, model = _trained_qa_bundle(tmp_path)
+    proc, ports = serve(bundle, "--grpc-port", "0")
+    questions = ["what treats headache", "what treats diabetes", "what is the drug for a patient with reflux"]
+    contexts = ["", "patient needs drug", ""]
+    want = model.generate(questions, contexts)  # PyTorch's greedy answers
+    assert want[:2] == ["drug aspirin", "drug metformin"]
+    status, ready = _call(ports["http"], "/readyz")
+    assert status == 200 and ready["model"]["family"] == "question-answering" and ready["model"]["labels"] == []
+    status, out = _call(ports["http"], "/v1/predict", {"texts": questions, "contexts": contexts})
+    assert status == 200 and out["predictions"] == [{"answer": a} for a in want]
+    status, out = _call(ports["http"], "/v1/predict", {"texts": questions[:1]})  # contexts are optional
+    assert status == 200 and out["predictions"] == [{"answer": want[0]}]
+    # bad requests: a clear 4xx, and the server keeps answering
+    code, err = _call(ports["http"], "/v1/predict", {"texts": ["what treats headache", " "]})
+    assert code == 422 and "question 1 is empty" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"texts": ["what treats headache " * 10]})
+    assert code == 422 and "question 0 is too long" in err["error"] and "shorten the question" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"texts": questions, "contexts": [""]})
+    assert code == 400 and "1 contexts for 3 questions" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"texts": questions, "contexts": "x"})
+    assert code == 400 and "'contexts' must be a list of strings" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"texts": ["what treats headache"] * 33})
+    assert code == 400 and "the limit is 32" in err["error"]
+    with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        assert stub.DescribeModel(inference_pb2.DescribeModelRequest(), timeout=30).family == "question-answering"
+        got = stub.Predict(inference_pb2.PredictRequest(texts=questions, contexts=contexts), timeout=60)
+        assert [p.answer for p in got.predictions] == want
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Predict(inference_pb2.PredictRequest(texts=["what treats headache " * 10]), timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too long" in bad.value.details()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_contexts_are_refused_by_a_classifier(tmp_path, serve):
+    tiny_package("logreg").save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    _, port = serve(tmp_path / "bundle")
+    code, err = _call(port, "/v1/predict", {"texts": ["fever"], "contexts": ["x"]})
+    assert code == 400 and "'contexts' are for question-answering bundles" in err["error"]

@@ -309,13 +309,25 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
     assert [row["entities"] for row in bundle.predict(texts[:6])] == loaded.predict_entities(texts[:6])
 
 
-def test_a_question_answering_model_is_refused_with_the_reason(tmp_path):
+def test_a_mislabelled_question_answering_package_is_refused_before_any_export(tmp_path):
+    """Question-answering models export (tests/unit/test_export_causal_lm.py); a package that only claims the
+    family is refused with the reason, and nothing is written."""
     from fedclinic.package import META_FILE, ModelPackage
 
     pkg = tiny_package("logreg")
     meta = json.loads(pkg.files[META_FILE])
     meta["family"] = "question-answering"
     ModelPackage(pkg.tensors, {**pkg.files, META_FILE: json.dumps(meta).encode()}).save(tmp_path / "pkg")
-    with pytest.raises(ConfigError, match="question-answering .causal LM. models is not available yet"):
+    with pytest.raises(ConfigError, match="unknown architecture 'logreg' for family 'question-answering'"):
         export_onnx(tmp_path / "pkg", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_image_text_models_are_refused_with_the_reason(tmp_path):
+    from tests.unit.test_image_text import package as image_text_package
+
+    src = tmp_path / "pkg"
+    image_text_package().save(src)
+    with pytest.raises(ConfigError, match="image-text-classification models cannot be exported to ONNX yet"):
+        export_onnx(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

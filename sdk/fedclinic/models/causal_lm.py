@@ -53,7 +53,9 @@ Batched, left-padded, with the key/value cache; greedy (``argmax``) or sampled: 
 restricted to the nucleus (the smallest set of most likely tokens whose probability reaches ``top_p``),
 renormalised, drawn with a ``torch.Generator`` seeded by ``seed`` (reproducible for the same inputs, batch size
 and seed, whatever the global RNG). Stops at EOS or after ``max_new_tokens`` (and never runs past the model's
-position limit).
+position limit). Prompt ids, the left-padded layout with its position ids, the stopping rule and decoding come
+from :mod:`fedclinic.qa_generation`, which the onnxruntime loop of an exported model
+(:mod:`fedclinic.onnx_generate`) shares, so both generate the same greedy tokens.
 
 Evaluation
 ----------
@@ -66,7 +68,6 @@ says how many), so an evaluation costs at most that many generations.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
@@ -90,6 +91,18 @@ from fedclinic.models.text_classification import (
     module_tensors,
 )
 from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage
+from fedclinic.qa_generation import (
+    check_generation_args,
+    cut_at_eos,
+    decode_answers,
+    fill_prompt,
+    generation_steps,
+    left_pad,
+    prompt_budget,
+    prompt_token_ids,
+    text_token_ids,
+    truncate_prompts,
+)
 from fedclinic.training import EncodedData
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,18 +132,11 @@ CHAT_USER_CONTENT_WITH_CONTEXT = "Context: {context}\nQuestion: {question}"
 PROMPT_CHOICES = ("auto", "chat", "plain")
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>", "<|end_of_text|>", "[EOS]", "<EOS>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<PAD>", "<|pad|>")
-_PLACEHOLDER = re.compile(r"\{(question|context)\}")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# prompt
-
-
-def fill_prompt(prompt_meta: Mapping[str, Any], question: str, context: str = "") -> str:
-    """The prompt text for ``question`` (and ``context``) under a package's ``prompt`` settings."""
-    template = prompt_meta["context_template"] if context else prompt_meta["template"]
-    values = {"question": question, "context": context}
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+# prompt (fill_prompt, prompt_budget and the token layout live in fedclinic.qa_generation, shared with the
+# onnxruntime generation loop of an exported model)
 
 
 def plain_prompt() -> dict[str, Any]:
@@ -234,17 +240,12 @@ class CausalLMModel(LoadedModel):
                    max_length: int | None = None) -> list[list[int]]:
         """Token ids of each prompt, left-truncated to the prompt budget of ``max_length``."""
         max_length = self.max_length if max_length is None else max_length
-        contexts = [""] * len(questions) if contexts is None else list(contexts)
-        if len(contexts) != len(questions):
-            raise ConfigError(f"{len(contexts)} contexts for {len(questions)} questions")
-        bos = [] if self.bos_id is None else [self.bos_id]
-        budget = prompt_budget(max_length)
-        return [(bos + ids)[-budget:] for ids in self._tokens([self.prompt(q, c) for q, c in zip(questions, contexts)])]
+        full = prompt_token_ids(self.tokenizer, self.prompt_settings, self.bos_id, questions, contexts)
+        return truncate_prompts(full, max_length)
 
     def _tokens(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, without the tokenizer's special-token template (no [CLS], no BOS)."""
-        self.tokenizer.no_truncation()
-        return [list(e.ids) for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        return text_token_ids(self.tokenizer, texts)
 
     def encode(self, examples: Sequence["QAExample"], *, max_length: int | None = None) -> QAData:
         """Prompt + answer + EOS per example, labels on the answer only (see the module docstring)."""
@@ -353,7 +354,7 @@ class CausalLMModel(LoadedModel):
                           batch_size: int = 16) -> list[str]:
         ids = self.generate_ids(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                 top_p=top_p, seed=seed, batch_size=batch_size)
-        return [self.tokenizer.decode(row, skip_special_tokens=True).strip() for row in ids]
+        return decode_answers(self.tokenizer, ids)
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
                      do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
@@ -362,17 +363,8 @@ class CausalLMModel(LoadedModel):
         import torch
 
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if do_sample:
-            if not (isinstance(temperature, (int, float)) and temperature > 0):
-                raise ConfigError(f"temperature must be > 0 when sampling, got {temperature!r}")
-            if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-                raise ConfigError(f"top_p must be in (0, 1], got {top_p!r}")
-        if batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        if any(len(p) == 0 for p in prompts):
-            raise ConfigError("a prompt has no tokens; every prompt needs at least one")
+        check_generation_args(prompts, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                              top_p=top_p, batch_size=batch_size)
         module = self.module
         device = next(module.parameters()).device
         gen = torch.Generator(device=device).manual_seed(int(seed)) if do_sample else None
@@ -392,19 +384,8 @@ class CausalLMModel(LoadedModel):
                         top_p: float) -> list[list[int]]:
         import torch
 
-        width = max(len(p) for p in prompts)
-        limit = self.max_positions
-        steps = max_new_tokens if limit is None else min(max_new_tokens, limit - width)
-        if steps < 1:
-            raise ConfigError(f"a prompt of {width} tokens leaves no room to generate within the model's {limit} "
-                              "positions; lower max_length")
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = (torch.from_numpy(a).to(device) for a in left_pad(prompts, self.pad_id))
+        steps = generation_steps(ids.shape[1], max_new_tokens, self.max_positions)
         result = self.module(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         past = result.past_key_values
         logits = result.logits[:, -1, :]
@@ -423,11 +404,7 @@ class CausalLMModel(LoadedModel):
                                  past_key_values=past, use_cache=True)
             past = result.past_key_values
             logits = result.logits[:, -1, :]
-        tokens = torch.stack(generated, dim=1).cpu().tolist()
-        out = []
-        for row in tokens:
-            out.append(row[:row.index(self.eos_id)] if self.eos_id in row else row)
-        return out
+        return cut_at_eos(torch.stack(generated, dim=1).cpu().tolist(), self.eos_id)
 
 
 def _next_token(logits: "torch.Tensor", gen, temperature: float, top_p: float) -> "torch.Tensor":
@@ -443,11 +420,6 @@ def _next_token(logits: "torch.Tensor", gen, temperature: float, top_p: float) -
         sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs / probs.sum(dim=-1, keepdim=True), 1, generator=gen).squeeze(1)
-
-
-def prompt_budget(max_length: int) -> int:
-    """Most prompt tokens a sequence of ``max_length`` keeps (the rest is room for the answer)."""
-    return max_length - max(1, max_length // 4)
 
 
 # ------------------------------------------------------------------------------------------------------------

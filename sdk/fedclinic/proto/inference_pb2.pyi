@@ -13,12 +13,14 @@ class FeatureRow(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("texts", "features")
+    __slots__ = ("texts", "features", "contexts")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     features: _containers.RepeatedCompositeFieldContainer[FeatureRow]
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ...) -> None: ...
+    contexts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ..., contexts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Entity(_message.Message):
     __slots__ = ("start", "end", "label", "text")
@@ -33,7 +35,7 @@ class Entity(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., label: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
-    __slots__ = ("label", "labels", "scores", "entities")
+    __slots__ = ("label", "labels", "scores", "entities", "answer")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,11 +47,13 @@ class Prediction(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     ENTITIES_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
     label: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     scores: _containers.ScalarMap[str, float]
     entities: _containers.RepeatedCompositeFieldContainer[Entity]
-    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ...) -> None: ...
+    answer: str
+    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("predictions",)
