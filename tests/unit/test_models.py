@@ -353,7 +353,7 @@ def test_build_strict_missing_unexpected_and_shape(tok_json):
 
 def test_build_unknown_family_architecture_model_type(tok_json):
     pkg = _pkg(tok_json, "transformer")
-    with pytest.raises(ConfigError, match="unknown model family 'image'; supported families: feature-classification, question-answering, text-classification"):
+    with pytest.raises(ConfigError, match="unknown model family 'image'; supported families: feature-classification, image-text-classification, question-answering, text-classification"):
         build_model(_with_meta(pkg, family="image"))
     with pytest.raises(ConfigError, match="unknown architecture 'gru'.*choose one of: transformer, lstm, logreg"):
         build_model(_with_meta(pkg, architecture="gru"))
