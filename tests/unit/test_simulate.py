@@ -123,7 +123,7 @@ def test_partial_participation_is_seeded_and_reproducible():
 @pytest.mark.parametrize("kwargs,msg", [
     ({"rounds": 0}, "rounds must be an integer >= 1"),
     ({"participation": 0.0}, r"participation must be in \(0, 1\]"),
-    ({"strategy": "fedmagic"}, "unknown strategy 'fedmagic'; choose one of: dynamic-weighting, fedadagrad"),
+    ({"strategy": "fedmagic"}, "unknown strategy 'fedmagic'; choose one of: dp-fedavg, dynamic-weighting, fedadagrad"),
     ({"trainable_patterns": ["nothing"]}, "trainable pattern 'nothing' matches no tensor"),
 ])
 def test_simulate_argument_errors(kwargs, msg):
