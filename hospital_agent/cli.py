@@ -93,7 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     priv_sub = priv.add_subparsers(dest="privacy_command", required=True)
     pst = priv_sub.add_parser("status", help="budget, spent and committed epsilon per dataset, and per task")
     pst.add_argument("--config", required=True)
+    ins = sub.add_parser("install-service", help="lay out the systemd service: user, directories, permissions, unit")
+    ins.add_argument("--root", default="/", help="install under this prefix instead of / (staging, tests)")
+    ins.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
+    ins.add_argument("--unit", help="the unit file to install (default: deploy/systemd/hospital-agent.service)")
+    ins.add_argument("--site", default="SITE", help="site name used in the example agent.toml")
+    ins.add_argument("--aggregator", default="aggregator.example.org:7443", help="for the example agent.toml")
     args = parser.parse_args(argv)
+
+    if args.command == "install-service":
+        from hospital_agent.install import install_service
+
+        try:
+            return install_service(args.root, unit=args.unit, dry_run=args.dry_run, site=args.site,
+                                   aggregator=args.aggregator)
+        except FedclinicError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     if args.command == "privacy":
         return privacy_status(args.config)

@@ -3,6 +3,7 @@
     fedclinic pki init-ca | issue | request | revoke | list
     fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT
     fedclinic demo [--report report.json]
+    fedclinic audit verify FILE [--expect-head SEQ:HASH]
 
 Connection settings for ``task`` commands come from flags or the environment:
 FEDCLINIC_ADDRESS, FEDCLINIC_CERT, FEDCLINIC_KEY, FEDCLINIC_CA.
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_experiment_commands(sub)
     add_export_commands(sub)
     add_serve_command(sub)
+
+    from fedclinic.audit import add_audit_commands
+
+    add_audit_commands(sub)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
     from fedclinic.demo import add_demo_arguments, run_demo
