@@ -6,6 +6,7 @@ import time
 from typing import Iterator
 
 import grpc
+import numpy as np
 import structlog
 
 import fedclinic
@@ -15,6 +16,7 @@ from fedclinic.wire import ChunkAssembler, PipelinedAssembler
 
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine, Refused
+from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
 from aggregator_service.transfer import SpillWriter, send_model
 
 log = structlog.get_logger("fedclinic.aggregator.agents")
@@ -37,20 +39,24 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"agent speaks protocol v{request.protocol_version}, this aggregator speaks "
                           f"v{fedclinic.PROTOCOL_VERSION}; upgrade the older side")
-        log.info("agent hello", site=site, agent_version=request.agent_version,
-                 devices=list(request.capabilities.devices))
+        caps = request.capabilities
+        self.engine.secagg.hello(site, list(caps.features), caps.secure_aggregation)
+        log.info("agent hello", site=site, agent_version=request.agent_version, devices=list(caps.devices),
+                 features=list(caps.features))
         return agent_pb2.HelloResponse(protocol_version=fedclinic.PROTOCOL_VERSION,
-                                       aggregator_version=fedclinic.__version__, site_id=site, codecs=ACCEPTED_CODECS)
+                                       aggregator_version=fedclinic.__version__, site_id=site, codecs=ACCEPTED_CODECS,
+                                       features=[SECAGG_FEATURE])
 
     def WatchWork(self, request: agent_pb2.WatchWorkRequest, context) -> Iterator[agent_pb2.WorkItem]:
         site = peer_identity(context).name
         delivered: dict[tuple[str, int, int], bool] = {}
+        secagg_cursor = [0]  # the last secure-aggregation phase message this stream delivered
         self.engine.site_connected(site)
         log.info("work stream opened", site=site)
         last_beat = 0.0
         try:
             while context.is_active() and not self.engine.stopping:
-                items = self.engine.next_work(site, delivered)
+                items = self.engine.next_work(site, delivered) + self.engine.secagg.pending(site, secagg_cursor)
                 yield from items
                 now = time.monotonic()
                 if now - last_beat >= self.heartbeat_s:
@@ -85,6 +91,8 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         h = first.header
         if not h.idempotency_key or len(h.idempotency_key) > 255:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key must be 1-255 characters")
+        if h.secagg_session_id:
+            return self._masked_input(site, h, request_iterator, context)
         prior = self.engine.existing_update(h.task_id, h.idempotency_key)
         if prior is not None:
             if prior.site != site:
@@ -132,6 +140,53 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             abort(context, exc)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
 
+    def _masked_input(self, site: str, h: agent_pb2.UpdateHeader, request_iterator, context) -> agent_pb2.UpdateReceipt:
+        """A secure-aggregation masked input: one uint32 tensor, assembled in memory (verified chunk by chunk and
+        by sha256 like any update), then folded into the round's session. Idempotent per key while the session
+        lives; the session (and so the record) is in memory only."""
+        try:
+            prior = self.engine.secagg.existing_masked(site, h)
+            if prior is not None:
+                log.info("duplicate masked input acknowledged", site=site, task_id=h.task_id, round=h.round)
+                return agent_pb2.UpdateReceipt(update_id=prior, duplicate=True, round=h.round)
+            length = self.engine.secagg.check_masked_header(site, h)
+        except Refused as exc:
+            abort(context, exc)
+        sink = _ArraySink(np.empty(length, dtype=np.uint32))
+        assembler = ChunkAssembler(lambda _h: sink, expect={t.name: t for t in h.tensors})
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("item")
+                if kind == "tensor":
+                    assembler.add(msg.tensor)
+                elif kind == "commit":
+                    assembler.finish()
+                    if msg.commit.total_encoded_nbytes != assembler.nbytes:
+                        raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
+                                             f"{assembler.nbytes} arrived")
+                    break
+                else:
+                    raise IntegrityError(f"unexpected {kind!r} message inside a masked-input stream")
+            else:
+                raise IntegrityError("the masked-input stream ended before its commit message; nothing was used")
+        except IntegrityError as exc:
+            log.warning("masked input rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"masked input rejected: {exc}")
+        try:
+            update_id = self.engine.secagg.accept_masked(site, h, sink.array, assembler.nbytes)
+        except Refused as exc:
+            abort(context, exc)
+        return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=assembler.nbytes,
+                                       round=h.round)
+
+    def SecAggRespond(self, request: agent_pb2.SecAggPhase, context) -> agent_pb2.SecAggAck:
+        site = peer_identity(context).name  # the sender is the certificate, never a message field
+        try:
+            self.engine.secagg.respond(site, request)
+        except Refused as exc:
+            abort(context, exc)
+        return agent_pb2.SecAggAck()
+
     def Decline(self, request: agent_pb2.DeclineRequest, context) -> agent_pb2.DeclineResponse:
         site = peer_identity(context).name
         try:
@@ -139,3 +194,22 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except Refused as exc:
             abort(context, exc)
         return agent_pb2.DeclineResponse()
+
+
+class _ArraySink:
+    """ChunkAssembler writer filling a preallocated numpy array (the masked vector: no spill file, one copy)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._view = memoryview(array).cast("B")
+        self._offset = 0
+
+    def write(self, data: bytes) -> None:
+        self._view[self._offset:self._offset + len(data)] = data
+        self._offset += len(data)
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self._offset = 0

@@ -30,10 +30,12 @@ from fedclinic.blobstore import BlobStore
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
+from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.selection import select_names
 from fedclinic.strategies import ClientDP, Strategy, make_strategy
 from fedclinic.strategies.tensorsource import FileTensor
 from fedclinic.wire import manifest_to_proto
+from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.store import Store, now_ms
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
@@ -116,6 +118,8 @@ class Engine:
         self._connected: dict[str, int] = {}
         self._stopping = False
         self._ticker: threading.Thread | None = None
+        #: rounds of tasks with secure aggregation: one SecAgg(+) session each (aggregator_service.secure_rounds)
+        self.secagg = SecureRounds(self)
 
     # lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -224,6 +228,8 @@ class Engine:
     def _eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool:
         if spec.sites and site not in spec.sites:
             return False
+        if spec.secure_aggregation.enabled and not self.secagg.capable(site):
+            return False  # the agent did not announce "secagg-v1" at Hello
         return self.store.one("SELECT 1 FROM site_declines WHERE task_id=? AND site=?", (task_id, site)) is None
 
     # agents -------------------------------------------------------------------------------------------
@@ -305,6 +311,7 @@ class Engine:
                               (task_id, site, reason))
                 self.store.add_event(c, task_id, "declined", f"{site} declined round {rnd}: {reason}")
             log.warning("site declined", task_id=task_id, round=rnd, site=site, reason=reason)
+            self.secagg.declined(site, task_id, rnd)
             if self._open_round(task_id) is not None:
                 self._maybe_close(task_id)
             self.changed.notify_all()
@@ -313,6 +320,33 @@ class Engine:
         with self.lock:
             self.store.execute("UPDATE rounds SET downlink_bytes = downlink_bytes + ? WHERE task_id=? AND state=?",
                                (nbytes, task_id, S.ROUND_STATE_OPEN))
+
+    def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
+        with self.lock:
+            self.store.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
+                               (nbytes, task_id, rnd))
+
+    def close_secure_round(self, task_id: str, rnd: int, mean: dict[str, np.ndarray], metrics: dict[str, float],
+                           summary: str) -> None:
+        """Close round ``rnd`` with a secure-aggregation result: ``mean`` (the survivors' sum / their number, per
+        tensor) is folded into the task's strategy as one update of weight 1 (uniform weights), then the round
+        closes as usual with ``metrics`` added to its metrics."""
+        with self.lock:
+            current = self._open_round(task_id)
+            if current is None or current.round != rnd:
+                return
+            acc = self._accumulator(task_id)
+            try:
+                acc.strategy.accept(mean, 1.0, site="secure-aggregate")
+            except (IntegrityError, ValueError) as exc:
+                with self.store.tx() as c:
+                    c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
+                              (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd))
+                    self._fail(c, task_id, f"round {rnd}: the securely aggregated update was refused: {exc}")
+                self._drop_round_data(task_id)
+                return
+            self._close_round(task_id, extra_metrics=metrics, closed_with=summary)
+            self.changed.notify_all()
 
     # updates ------------------------------------------------------------------------------------------
     def existing_update(self, task_id: str, idempotency_key: str):
@@ -465,7 +499,8 @@ class Engine:
                                                    (task_id, rnd.round))}
         return any(s not in assigned and self._eligible(task_id, spec, s) for s in self._connected)
 
-    def _close_round(self, task_id: str) -> None:
+    def _close_round(self, task_id: str, *, extra_metrics: dict[str, float] | None = None,
+                     closed_with: str = "") -> None:
         rnd = self._open_round(task_id)
         assert rnd is not None
         spec = self.spec(task_id)
@@ -501,13 +536,15 @@ class Engine:
         metrics.update({f"eval_{k}": v for k, v in
                         weighted_mean((r.num_samples, json.loads(r.eval_metrics)) for r in reports).items()})
         metrics.update(privacy_metrics(site_metrics, acc.strategy))
+        metrics.update(extra_metrics or {})
         with self.store.tx() as c:
             model_hash = self.store.put_model(c, manifest)
             c.execute("UPDATE rounds SET state=?, closed_ms=?, model_hash=?, metrics=?, strategy_state=? "
                       "WHERE task_id=? AND round=?", (S.ROUND_STATE_CLOSED, now_ms(), model_hash, json.dumps(metrics),
                                                       json.dumps(saved_state), task_id, rnd.round))
             self.store.add_event(c, task_id, "round-closed",
-                                 f"round {rnd.round} closed with {len(reports)} update(s); model {model_hash[:12]}")
+                                 f"round {rnd.round} closed with {closed_with or f'{len(reports)} update(s)'}; "
+                                 f"model {model_hash[:12]}")
             if rnd.round >= spec.rounds.num_rounds:
                 c.execute("UPDATE tasks SET state=?, final_model=?, updated_ms=? WHERE task_id=?",
                           (S.TASK_STATE_COMPLETED, model_hash, now_ms(), task_id))
@@ -538,6 +575,7 @@ class Engine:
                     wait = min(wait, (rnd.deadline_ms - now) / 1000)
                     continue
                 self._deadline_passed(rnd)
+            wait = min(wait, self.secagg.tick())
             self.changed.notify_all()
         return max(wait, 0.01)
 
@@ -627,8 +665,7 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
         problems.append("rounds.round_timeout_s must be > 0")
     if rc.on_quorum_miss == task_pb2.QUORUM_POLICY_UNSPECIFIED:
         problems.append("rounds.on_quorum_miss must be 'retry' or 'fail'")
-    if spec.secure_aggregation.enabled:
-        problems.append("secure aggregation is not available in this release")
+    problems.extend(secure_aggregation_problems(spec))
     problems.extend(privacy_problems(spec))
     if spec.tokenizer_sha256:
         tokenizer = next((f for f in manifest.files if f.path == "tokenizer.json"), None)

@@ -30,6 +30,7 @@ Example::
     [policy]
     allowed_families = ["text-classification"]
     allowed_datasets = ["notes"]
+    # secure_aggregation_min_cohort = 3   # fewest sites this site masks its update with (>= 3)
 
 The site policy is enforced here, at the hospital, whatever the aggregator asks.
 """
@@ -93,6 +94,15 @@ class DatasetEntry:
 class SitePolicy:
     allowed_families: tuple[str, ...] = ()
     allowed_datasets: tuple[str, ...] = ()
+    #: under secure aggregation, refuse sessions (cohort, key directory, survivors) smaller than this (>= 3);
+    #: enforced by fedclinic.secagg.ClientSession whatever the aggregator says
+    secure_aggregation_min_cohort: int = 3
+
+    def secagg_policy(self):
+        """The site's fedclinic.secagg.ClientPolicy."""
+        from fedclinic.secagg import ClientPolicy
+
+        return ClientPolicy(min_cohort=self.secure_aggregation_min_cohort)
 
     def refusal(self, spec: task_pb2.TaskSpec, datasets: dict[str, DatasetEntry]) -> str | None:
         """Why this site will not run ``spec`` (None when it may). Checked before anything is downloaded."""
@@ -110,8 +120,6 @@ class SitePolicy:
                     "tokenizer (change tokenizer_sha256 in [datasets] if the new one was reviewed)")
         if spec.privacy.level not in ("", "sample", "client"):
             return f"the task asks for privacy level {spec.privacy.level!r}, which this agent does not know"
-        if spec.secure_aggregation.enabled:
-            return "the task asks for secure aggregation, which this agent version cannot provide"
         return None
 
 
@@ -160,8 +168,12 @@ class AgentConfig:
                                           image_field=entry.get("image_field", "image"),
                                           **_privacy_budget(entry, f"{source}: [datasets.{name}]"))
         pol = doc.get("policy") or {}
+        min_cohort = pol.get("secure_aggregation_min_cohort", 3)
+        if isinstance(min_cohort, bool) or not isinstance(min_cohort, int) or min_cohort < 3:
+            raise ConfigError(f"{source}: [policy] secure_aggregation_min_cohort must be an integer >= 3 (with two "
+                              "sites each learns the other's update from the sum)")
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
-                            tuple(pol.get("allowed_datasets", list(datasets))))
+                            tuple(pol.get("allowed_datasets", list(datasets))), min_cohort)
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level"}
         if unknown:

@@ -8,7 +8,9 @@ and queues what arrives; the main thread handles one assignment at a time:
 2. fetch only the tensors whose hash is not in the local cache;
 3. evaluate the global model on the site's held-out split (when configured), train locally with the
    shared trainer, compute delta = local - global on the tensors the task sends;
-4. write the update to the outbox (durable), upload it with its idempotency key, delete it on receipt.
+4. write the update to the outbox (durable), upload it with its idempotency key, delete it on receipt;
+   under secure aggregation the delta instead leaves only masked, in the round's SecAgg session
+   (hospital_agent.secure_aggregation; phase messages are answered on their own thread).
 
 The model and the encoded dataset of a task stay in memory across its rounds.
 """
@@ -40,6 +42,7 @@ from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_t
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
 from hospital_agent.privacy_ledger import BudgetExceeded
+from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
 from hospital_agent.site_privacy import PrivatePlan, SitePrivacy
 
 log = structlog.get_logger("fedclinic.agent")
@@ -84,6 +87,8 @@ class Agent:
         self._stub: agent_pb2_grpc.AgentServiceStub | None = None
         self._watch_call = None
         self._upload_call = None
+        self.secagg = SiteSecAgg(self)
+        self._secagg_queue: "queue.Queue[agent_pb2.SecAggPhase]" = queue.Queue()
 
     # connection -----------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -97,8 +102,8 @@ class Agent:
         from fedclinic.training import select_device
 
         device = select_device(self.config.device)
-        caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw"], secure_aggregation=False,
-                                      families=list(self.config.policy.allowed_families))
+        caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw"], secure_aggregation=True,
+                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE])
         resp = self._stub.Hello(agent_pb2.HelloRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
                                                        agent_version=fedclinic.__version__, capabilities=caps),
                                 timeout=30)
@@ -116,6 +121,8 @@ class Agent:
         self.connect()
         watcher = threading.Thread(target=self._watch_loop, name="watch-work", daemon=True)
         watcher.start()
+        phases = threading.Thread(target=self._secagg_loop, name="secagg", daemon=True)
+        phases.start()
         try:
             self._drain_outbox()
             while not self.stop_event.is_set():
@@ -128,6 +135,7 @@ class Agent:
         finally:
             self.stop()
             watcher.join(timeout=5)
+            phases.join(timeout=5)
             if self._channel is not None:
                 self._channel.close()
             log.info("agent stopped", site=self.site_id)
@@ -146,9 +154,12 @@ class Agent:
                     kind = item.WhichOneof("item")
                     if kind == "cancel":
                         self._cancelled.add(item.cancel.task_id)
+                        self.secagg.forget(item.cancel.task_id)
                         log.info("task cancelled by aggregator", task_id=item.cancel.task_id, reason=item.cancel.reason)
                     elif kind == "assignment":
                         self._queue.put(item)
+                    elif kind == "secagg":
+                        self._secagg_queue.put(item.secagg)
             except grpc.RpcError as exc:
                 if self.stop_event.is_set():
                     return
@@ -156,6 +167,24 @@ class Agent:
                 log.warning("work stream lost; reconnecting", error=str(err), retry_in_s=round(backoff, 1))
             self.stop_event.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 30.0)
+
+    def _secagg_loop(self) -> None:
+        """Answer secure-aggregation phase messages as they come, also while the main thread trains."""
+        while not self.stop_event.is_set():
+            try:
+                msg = self._secagg_queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            structlog.contextvars.bind_contextvars(task_id=msg.task_id, round=msg.round)
+            try:
+                self.secagg.handle(msg)
+            except grpc.RpcError as exc:
+                log.warning("secure-aggregation phase failed on the network", error=str(
+                    explain_rpc_error(exc, self.config.aggregator)))
+            except Exception:  # keep answering other sessions; this one will time out at the aggregator
+                log.exception("secure-aggregation phase failed")
+            finally:
+                structlog.contextvars.unbind_contextvars("task_id", "round")
 
     def _handle_safely(self, a: agent_pb2.Assignment) -> None:
         structlog.contextvars.bind_contextvars(task_id=a.task_id, round=a.round)
@@ -176,8 +205,11 @@ class Agent:
             structlog.contextvars.unbind_contextvars("task_id", "round")
 
     def _decline(self, a: agent_pb2.Assignment, reason: str, permanent: bool) -> None:
+        self._decline_round(a.task_id, a.round, reason, permanent)
+
+    def _decline_round(self, task_id: str, rnd: int, reason: str, permanent: bool = False) -> None:
         try:
-            self._stub.Decline(agent_pb2.DeclineRequest(task_id=a.task_id, round=a.round, reason=reason,
+            self._stub.Decline(agent_pb2.DeclineRequest(task_id=task_id, round=rnd, reason=reason,
                                                         permanent=permanent), timeout=30)
         except grpc.RpcError as exc:
             log.warning("could not send the refusal", error=str(explain_rpc_error(exc, self.config.aggregator)))
@@ -189,10 +221,15 @@ class Agent:
             log.warning("assignment refused by site policy", reason=refusal)
             self._decline(a, refusal, permanent=True)
             return
+        secure = a.spec.secure_aggregation.enabled
+        if secure and self.secagg.resume(a):
+            return  # trained this round already: joined again with the vector it holds
         if (a.task_id, a.round) in self._sent:
             return
         pending = self.outbox.get(a.task_id, a.round)
-        if pending is not None:
+        if pending is not None and pending.header.secagg_session_id:
+            self.outbox.remove(pending)  # a masked input of a session this process no longer takes part in
+        elif pending is not None:
             self._upload(pending)
             return
         from fedclinic import training
@@ -247,6 +284,13 @@ class Agent:
         for name in send:
             state.tensor_sha[name] = ""
         metrics = {**result.reported_metrics(), "train_seconds": time.monotonic() - started}
+        if secure:
+            # no sample count, metrics or DP report travel beside a masked vector; privacy is charged first
+            if state.private is not None and self._charge_privacy(a, state) is None:
+                return
+            log.info("trained for a secure round", samples=result.num_samples, loss=round(float(result.loss), 4))
+            self.secagg.ready(a, manifest.model_hash, delta, send)
+            return
         header = agent_pb2.UpdateHeader(
             task_id=a.task_id, round=a.round, attempt=a.attempt,
             idempotency_key=f"{a.task_id}:{a.round}:{self.site_id}:{uuid.uuid4().hex}",
@@ -271,6 +315,19 @@ class Agent:
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self._upload(entry)
+
+    def _charge_privacy(self, a: agent_pb2.Assignment, state: _TaskState) -> agent_pb2.DpReport | None:
+        """Charge this round's DP-SGD steps to the ledger before anything leaves; None (and a decline) when the
+        budget refuses."""
+        assert state.private is not None
+        try:
+            report = self.privacy.charge(a.task_id, a.spec, a.round, state.private)
+        except BudgetExceeded as exc:
+            log.warning("update withheld: privacy budget", reason=str(exc))
+            self._decline(a, str(exc), permanent=True)
+            return None
+        log.info("privacy charged", epsilon=round(report.epsilon, 4), delta=report.delta)
+        return report
 
     def _prepare_data(self, a: agent_pb2.Assignment, state: _TaskState) -> None:
         from fedclinic.data import read_dataset

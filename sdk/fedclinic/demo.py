@@ -68,6 +68,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration for --split dirichlet")
     p.add_argument("--no-baselines", action="store_true", help="skip the centralized and local-only baselines")
     p.add_argument("--no-export", action="store_true", help="skip the ONNX export of the final model")
+    p.add_argument("--optimizer", default="adamw", help="local optimizer (adamw, sgd, ...); DP-SGD learns with "
+                   "plain SGD at a large rate, e.g. --optimizer sgd --learning-rate 0.5")
     p.add_argument("--privacy-epsilon", type=float, default=None,
                    help="classification: train with sample-level DP-SGD at every site, this epsilon (delta 1e-5) for "
                         "the whole task; each site's dataset gets exactly that budget")
@@ -275,7 +277,7 @@ def run_demo(args: argparse.Namespace) -> int:
                    "max_grad_norm": 1.0}
     task = Task(privacy=privacy, name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
-                learning_rate=args.learning_rate, max_length=args.max_length, seed=args.seed,
+                learning_rate=args.learning_rate, optimizer=args.optimizer, max_length=args.max_length, seed=args.seed,
                 trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", **family)
     threads = 1 if args.sites > 1 else None
     report: dict = {"rounds": []}
@@ -320,7 +322,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     epochs = args.rounds * args.local_epochs
     cfg = training.TrainConfig(local_epochs=epochs, batch_size=batch_size, learning_rate=args.learning_rate,
-                               max_length=args.max_length, seed=args.seed)
+                               optimizer=args.optimizer, max_length=args.max_length, seed=args.seed)
     central = local_only = None
     if not args.no_baselines:
         _say(f"\nbaselines: the same initial model trained for {epochs} epochs")

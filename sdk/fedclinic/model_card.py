@@ -49,7 +49,8 @@ for a package made locally); a section that is *absent* was not configured::
     final_round_metrics  "metrics" of the last of those rounds ({} when there is none; null = unknown)
     privacy              only when the task set differential privacy: {"level", "target_epsilon",
                          "target_delta", "max_grad_norm", "noise_multiplier", "accountant"}
-    secure_aggregation   only when the task enabled it: {"enabled", "threshold", "min_cohort"}
+    secure_aggregation   only when the task enabled it, defaults filled in: {"enabled", "threshold",
+                         "min_cohort", "clip", "bits", "rounding", "degree"}
     notes                plain-language caveats (list of strings)
     export               only in an ONNX bundle: {"created", "fedclinic_version", "opset", "inputs", "outputs",
                          "files", "fp32": {"max_abs_diff", "tolerance", "top1_agreement", "inputs",
@@ -126,7 +127,9 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
     if spec.HasField("privacy") and spec.privacy.level:
         card["privacy"] = _fields(spec.privacy)
     if spec.HasField("secure_aggregation") and spec.secure_aggregation.enabled:
-        card["secure_aggregation"] = _fields(spec.secure_aggregation)
+        from fedclinic.secagg.task_config import effective_config
+
+        card["secure_aggregation"] = _fields(effective_config(spec.secure_aggregation))  # defaults filled in
 
     rounds = _rounds_of_model(status, model_hash, requested_round, card["notes"])
     card["rounds"] = [_round_entry(r) for r in rounds]

@@ -99,6 +99,11 @@ class Task:
     #: accountant ("rdp" | "prv"); level = "client" (clip + noise of whole updates at the aggregator), which
     #: needs strategy "dp-fedavg" (its parameters carry clip and noise). Empty = no differential privacy.
     privacy: dict[str, Any] = field(default_factory=dict)
+    #: ``[secure_aggregation]``: enabled = true runs every round as a SecAgg(+) session, so the aggregator sees
+    #: only the sum of the sites' (clipped, quantized) deltas, averaged with uniform weights. Optional:
+    #: min_cohort (>= 3), threshold (0 = ceil(2h/3)), clip (|delta| range, default 1.0), bits (default 20),
+    #: rounding ("stochastic" | "nearest"), degree (0 = complete graph). See fedclinic.secagg.task_config.
+    secure_aggregation: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError listing every problem (and how to fix it)."""
@@ -135,6 +140,7 @@ class Task:
             p.append("labels contains duplicates")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
         p.extend(privacy_problems(self.privacy, self.family, self.architecture, self.strategy))
+        p.extend(self._secure_aggregation_problems())
         for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
                          ("max_length", 8)):
             if getattr(self, name) < lo:
@@ -168,6 +174,20 @@ class Task:
         if p:
             raise ConfigError(f"task {self.name!r} is invalid: " + "; ".join(p))
 
+    def _secure_aggregation_problems(self) -> list[str]:
+        from fedclinic.secagg import task_config
+
+        problems = task_config.dict_problems(self.secure_aggregation)
+        if problems or not self.secure_aggregation.get("enabled"):
+            return problems
+        spec = task_pb2.TaskSpec(
+            strategy=self.strategy, rounds=task_pb2.RoundConfig(min_sites=self.min_sites),
+            strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
+            strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
+            privacy=task_pb2.PrivacyConfig(level=str(self.privacy.get("level", "")) if self.privacy else ""),
+            secure_aggregation=task_config.config_from_dict(self.secure_aggregation))
+        return task_config.spec_problems(spec)
+
     def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
         self.validate()
         policy = {"retry": task_pb2.QUORUM_POLICY_RETRY, "fail": task_pb2.QUORUM_POLICY_FAIL}[self.on_quorum_miss]
@@ -185,6 +205,7 @@ class Task:
             update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec="raw",
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen),
             privacy=privacy_config(self.privacy),
+            secure_aggregation=_secure_aggregation_config(self.secure_aggregation),
             tokenizer_sha256=tokenizer_sha256)
 
     @classmethod
@@ -271,6 +292,12 @@ def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
                                   max_grad_norm=float(privacy.get("max_grad_norm", 1.0)),
                                   noise_multiplier=float(privacy.get("noise_multiplier") or 0.0),
                                   accountant=str(privacy.get("accountant", "rdp")))
+
+
+def _secure_aggregation_config(doc: dict[str, Any]) -> task_pb2.SecureAggregationConfig:
+    from fedclinic.secagg.task_config import config_from_dict
+
+    return config_from_dict(doc)
 
 
 def package_for_task(task: Task):

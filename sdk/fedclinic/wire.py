@@ -25,7 +25,8 @@ from fedclinic.proto import tensors_pb2 as pb
 CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 4 << 20
 ALLOWED_DTYPES = frozenset(
-    {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+    {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+     "uint32"}  # uint32: secure-aggregation masked inputs (elements of Z_2^32)
 )
 
 

@@ -86,3 +86,46 @@ def test_model_config_sizes_the_packaged_model(tmp_path):
     task.model_config = {"lstm_size": 8}
     with pytest.raises(ConfigError, match="lstm_size"):
         package_for_task(task)
+
+
+def test_secure_aggregation_section_travels_in_the_spec_with_defaults(tmp_path):
+    (tmp_path / "task.toml").write_text('''
+name = "x"
+dataset = "notes"
+labels = ["a", "b"]
+min_sites = 4
+[secure_aggregation]
+enabled = true
+clip = 0.25
+bits = 16
+''')
+    spec = Task.from_toml(tmp_path / "task.toml").to_spec()
+    sa = spec.secure_aggregation
+    assert (sa.enabled, sa.min_cohort, sa.threshold, sa.clip, sa.bits, sa.rounding, sa.degree) == (
+        True, 3, 0, 0.25, 16, "stochastic", 0)
+    assert not Task(name="y", dataset="d", labels=["a", "b"]).to_spec().secure_aggregation.enabled
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"enabled": True, "min_cohort": 2}, "min_cohort is 2; it must be at least 3"),
+    ({"enabled": True, "threshold": 2}, "threshold 2 is unsafe or unreachable"),        # 2t > h fails for 4 sites
+    ({"enabled": True, "threshold": 5}, "threshold 5 is unsafe or unreachable"),        # more than the 4 holders
+    ({"enabled": True, "bits": 30}, "bits must be an integer in [1, 24]"),
+    ({"enabled": True, "degree": 3}, "even integer"),
+    ({"enabled": "yes"}, "enabled must be true or false"),
+    ({"enabled": True, "rounds": 3}, "unknown setting 'rounds'"),
+])
+def test_secure_aggregation_settings_the_library_rejects_are_refused(section, message):
+    task = Task(name="x", dataset="d", labels=["a", "b"], min_sites=4, secure_aggregation=section)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        task.validate()
+
+
+def test_secure_aggregation_refuses_strategies_that_need_each_update():
+    for name in ("median", "fedatt", "dp-fedavg"):
+        extra = {"privacy": {"level": "client"}} if name == "dp-fedavg" else {}
+        with pytest.raises(ConfigError, match=f"strategy '{name}' looks at each site's update"):
+            Task(name="x", dataset="d", labels=["a", "b"], min_sites=3, strategy=name,
+                 secure_aggregation={"enabled": True}, **extra).validate()
+    Task(name="x", dataset="d", labels=["a", "b"], min_sites=3, strategy="fedadam",
+         secure_aggregation={"enabled": True}).validate()  # works on the sum: accepted

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("devices", "codecs", "secure_aggregation", "families")
+    __slots__ = ("devices", "codecs", "secure_aggregation", "families", "features")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     FAMILIES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedScalarFieldContainer[str]
     codecs: _containers.RepeatedScalarFieldContainer[str]
     secure_aggregation: bool
     families: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, devices: _Optional[_Iterable[str]] = ..., codecs: _Optional[_Iterable[str]] = ..., secure_aggregation: _Optional[bool] = ..., families: _Optional[_Iterable[str]] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, devices: _Optional[_Iterable[str]] = ..., codecs: _Optional[_Iterable[str]] = ..., secure_aggregation: _Optional[bool] = ..., families: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("protocol_version", "agent_version", "capabilities")
@@ -31,16 +33,18 @@ class HelloRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., agent_version: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("protocol_version", "aggregator_version", "site_id", "codecs")
+    __slots__ = ("protocol_version", "aggregator_version", "site_id", "codecs", "features")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     SITE_ID_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     aggregator_version: str
     site_id: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., aggregator_version: _Optional[str] = ..., site_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., aggregator_version: _Optional[str] = ..., site_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchWorkRequest(_message.Message):
     __slots__ = ("protocol_version",)
@@ -80,19 +84,165 @@ class CancelWork(_message.Message):
     reason: str
     def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class SecAggSetup(_message.Message):
+    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt")
+    COHORT_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    DEGREE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDING_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ORDER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    cohort: _containers.RepeatedScalarFieldContainer[str]
+    threshold: int
+    degree: int
+    clip: float
+    bits: int
+    rounding: str
+    vector_length: int
+    tensor_order: _containers.RepeatedScalarFieldContainer[str]
+    model_hash: str
+    nonce: bytes
+    attempt: int
+    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class SecAggPublicKeys(_message.Message):
+    __slots__ = ("mask_public_key", "encryption_public_key")
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTION_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    mask_public_key: bytes
+    encryption_public_key: bytes
+    def __init__(self, mask_public_key: _Optional[bytes] = ..., encryption_public_key: _Optional[bytes] = ...) -> None: ...
+
+class SecAggKeyEntry(_message.Message):
+    __slots__ = ("site_id", "mask_public_key", "encryption_public_key")
+    SITE_ID_FIELD_NUMBER: _ClassVar[int]
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTION_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    site_id: str
+    mask_public_key: bytes
+    encryption_public_key: bytes
+    def __init__(self, site_id: _Optional[str] = ..., mask_public_key: _Optional[bytes] = ..., encryption_public_key: _Optional[bytes] = ...) -> None: ...
+
+class SecAggKeyDirectory(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[SecAggKeyEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[SecAggKeyEntry, _Mapping]]] = ...) -> None: ...
+
+class SecAggShareKeys(_message.Message):
+    __slots__ = ("ciphertexts",)
+    class CiphertextsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    ciphertexts: _containers.ScalarMap[str, bytes]
+    def __init__(self, ciphertexts: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class SecAggMaskedInputRequest(_message.Message):
+    __slots__ = ("alive", "ciphertexts")
+    class CiphertextsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    alive: _containers.RepeatedScalarFieldContainer[str]
+    ciphertexts: _containers.ScalarMap[str, bytes]
+    def __init__(self, alive: _Optional[_Iterable[str]] = ..., ciphertexts: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class SecAggUnmaskRequest(_message.Message):
+    __slots__ = ("survivors", "dropped", "model_hash")
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    model_hash: str
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ...) -> None: ...
+
+class SecAggUnmaskResponse(_message.Message):
+    __slots__ = ("self_mask_shares", "mask_key_shares")
+    class SelfMaskSharesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class MaskKeySharesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    self_mask_shares: _containers.ScalarMap[str, bytes]
+    mask_key_shares: _containers.ScalarMap[str, bytes]
+    def __init__(self, self_mask_shares: _Optional[_Mapping[str, bytes]] = ..., mask_key_shares: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class SecAggAbort(_message.Message):
+    __slots__ = ("reason", "rejoin")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    rejoin: bool
+    def __init__(self, reason: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
+
+class SecAggJoin(_message.Message):
+    __slots__ = ("attempt", "model_hash", "vector_length")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    model_hash: str
+    vector_length: int
+    def __init__(self, attempt: _Optional[int] = ..., model_hash: _Optional[str] = ..., vector_length: _Optional[int] = ...) -> None: ...
+
 class SecAggPhase(_message.Message):
-    __slots__ = ("task_id", "round", "session_id", "phase", "payload")
+    __slots__ = ("task_id", "round", "session_id", "setup", "key_directory", "masked_input_request", "unmask_request", "abort", "join", "advertise_keys", "share_keys", "unmask_response")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    PHASE_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
+    KEY_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    MASKED_INPUT_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     session_id: str
-    phase: str
-    payload: bytes
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., session_id: _Optional[str] = ..., phase: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    setup: SecAggSetup
+    key_directory: SecAggKeyDirectory
+    masked_input_request: SecAggMaskedInputRequest
+    unmask_request: SecAggUnmaskRequest
+    abort: SecAggAbort
+    join: SecAggJoin
+    advertise_keys: SecAggPublicKeys
+    share_keys: SecAggShareKeys
+    unmask_response: SecAggUnmaskResponse
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., session_id: _Optional[str] = ..., setup: _Optional[_Union[SecAggSetup, _Mapping]] = ..., key_directory: _Optional[_Union[SecAggKeyDirectory, _Mapping]] = ..., masked_input_request: _Optional[_Union[SecAggMaskedInputRequest, _Mapping]] = ..., unmask_request: _Optional[_Union[SecAggUnmaskRequest, _Mapping]] = ..., abort: _Optional[_Union[SecAggAbort, _Mapping]] = ..., join: _Optional[_Union[SecAggJoin, _Mapping]] = ..., advertise_keys: _Optional[_Union[SecAggPublicKeys, _Mapping]] = ..., share_keys: _Optional[_Union[SecAggShareKeys, _Mapping]] = ..., unmask_response: _Optional[_Union[SecAggUnmaskResponse, _Mapping]] = ...) -> None: ...
+
+class SecAggAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class WorkItem(_message.Message):
     __slots__ = ("heartbeat", "assignment", "cancel", "secagg")
@@ -133,7 +283,7 @@ class DpReport(_message.Message):
     def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., accountant: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics")
+    __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics", "secagg_session_id")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +309,7 @@ class UpdateHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DP_FIELD_NUMBER: _ClassVar[int]
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     attempt: int
@@ -170,7 +321,8 @@ class UpdateHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.TensorHeader]
     dp: DpReport
     eval_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., base_model_hash: _Optional[str] = ..., kind: _Optional[_Union[_task_pb2.UpdateKind, str]] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tensors: _Optional[_Iterable[_Union[_tensors_pb2.TensorHeader, _Mapping]]] = ..., dp: _Optional[_Union[DpReport, _Mapping]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    secagg_session_id: str
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., base_model_hash: _Optional[str] = ..., kind: _Optional[_Union[_task_pb2.UpdateKind, str]] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tensors: _Optional[_Iterable[_Union[_tensors_pb2.TensorHeader, _Mapping]]] = ..., dp: _Optional[_Union[DpReport, _Mapping]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., secagg_session_id: _Optional[str] = ...) -> None: ...
 
 class UpdateCommit(_message.Message):
     __slots__ = ("total_encoded_nbytes",)

@@ -61,6 +61,11 @@ class AgentServiceStub:
                 request_serializer=fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.SerializeToString,
                 response_deserializer=fedclinic_dot_v1_dot_agent__pb2.DeclineResponse.FromString,
                 _registered_method=True)
+        self.SecAggRespond = channel.unary_unary(
+                '/fedclinic.v1.AgentService/SecAggRespond',
+                request_serializer=fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_agent__pb2.SecAggAck.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -102,6 +107,15 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAggRespond(self, request, context):
+        """Secure aggregation, agent -> aggregator: join (trained and ready), advertise keys, share keys, unmask
+        response (SecAggPhase with one of those bodies). The sender is the caller's certificate, never a field.
+        The masked input itself travels through SubmitUpdate (UpdateHeader.secagg_session_id set).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Decline,
                     request_deserializer=fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.FromString,
                     response_serializer=fedclinic_dot_v1_dot_agent__pb2.DeclineResponse.SerializeToString,
+            ),
+            'SecAggRespond': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggRespond,
+                    request_deserializer=fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_agent__pb2.SecAggAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +285,33 @@ class AgentService:
             '/fedclinic.v1.AgentService/Decline',
             fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.SerializeToString,
             fedclinic_dot_v1_dot_agent__pb2.DeclineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggRespond(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedclinic.v1.AgentService/SecAggRespond',
+            fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.SerializeToString,
+            fedclinic_dot_v1_dot_agent__pb2.SecAggAck.FromString,
             options,
             channel_credentials,
             insecure,

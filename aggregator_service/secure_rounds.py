@@ -1,0 +1,499 @@
+"""Secure aggregation in the round engine: each round of a ``[secure_aggregation]`` task is a SecAgg(+) session.
+
+The protocol itself is :mod:`fedclinic.secagg` (transport-free); this module drives one
+:class:`~fedclinic.secagg.ServerSession` per round attempt over the agent service (messages in
+``protos/fedclinic/v1/agent.proto``, walk-through in ``docs/protocol.md``):
+
+0. **join**: an assigned site trains as usual, then calls ``SecAggRespond(join)`` naming the model it trained
+   on. The session starts once ``sites_target`` sites joined, or, with at least ``floor = max(3, min_cohort,
+   min_sites)`` joined, when nobody else can join or at the join deadline (half of ``round_timeout_s`` after
+   the attempt opened). Its cohort is the joined sites; each gets ``SecAggSetup`` on its work stream.
+1. **advertise keys** -> ``SecAggKeyDirectory`` to those who advertised;
+2. **share keys** -> ``SecAggMaskedInputRequest`` (alive set + the ciphertexts addressed to the site);
+3. **masked input** (``SubmitUpdate`` with ``secagg_session_id``: one ``uint32`` tensor, no sample count,
+   no metrics) -> ``SecAggUnmaskRequest`` (survivors, dropped);
+4. **unmask** -> :meth:`ServerSession.finish` -> the survivors' sum.
+
+Each phase closes when every expected site answered or at its deadline (a tenth of ``round_timeout_s``,
+at least 1 s, after the phase opened); the library's ``close_*`` / ``finish`` then carry on without the
+silent sites (dropout recovery) or abort. The result, ``sum / survivors`` (float32, uniform weights: sample
+counts never travel beside a masked vector), is handed to the task's strategy as one update of weight 1 and
+the round closes through the engine's usual path.
+
+An abort (too few sites left, inconsistent shares, a refusal reported as a decline) sends ``SecAggAbort``
+with ``rejoin = true``: sites that revealed nothing join again and a *new* session (fresh nonce, fresh keys)
+starts, at most :data:`MAX_SESSIONS_PER_ATTEMPT` times per attempt. Session state lives in memory only: an
+aggregator restart loses it, the agents re-join when their assignment is delivered again, and the round is
+re-keyed. The engine's round deadline and quorum policy bound everything (a round whose session did not
+finish by then counts as a quorum miss: retry with a new attempt, or fail).
+
+Every method runs under the engine's lock and wakes waiters through its condition variable.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+
+from fedclinic.failpoints import failpoint
+from fedclinic.proto import agent_pb2, control_pb2, task_pb2
+from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase, SecAggAbort, SecAggConfigError,
+                              SecAggError, SecAggIntegrityError, SecAggProtocolError, ServerSession, ShareKeys,
+                              UnmaskResponse)
+from fedclinic.secagg.task_config import floor_of, session_params
+from fedclinic.selection import select_names
+
+from aggregator_service.store import now_ms
+
+if TYPE_CHECKING:
+    from aggregator_service.engine import Engine
+
+log = structlog.get_logger("fedclinic.aggregator.secagg")
+S = control_pb2
+
+FEATURE = "secagg-v1"
+"""The Hello feature of agents (and aggregators) that speak these phases."""
+MASKED_TENSOR = "secagg.masked_input"
+"""Name of the one tensor of a masked-input upload (uint32, [vector_length])."""
+MAX_SESSIONS_PER_ATTEMPT = 3
+JOIN_FRACTION = 0.5      # of round_timeout_s: how long after an attempt opens sites may still join
+PHASE_FRACTION = 0.1     # of round_timeout_s: each phase's window
+MIN_WINDOW_MS = 1000
+
+
+@dataclass
+class _Round:
+    """One round attempt of a secure task, and its current session (if any)."""
+
+    task_id: str
+    round: int
+    attempt: int
+    base_model: str
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    vector_length: int
+    join_deadline_ms: int
+    window_ms: int
+    joined: dict[str, int] = field(default_factory=dict)       # site -> when it joined (ms)
+    session: ServerSession | None = None
+    cohort: tuple[str, ...] = ()
+    expected: set[str] = field(default_factory=set)             # sites the open phase still waits for
+    phase_deadline_ms: int = 0
+    masked_keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # idempotency key -> (site, update id)
+    sessions: int = 0
+    uplink: int = 0
+
+    @property
+    def session_hex(self) -> str:
+        return self.session.params.session_id.hex() if self.session is not None else ""
+
+    @property
+    def live(self) -> bool:
+        return self.session is not None and self.session.phase not in (Phase.DONE, Phase.ABORTED)
+
+
+class SecureRounds:
+    """The aggregator's secure-aggregation coordinator (one per engine)."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self._rounds: dict[str, _Round] = {}
+        self._features: dict[str, frozenset[str]] = {}
+        self._outbox: dict[str, list[tuple[int, str, agent_pb2.WorkItem]]] = {}  # site -> (seq, task, item)
+        self._seq = itertools.count(1)
+
+    # capabilities and the work stream ---------------------------------------------------------------------
+    def hello(self, site: str, features: list[str], secure_aggregation: bool) -> None:
+        """Remember what ``site`` announced at Hello (it must say ``secagg-v1`` to be given secure tasks)."""
+        with self.engine.lock:
+            self._features[site] = frozenset(features) | (frozenset({"secure_aggregation"}) if secure_aggregation
+                                                          else frozenset())
+
+    def capable(self, site: str) -> bool:
+        """Did ``site`` announce the ``secagg-v1`` feature and ``Capabilities.secure_aggregation``?"""
+        return {FEATURE, "secure_aggregation"} <= self._features.get(site, frozenset())
+
+    def pending(self, site: str, cursor: list[int]) -> list[agent_pb2.WorkItem]:
+        """Phase messages for ``site`` newer than ``cursor[0]`` (one cursor per work stream; advanced here).
+
+        Only the latest message per (site, task) is kept: each one is sent after the site answered the one
+        before, so a reconnected agent needs only that one (it answers a repeat with its first answer), and a
+        restarted agent, which lost its keys, gets nothing it could mistake for a session of its own."""
+        with self.engine.lock:
+            items = [(seq, item) for seq, _, item in self._outbox.get(site, ()) if seq > cursor[0]]
+            if items:
+                cursor[0] = items[-1][0]
+            return [item for _, item in items]
+
+    def _send(self, st: _Round, site: str, **body: object) -> None:
+        msg = agent_pb2.SecAggPhase(task_id=st.task_id, round=st.round, session_id=st.session_hex, **body)
+        items = [i for i in self._outbox.get(site, ()) if i[1] != st.task_id]
+        self._outbox[site] = [*items, (next(self._seq), st.task_id, agent_pb2.WorkItem(secagg=msg))]
+        self.engine.add_downlink(st.task_id, msg.ByteSize())
+
+    def _clear_outbox(self, task_id: str) -> None:
+        for site, items in list(self._outbox.items()):
+            kept = [i for i in items if i[1] != task_id]
+            if kept:
+                self._outbox[site] = kept
+            else:
+                del self._outbox[site]
+
+    # round bookkeeping -----------------------------------------------------------------------------------
+    def _event(self, task_id: str, kind: str, message: str) -> None:
+        with self.engine.store.tx() as c:
+            self.engine.store.add_event(c, task_id, kind, message)
+
+    def _current(self, task_id: str, *, create: bool = True) -> tuple[_Round | None, object, task_pb2.TaskSpec | None]:
+        """The state of the task's open round attempt (dropping a stale one); (None, None, None) if none."""
+        eng = self.engine
+        st = self._rounds.get(task_id)
+        task = eng.store.one("SELECT state, spec FROM tasks WHERE task_id=?", (task_id,))
+        rnd = eng._open_round(task_id) if task is not None and task.state == S.TASK_STATE_RUNNING else None
+        if rnd is None:
+            if st is not None:
+                self._drop(st, "the task or round ended")
+            return None, None, None
+        spec = task_pb2.TaskSpec.FromString(task.spec)
+        if not spec.secure_aggregation.enabled:
+            return None, None, None
+        if st is not None and (st.round, st.attempt) != (rnd.round, rnd.attempt):
+            self._drop(st, f"round {st.round} attempt {st.attempt} is over")
+            st = None
+        if st is None and create:
+            manifest = eng.store.model(rnd.base_model)
+            assert manifest is not None
+            names = tuple(select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
+                                       spec.update.frozen_patterns, spec.update.private_patterns))
+            shapes = tuple(tuple(manifest.tensor(n).shape) for n in names)
+            timeout_ms = int(spec.rounds.round_timeout_s * 1000)
+            opened = rnd.deadline_ms - timeout_ms  # this attempt's opening (a retry moves the deadline)
+            st = self._rounds[task_id] = _Round(
+                task_id, rnd.round, rnd.attempt, rnd.base_model, names, shapes,
+                sum(int(np.prod(s, dtype=np.int64)) for s in shapes), opened + int(JOIN_FRACTION * timeout_ms),
+                max(MIN_WINDOW_MS, int(PHASE_FRACTION * timeout_ms)))
+        return st, rnd, spec
+
+    def _drop(self, st: _Round, reason: str) -> None:
+        """Forget a round attempt; a live session is aborted and its cohort told (no rejoin)."""
+        self._rounds.pop(st.task_id, None)
+        self._clear_outbox(st.task_id)
+        if st.live:
+            assert st.session is not None
+            st.session.abort(reason)
+            for site in st.cohort:
+                self._send(st, site, abort=agent_pb2.SecAggAbort(reason=reason, rejoin=False))
+            log.info("secure-aggregation session dropped", task_id=st.task_id, round=st.round, reason=reason)
+
+    def _abort(self, st: _Round, reason: str) -> None:
+        """The session failed: tell its cohort, re-key with whoever joins again (fresh session)."""
+        assert st.session is not None
+        st.session.abort(reason)
+        self._clear_outbox(st.task_id)
+        for site in st.cohort:
+            self._send(st, site, abort=agent_pb2.SecAggAbort(reason=reason, rejoin=True))
+        st.joined = {s: t for s, t in st.joined.items() if s not in st.cohort}
+        st.expected = set()
+        st.join_deadline_ms = max(st.join_deadline_ms, now_ms() + st.window_ms)
+        self._event(st.task_id, "secagg-aborted", f"round {st.round}: secure-aggregation session "
+                                                   f"{st.session_hex[:16]} aborted: {reason}")
+        log.warning("secure-aggregation session aborted", task_id=st.task_id, round=st.round, reason=reason)
+        st.session, st.cohort = None, ()
+
+    # agent -> aggregator -------------------------------------------------------------------------------
+    def respond(self, site: str, msg: agent_pb2.SecAggPhase) -> None:
+        """Handle one ``SecAggRespond`` call from ``site`` (the certificate's name); raises Refused."""
+        from aggregator_service.engine import Refused
+
+        kind = msg.WhichOneof("body")
+        with self.engine.lock:
+            st, rnd, spec = self._current(msg.task_id)
+            if st is None or rnd.round != msg.round:
+                raise Refused("FAILED_PRECONDITION", f"round {msg.round} of task {msg.task_id} is not an open "
+                                                     "secure-aggregation round; wait for the next assignment")
+            a = self.engine.store.one("SELECT declined FROM assignments WHERE task_id=? AND round=? AND site=?",
+                                      (msg.task_id, msg.round, site))
+            if a is None or a.declined:
+                raise Refused("PERMISSION_DENIED", f"site {site} is not a participant of round {msg.round} of task "
+                                                   f"{msg.task_id}")
+            st.uplink += msg.ByteSize()
+            if kind == "join":
+                self._join(st, rnd, spec, site, msg.join)
+            elif kind in ("advertise_keys", "share_keys", "unmask_response"):
+                self._phase_message(st, site, msg, kind)
+            else:
+                raise Refused("INVALID_ARGUMENT", f"SecAggRespond takes join, advertise_keys, share_keys or "
+                                                  f"unmask_response, not {kind or 'an empty body'}")
+            self._advance(st, rnd, spec)
+            self.engine.changed.notify_all()
+
+    def _join(self, st: _Round, rnd, spec: task_pb2.TaskSpec, site: str, j: agent_pb2.SecAggJoin) -> None:
+        from aggregator_service.engine import Refused
+
+        if j.model_hash != st.base_model:
+            raise Refused("FAILED_PRECONDITION", f"site {site} trained on model {j.model_hash[:12]}, but round "
+                                                 f"{st.round} started from {st.base_model[:12]}")
+        if j.attempt != st.attempt:
+            raise Refused("FAILED_PRECONDITION", f"attempt {j.attempt} of round {st.round} is over (now attempt "
+                                                 f"{st.attempt}); wait for the new assignment")
+        if j.vector_length != st.vector_length:
+            raise Refused("INVALID_ARGUMENT", f"the update vector has {j.vector_length} values; this round's "
+                                              f"tensors {list(st.names)[:4]} have {st.vector_length}")
+        if site in st.cohort and st.live:
+            return  # already in the running session (a repeated join)
+        if site not in st.joined:
+            st.joined[site] = now_ms()
+            log.info("site joined secure aggregation", task_id=st.task_id, round=st.round, site=site,
+                     joined=len(st.joined))
+
+    def _phase_message(self, st: _Round, site: str, msg: agent_pb2.SecAggPhase, kind: str) -> None:
+        from aggregator_service.engine import Refused
+
+        s = st.session
+        if s is None or msg.session_id != st.session_hex or not st.live:
+            raise Refused("FAILED_PRECONDITION", f"secure-aggregation session {msg.session_id[:16]} of round "
+                                                 f"{st.round} is over (aborted, finished or re-keyed)")
+        phase = {"advertise_keys": Phase.ADVERTISE, "share_keys": Phase.SHARE_KEYS,
+                 "unmask_response": Phase.UNMASK}[kind]
+        if s.phase is not phase:
+            raise Refused("FAILED_PRECONDITION", f"{kind} from {site} arrived in phase {s.phase.value} of session "
+                                                 f"{st.session_hex[:16]}: that phase closed at its deadline")
+        sid = s.params.session_id
+        try:
+            if kind == "advertise_keys":
+                k = msg.advertise_keys
+                s.receive_advertise(AdvertiseKeys(sid, site, k.mask_public_key, k.encryption_public_key))
+            elif kind == "share_keys":
+                s.receive_share_keys(ShareKeys(sid, site, dict(msg.share_keys.ciphertexts)))
+            else:
+                r = msg.unmask_response
+                s.receive_unmask(UnmaskResponse(sid, site, dict(r.self_mask_shares), dict(r.mask_key_shares)))
+        except (SecAggProtocolError, SecAggIntegrityError) as exc:
+            raise Refused("INVALID_ARGUMENT", f"{kind} from {site} rejected: {exc}") from None
+        st.expected.discard(site)
+
+    def declined(self, site: str, task_id: str, rnd: int) -> None:
+        """``site`` declined round ``rnd`` (e.g. its own secure-aggregation checks refused): stop waiting for it."""
+        with self.engine.lock:
+            st = self._rounds.get(task_id)
+            if st is None or st.round != rnd:
+                return
+            st.expected.discard(site)
+            if st.session is None:
+                st.joined.pop(site, None)
+            st, open_round, spec = self._current(task_id, create=False)
+            if st is not None:
+                self._advance(st, open_round, spec)
+
+    # masked inputs (through SubmitUpdate) ----------------------------------------------------------------
+    def existing_masked(self, site: str, h: agent_pb2.UpdateHeader) -> str | None:
+        """The update id of an already folded masked input with this idempotency key (None if new)."""
+        from aggregator_service.engine import Refused
+
+        with self.engine.lock:
+            st = self._rounds.get(h.task_id)
+            prior = st.masked_keys.get(h.idempotency_key) if st is not None else None
+            if prior is None:
+                return None
+            if prior[0] != site:
+                raise Refused("ALREADY_EXISTS", "this idempotency key belongs to another site's update")
+            return prior[1]
+
+    def check_masked_header(self, site: str, h: agent_pb2.UpdateHeader) -> int:
+        """Validate a masked-input header before its bytes are read; returns the vector length."""
+        from aggregator_service.engine import Refused
+
+        with self.engine.lock:
+            st, rnd, _ = self._current(h.task_id)
+            if st is None or rnd.round != h.round or st.session is None or h.secagg_session_id != st.session_hex:
+                raise Refused("FAILED_PRECONDITION", f"secure-aggregation session {h.secagg_session_id[:16]} of "
+                                                     f"round {h.round} of task {h.task_id} is over; the masked "
+                                                     "input was not used")
+            s = st.session
+            if s.phase is not Phase.MASKED_INPUT:
+                raise Refused("FAILED_PRECONDITION", f"masked input from {site} arrived in phase {s.phase.value}: "
+                                                     "the masked-input phase is closed")
+            if site not in st.expected:
+                raise Refused("ALREADY_EXISTS" if site in st.cohort else "PERMISSION_DENIED",
+                              f"site {site} already sent its masked input with another idempotency key, or did "
+                              "not share keys in this session")
+            if h.base_model_hash != st.base_model:
+                raise Refused("FAILED_PRECONDITION", f"the masked input was computed against model "
+                                                     f"{h.base_model_hash[:12]}, not {st.base_model[:12]}")
+            if h.num_samples or h.metrics or h.eval_metrics or h.HasField("dp"):
+                raise Refused("INVALID_ARGUMENT", "a masked input must not carry num_samples, metrics, "
+                                                  "eval_metrics or dp: they would travel in the clear beside "
+                                                  "the masked vector")
+            if (len(h.tensors) != 1 or h.tensors[0].name != MASKED_TENSOR or h.tensors[0].dtype != "uint32"
+                    or list(h.tensors[0].shape) != [st.vector_length]):
+                raise Refused("INVALID_ARGUMENT", f"a masked input carries exactly one tensor {MASKED_TENSOR!r}, "
+                                                  f"uint32, shape [{st.vector_length}]")
+            return st.vector_length
+
+    def accept_masked(self, site: str, h: agent_pb2.UpdateHeader, vector: np.ndarray, nbytes: int) -> str:
+        """Fold a verified masked vector into the session; returns its update id (idempotent per key)."""
+        from aggregator_service.engine import Refused
+
+        with self.engine.lock:
+            prior = self.existing_masked(site, h)
+            if prior is not None:
+                return prior
+            self.check_masked_header(site, h)  # the phase may have closed while the bytes streamed in
+            st, rnd, spec = self._current(h.task_id)
+            assert st is not None and st.session is not None
+            failpoint("aggregator.secagg.masked-input")  # crash tests: a restart in the middle of a session
+            try:
+                st.session.receive_masked_input(MaskedInput(st.session.params.session_id, site, vector))
+            except SecAggProtocolError as exc:
+                raise Refused("INVALID_ARGUMENT", f"masked input from {site} rejected: {exc}") from None
+            update_id = f"m-{st.session_hex[:12]}-{site}"
+            st.masked_keys[h.idempotency_key] = (site, update_id)
+            st.expected.discard(site)
+            st.uplink += nbytes
+            log.info("masked input folded", task_id=h.task_id, round=h.round, site=site, nbytes=nbytes)
+            self._advance(st, rnd, spec)
+            self.engine.changed.notify_all()
+            return update_id
+
+    # phases --------------------------------------------------------------------------------------------
+    def tick(self) -> float:
+        """Apply join and phase deadlines of every secure round; seconds until the next one (<= 1)."""
+        wait = 1.0
+        with self.engine.lock:
+            for task_id in list(self._rounds):
+                st, rnd, spec = self._current(task_id, create=False)
+                if st is None:
+                    continue
+                self._advance(st, rnd, spec)
+                if task_id in self._rounds:
+                    due = st.phase_deadline_ms if st.live else st.join_deadline_ms
+                    wait = min(wait, max(0.0, (due - now_ms()) / 1000))
+            for rnd in self.engine.store.all("SELECT task_id FROM rounds WHERE state=?", (S.ROUND_STATE_OPEN,)):
+                if rnd.task_id not in self._rounds:  # e.g. after a restart: wait for joins with a fresh state
+                    self._current(rnd.task_id)
+        return max(wait, 0.01)
+
+    def _maybe_start(self, st: _Round, rnd, spec: task_pb2.TaskSpec) -> None:
+        floor = floor_of(spec)
+        n, now = len(st.joined), now_ms()
+        if n < floor or st.sessions >= MAX_SESSIONS_PER_ATTEMPT:
+            return
+        if n < rnd.sites_target and now < st.join_deadline_ms and self._others_may_join(st, spec):
+            return
+        cohort = tuple(sorted(st.joined, key=lambda s: (st.joined[s], s)))
+        cfg = spec.secure_aggregation
+        if cfg.threshold and not cfg.degree:
+            cohort = cohort[:2 * cfg.threshold - 1]  # complete graph: 2t > n keeps the threshold safe
+        try:
+            params = session_params(spec, task_id=st.task_id, round_number=st.round, cohort=cohort,
+                                    model_hash_hex=st.base_model, vector_length=st.vector_length)
+            session = ServerSession(params, min_cohort=floor)
+        except SecAggConfigError as exc:
+            st.sessions = MAX_SESSIONS_PER_ATTEMPT  # the same cohort would fail again; the deadline decides
+            self._event(st.task_id, "secagg-refused", f"round {st.round}: no secure-aggregation session for "
+                                                      f"{len(cohort)} sites: {exc}")
+            return
+        st.session, st.cohort, st.sessions = session, params.cohort, st.sessions + 1
+        st.expected, st.phase_deadline_ms = set(params.cohort), now + st.window_ms
+        q = params.quantizer
+        setup = agent_pb2.SecAggSetup(
+            cohort=list(params.cohort), threshold=params.threshold, degree=params.degree or 0, clip=q.clip,
+            bits=q.bits, rounding=q.rounding, vector_length=params.vector_length, tensor_order=list(st.names),
+            model_hash=st.base_model, nonce=params.nonce, attempt=st.attempt)
+        self._clear_outbox(st.task_id)
+        for site in params.cohort:
+            self._send(st, site, setup=setup)
+        for site in set(st.joined) - set(params.cohort):
+            self._send(st, site, abort=agent_pb2.SecAggAbort(reason="the cohort of this session is full", rejoin=False))
+        self._event(st.task_id, "secagg-session",
+                    f"round {st.round}: secure-aggregation session {st.session_hex[:16]} with {len(params.cohort)} "
+                    f"site(s) ({', '.join(params.cohort)}), threshold {params.threshold} of {params.holders} "
+                    f"holders, {params.vector_length} values, {q.bits}-bit quantization over +-{q.clip:g}")
+        log.info("secure-aggregation session started", task_id=st.task_id, round=st.round,
+                 session=st.session_hex[:16], cohort=list(params.cohort))
+
+    def _others_may_join(self, st: _Round, spec: task_pb2.TaskSpec) -> bool:
+        eng = self.engine
+        assigned = {a.site for a in eng.store.all("SELECT site FROM assignments WHERE task_id=? AND round=? AND "
+                                                  "declined=''", (st.task_id, st.round))}
+        if assigned - set(st.joined):
+            return True
+        return any(s not in assigned and eng._eligible(st.task_id, spec, s) for s in eng._connected)
+
+    def _advance(self, st: _Round, rnd, spec: task_pb2.TaskSpec) -> None:
+        """Start a session when the joins allow; close the open phase when all answered or its deadline passed."""
+        if st.session is None:
+            self._maybe_start(st, rnd, spec)
+            return
+        s, now = st.session, now_ms()
+        if not st.live or (st.expected and now < st.phase_deadline_ms):
+            return
+        missing = sorted(st.expected)
+        try:
+            if s.phase is Phase.ADVERTISE:
+                directory = s.close_advertise()
+                entries = [agent_pb2.SecAggKeyEntry(site_id=e.sender, mask_public_key=e.mask_public_key,
+                                                    encryption_public_key=e.encryption_public_key)
+                           for e in directory.entries]
+                for site in directory.members:
+                    self._send(st, site, key_directory=agent_pb2.SecAggKeyDirectory(entries=entries))
+                st.expected = set(directory.members)
+                done = f"{len(directory.members)} site(s) advertised keys"
+            elif s.phase is Phase.SHARE_KEYS:
+                requests = s.close_share_keys()
+                for site, req in requests.items():
+                    self._send(st, site, masked_input_request=agent_pb2.SecAggMaskedInputRequest(
+                        alive=list(req.alive), ciphertexts=dict(req.ciphertexts)))
+                st.expected = set(requests)
+                done = f"{len(requests)} site(s) shared keys"
+            elif s.phase is Phase.MASKED_INPUT:
+                req = s.close_masked_input()
+                for site in req.survivors:
+                    self._send(st, site, unmask_request=agent_pb2.SecAggUnmaskRequest(
+                        survivors=list(req.survivors), dropped=list(req.dropped), model_hash=st.base_model))
+                st.expected = set(req.survivors)
+                done = (f"{len(req.survivors)} masked input(s) arrived"
+                        + (f"; dropped after sharing keys: {', '.join(req.dropped)}" if req.dropped else ""))
+            else:
+                self._finish(st, s.finish())
+                return
+        except (SecAggAbort, SecAggIntegrityError) as exc:
+            self._abort(st, str(exc))
+            return
+        except SecAggError as exc:  # a protocol bug on our side: abandon the session, keep the round
+            log.exception("secure-aggregation phase failed", task_id=st.task_id, round=st.round)
+            self._abort(st, f"internal error: {exc}")
+            return
+        st.phase_deadline_ms = now + st.window_ms
+        self._event(st.task_id, "secagg-phase", f"round {st.round}, session {st.session_hex[:16]}: {done}"
+                    + (f" (silent at the deadline: {', '.join(missing)})" if missing else ""))
+
+    def _finish(self, st: _Round, result: AggregateResult) -> None:
+        m = len(result.survivors)
+        mean = result.total / np.float32(m)
+        tensors: dict[str, np.ndarray] = {}
+        offset = 0
+        for name, shape in zip(st.names, st.shapes):
+            size = int(np.prod(shape, dtype=np.int64))
+            tensors[name] = mean[offset:offset + size].reshape(shape)
+            offset += size
+        dropped = [s for s in st.cohort if s not in result.survivors]
+        metrics = {"secagg_survivors": float(m), "secagg_cohort": float(len(st.cohort)),
+                   "secagg_sessions": float(st.sessions),
+                   "secagg_error_bound": result.error_bound / m}  # per coordinate, on the mean
+        self._rounds.pop(st.task_id, None)
+        self._clear_outbox(st.task_id)
+        self.engine.add_uplink(st.task_id, st.round, st.uplink)
+        self._event(st.task_id, "secagg-result",
+                    f"round {st.round}: unmasked the sum of {m} site(s) ({', '.join(result.survivors)})"
+                    + (f"; dropped: {', '.join(dropped)}" if dropped else "")
+                    + f"; per-value error bound of the mean {metrics['secagg_error_bound']:.3g}")
+        log.info("secure aggregation finished", task_id=st.task_id, round=st.round, survivors=m,
+                 dropped=dropped)
+        self.engine.close_secure_round(st.task_id, st.round, tensors, metrics,
+                                       f"the secure sum of {m} site(s)")
+

@@ -1,0 +1,257 @@
+"""The site's side of secure aggregation: after local training, the round's delta leaves only masked.
+
+For a task with ``[secure_aggregation] enabled = true`` the worker trains as usual (and charges sample-level
+DP, when the task has it, before anything leaves), then hands the delta to :meth:`SiteSecAgg.ready`, which
+flattens it (the assignment's ``send_tensors``, each in C order, float32) and *joins* the round
+(``SecAggRespond(join)`` naming the model it trained on). Phase messages then arrive on the work stream and
+are answered on one thread, one :class:`~fedclinic.secagg.ClientSession` per session:
+
+============================  ====================================================================
+``SecAggSetup``               rebuild and check the session parameters (they must hash to the session
+                              id, name the model trained on, the agreed tensor order and length); create
+                              the ClientSession (site policy: ``secure_aggregation_min_cohort``);
+                              answer ``advertise_keys``
+``SecAggKeyDirectory``        answer ``share_keys``
+``SecAggMaskedInputRequest``  quantize + mask the vector; write it to the outbox and upload it through
+                              ``SubmitUpdate`` with an idempotency key (``secagg_session_id`` set; no sample
+                              count, metrics or DP report beside it)
+``SecAggUnmaskRequest``       answer ``unmask_response``; the round's vector is then forgotten
+``SecAggAbort``               drop the session; join again (``rejoin``) unless this site already revealed
+                              shares for the round: a second sum over another cohort would let the aggregator
+                              subtract one from the other
+============================  ====================================================================
+
+A repeated phase message (a reconnected work stream gets the live session's messages again) is answered with
+the answer given the first time. A :class:`~fedclinic.secagg.SecAggRefusal` (or any protocol error) is
+logged and reported to the aggregator as a decline with its reason; nothing more is sent for that round.
+Nothing here is persisted except the masked vector in the outbox: a restarted agent has lost its keys and
+counts as dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+import structlog
+
+from fedclinic.failpoints import failpoint
+from fedclinic.package import tensor_sha256
+from fedclinic.proto import agent_pb2, tensors_pb2
+from fedclinic.rpc import explain_rpc_error
+from fedclinic.secagg import (AdvertiseKeys, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer, SecAggError,
+                              SessionParams, UnmaskRequest)
+
+if TYPE_CHECKING:
+    from hospital_agent.worker import Agent
+
+log = structlog.get_logger("fedclinic.agent.secagg")
+
+FEATURE = "secagg-v1"
+MASKED_TENSOR = "secagg.masked_input"
+
+
+@dataclass
+class _Job:
+    """One trained round of one task, waiting for or inside a session."""
+
+    task_id: str
+    round: int
+    attempt: int
+    model_hash: str                    # hex: the global model this site trained on (its commitment)
+    names: tuple[str, ...]
+    vector: np.ndarray | None          # float32, the flattened delta; None once revealed
+    session: ClientSession | None = None
+    session_id: str = ""
+    answers: dict[str, agent_pb2.SecAggPhase] = field(default_factory=dict)  # incoming body kind -> our answer
+    revealed: bool = False             # answered an unmask request: never join another session for this round
+
+
+class SiteSecAgg:
+    """The agent's secure-aggregation client: jobs by task, phase handling on the caller's thread."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+
+    # from the work loop ------------------------------------------------------------------------------
+    def resume(self, a: agent_pb2.Assignment) -> bool:
+        """The assignment (again, e.g. a new attempt or a reconnected stream) for a round this site already
+        trained: join with the vector it holds instead of training (and charging privacy) twice. True when
+        handled; False when the site must train."""
+        with self._lock:
+            job = self._jobs.get(a.task_id)
+            if job is None or job.round != a.round or job.model_hash != a.model.model_hash:
+                return False
+            if job.revealed:
+                log.info("round already revealed to the aggregator; not joining another session", round=a.round)
+                return True
+            # join again even with a session running: after an aggregator restart that session is gone (the
+            # aggregator ignores the join of a member of its live session)
+            job.attempt = a.attempt
+        self._join(job)
+        return True
+
+    def ready(self, a: agent_pb2.Assignment, model_hash: str, delta: dict[str, np.ndarray],
+              names: list[str]) -> None:
+        """Local training of ``a`` is done (and its privacy charged): hold the flattened delta and join."""
+        vector = np.concatenate([np.asarray(delta[n], dtype=np.float32).ravel() for n in names]) if names else \
+            np.zeros(0, np.float32)
+        clip = a.spec.secure_aggregation.clip or 1.0
+        peak = float(np.abs(vector).max()) if vector.size else 0.0
+        if peak > clip:
+            log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6), clip=clip,
+                        hint="raise [secure_aggregation] clip or lower the learning rate")
+        job = _Job(a.task_id, a.round, a.attempt, model_hash, tuple(names), vector)
+        with self._lock:
+            self._jobs[a.task_id] = job
+        log.info("update ready for secure aggregation", values=int(vector.size))
+        self._join(job)
+
+    def forget(self, task_id: str) -> None:
+        """The task was cancelled or ended here: drop its job (keys, shares, vector)."""
+        with self._lock:
+            self._jobs.pop(task_id, None)
+
+    def _join(self, job: _Job) -> None:
+        msg = agent_pb2.SecAggPhase(task_id=job.task_id, round=job.round, join=agent_pb2.SecAggJoin(
+            attempt=job.attempt, model_hash=job.model_hash, vector_length=int(job.vector.size)))
+        if self._send(msg):
+            log.info("joined secure aggregation", task_id=job.task_id, round=job.round, attempt=job.attempt)
+
+    def _send(self, msg: agent_pb2.SecAggPhase) -> bool:
+        try:
+            self.agent._stub.SecAggRespond(msg, timeout=60)
+            return True
+        except grpc.RpcError as exc:
+            log.warning("secure-aggregation message not accepted", body=msg.WhichOneof("body"),
+                        error=str(explain_rpc_error(exc, self.agent.config.aggregator)))
+            return False
+
+    # phase messages ----------------------------------------------------------------------------------
+    def handle(self, msg: agent_pb2.SecAggPhase) -> None:
+        """Answer one phase message from the work stream (never raises: failures are logged or declined)."""
+        kind = msg.WhichOneof("body")
+        with self._lock:
+            job = self._jobs.get(msg.task_id)
+        if job is None or job.round != msg.round:
+            log.info("phase message for a round this site holds no update for; ignored", task_id=msg.task_id,
+                     round=msg.round, body=kind)
+            return
+        if kind == "abort":
+            self._on_abort(job, msg)
+            return
+        if kind != "setup" and msg.session_id != job.session_id:
+            log.info("phase message of another session; ignored", body=kind, session=msg.session_id[:16])
+            return
+        if kind == "setup" and msg.session_id == job.session_id and "setup" not in job.answers:
+            return  # a session this site refused or abandoned
+        if kind != "setup" and job.session is None and kind not in job.answers:
+            log.info("phase message of a session this site refused or left; ignored", body=kind)
+            return
+        answered = job.answers.get(kind)
+        if answered is not None and msg.session_id == job.session_id:
+            if answered.WhichOneof("body") is not None:
+                self._send(answered)  # a repeated message: the same answer again
+            return
+        try:
+            if kind == "setup":
+                answer = self._setup(job, msg)
+            elif kind == "key_directory":
+                answer = self._share_keys(job, msg)
+            elif kind == "masked_input_request":
+                answer = self._masked_input(job, msg)
+            elif kind == "unmask_request":
+                answer = self._unmask(job, msg)
+            else:
+                log.warning("unexpected phase message from the aggregator; ignored", body=kind)
+                return
+        except (SecAggError, ValueError) as exc:  # ValueError: malformed hex or sizes in the message
+            self._refuse(job, str(exc))
+            return
+        job.answers[kind] = answer
+        if answer.WhichOneof("body") is not None:
+            self._send(answer)
+
+    def _reply(self, job: _Job, **body: object) -> agent_pb2.SecAggPhase:
+        return agent_pb2.SecAggPhase(task_id=job.task_id, round=job.round, session_id=job.session_id, **body)
+
+    def _setup(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        s = msg.setup
+        job.session, job.session_id, job.answers = None, msg.session_id, {}
+        if job.revealed or job.vector is None:
+            raise SecAggError("this site already revealed shares for this round; it joins no second session")
+        if tuple(s.tensor_order) != job.names or s.vector_length != job.vector.size:
+            raise SecAggError(f"the session flattens tensors {list(s.tensor_order)[:3]}... into {s.vector_length} "
+                              f"values; this site trained {list(job.names)[:3]}... = {job.vector.size} values")
+        params = SessionParams(task_id=job.task_id, round=job.round, cohort=tuple(s.cohort),
+                               model_hash=bytes.fromhex(s.model_hash), vector_length=int(s.vector_length),
+                               quantizer=Quantizer(clip=s.clip, bits=s.bits, rounding=s.rounding),  # type: ignore[arg-type]
+                               degree=s.degree or None, threshold=s.threshold, nonce=s.nonce)
+        if params.session_id.hex() != msg.session_id:
+            raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
+        job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),
+                                    policy=self.agent.config.policy.secagg_policy())
+        adv = job.session.advertise()
+        log.info("secure-aggregation session joined", session=msg.session_id[:16], cohort=len(params.cohort),
+                 threshold=params.threshold)
+        return self._reply(job, advertise_keys=agent_pb2.SecAggPublicKeys(
+            mask_public_key=adv.mask_public_key, encryption_public_key=adv.encryption_public_key))
+
+    def _share_keys(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        assert job.session is not None
+        sid = job.session.params.session_id
+        directory = KeyDirectory(sid, tuple(AdvertiseKeys(sid, e.site_id, e.mask_public_key, e.encryption_public_key)
+                                            for e in msg.key_directory.entries))
+        shares = job.session.share_keys(directory)
+        return self._reply(job, share_keys=agent_pb2.SecAggShareKeys(ciphertexts=dict(shares.ciphertexts)))
+
+    def _masked_input(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        assert job.session is not None and job.vector is not None
+        failpoint("agent.secagg.before-masked-input")
+        r = msg.masked_input_request
+        request = MaskedInputRequest(job.session.params.session_id, self.agent.site_id, tuple(r.alive),
+                                     dict(r.ciphertexts))
+        masked = job.session.masked_input(request, job.vector).masked
+        header = agent_pb2.UpdateHeader(
+            task_id=job.task_id, round=job.round, attempt=job.attempt, base_model_hash=job.model_hash,
+            idempotency_key=f"{job.task_id}:{job.round}:{self.agent.site_id}:secagg:{uuid.uuid4().hex}",
+            secagg_session_id=job.session_id)
+        header.tensors.append(tensors_pb2.TensorHeader(
+            name=MASKED_TENSOR, dtype="uint32", shape=[int(masked.size)], codec="raw", sha256=tensor_sha256(masked),
+            encoded_nbytes=int(masked.nbytes)))
+        entry = self.agent.outbox.put(header, {MASKED_TENSOR: masked})
+        log.info("masked input ready", nbytes=int(masked.nbytes), session=job.session_id[:16])
+        self.agent._upload_with_retries(entry)
+        return self._reply(job)  # the answer went through SubmitUpdate
+
+    def _unmask(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        assert job.session is not None
+        r = msg.unmask_request
+        job.revealed = True  # from here on, never join another session for this round
+        response = job.session.unmask(UnmaskRequest(job.session.params.session_id, bytes.fromhex(r.model_hash),
+                                                    tuple(r.survivors), tuple(r.dropped)))
+        job.vector = None
+        self.agent._sent.add((job.task_id, job.round))
+        log.info("unmask shares revealed", survivors=len(r.survivors), dropped=list(r.dropped))
+        return self._reply(job, unmask_response=agent_pb2.SecAggUnmaskResponse(
+            self_mask_shares=dict(response.self_mask_shares), mask_key_shares=dict(response.mask_key_shares)))
+
+    def _on_abort(self, job: _Job, msg: agent_pb2.SecAggPhase) -> None:
+        if msg.session_id and msg.session_id != job.session_id:
+            return
+        job.session, job.answers = None, {}
+        log.warning("secure-aggregation session aborted by the aggregator", reason=msg.abort.reason,
+                    rejoin=msg.abort.rejoin)
+        if msg.abort.rejoin and not job.revealed and job.vector is not None:
+            self._join(job)
+
+    def _refuse(self, job: _Job, reason: str) -> None:
+        job.session, job.answers = None, {"setup": agent_pb2.SecAggPhase()}  # answer nothing more in this session
+        log.error("secure-aggregation session refused", reason=reason, session=job.session_id[:16])
+        self.agent._decline_round(job.task_id, job.round, f"secure aggregation refused: {reason}")
