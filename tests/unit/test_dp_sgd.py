@@ -25,7 +25,8 @@ def _weights(loaded):
     return {n: p.detach().clone() for n, p in loaded.module.named_parameters()}
 
 
-def test_one_step_equals_clipped_per_example_gradients():
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_one_step_equals_clipped_per_example_gradients(mode):
     """sample rate 1 (every example in the batch) and negligible noise: the step is -lr * sum_i clip(g_i) / n
     (dropout off, so the per-example reference passes see the same network)."""
     _, loaded = model("transformer", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -34,7 +35,7 @@ def test_one_step_equals_clipped_per_example_gradients():
     reference = copy.deepcopy(loaded)
     before = _weights(loaded)
     cfg = TrainConfig(optimizer="sgd", learning_rate=1.0, batch_size=6, max_grad_norm=0.0, seed=0)
-    train_local_private(loaded, data, cfg, DPSGD(1e-9, clip, 1.0, 1), trainable=_trainable(loaded))
+    train_local_private(loaded, data, cfg, DPSGD(1e-9, clip, 1.0, 1), trainable=_trainable(loaded), mode=mode)
 
     reference.module.train()
     loss_fn = _batch_loss(reference, data.multi_label)

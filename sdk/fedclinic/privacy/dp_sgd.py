@@ -126,14 +126,27 @@ def _is_hf_model(module) -> bool:
 
 
 def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainable: Collection[str],
-                        progress: Callable[[int, int, float], None] | None = None) -> "TrainResult":
+                        progress: Callable[[int, int, float], None] | None = None,
+                        mode: str = "auto") -> "TrainResult":
     """Train ``loaded.module`` in place with DP-SGD (``dp.steps`` Poisson-sampled steps); only ``trainable``
     tensors change. Same contract as :func:`fedclinic.training.train_local` otherwise; optimizer state is
     not kept across rounds (it would be a function of earlier noisy gradients only, but the simpler contract
-    is the one stated here), and AMP, FedProx and the gradient-change measure are refused."""
+    is the one stated here), and AMP, FedProx and the gradient-change measure are refused.
+
+    ``mode``: ``"hooks"`` materialises one gradient per example and trained tensor (Opacus' GradSampleModule);
+    ``"ghost"`` computes the per-example norms without them (ghost clipping, Li et al. 2022 / Bu et al. 2023:
+    a second backward pass of the loss reweighted by min(1, C/||g_i||)), so memory stays near non-private
+    training; ``"auto"`` (default) uses ghost clipping for single-label classification and hooks otherwise.
+    Both compute the same clipped sum (tested)."""
+    if mode not in ("auto", "hooks", "ghost"):
+        raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
+    if mode == "ghost" and data.multi_label:
+        raise ConfigError("ghost clipping needs one loss per example; multi-label tasks use mode 'hooks'")
     import torch
     from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     from fedclinic.optimizers import make_optimizer
     from fedclinic.training import TrainResult, _batch_loss, select_device
@@ -160,15 +173,28 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     optimizer = make_optimizer(cfg.optimizer, [p for _, p in named_train], lr=cfg.learning_rate,
                                weight_decay=cfg.weight_decay)
     expected = max(1, round(dp.sample_rate * n))
+    ghost = mode == "ghost" or (mode == "auto" and not data.multi_label)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Opacus' notes about secure_mode and full backward hooks
-        gsm = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
-        dp_optimizer = DPOptimizer(optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
-                                   expected_batch_size=expected, loss_reduction="mean", generator=noise)
+        if ghost:
+            gsm = GradSampleModuleFastGradientClipping(module, batch_first=True, loss_reduction="mean",
+                                                       max_grad_norm=dp.max_grad_norm, use_ghost_clipping=True)
+            dp_optimizer = DPOptimizerFastGradientClipping(
+                optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+                expected_batch_size=expected, loss_reduction="mean", generator=noise)
+        else:
+            gsm = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
+            dp_optimizer = DPOptimizer(optimizer, noise_multiplier=dp.noise_multiplier,
+                                       max_grad_norm=dp.max_grad_norm, expected_batch_size=expected,
+                                       loss_reduction="mean", generator=noise)
     handles = explicit_ids_hook(module)
     original = loaded.module
     loaded.module = gsm  # loaded.logits(...) now runs through the per-sample gradient hooks
-    loss_fn = _batch_loss(loaded, data.multi_label)
+    if ghost:
+        criterion = DPLossFastGradientClipping(gsm, dp_optimizer, torch.nn.CrossEntropyLoss(reduction="mean"), "mean")
+        loss_fn = lambda inputs, y: criterion(loaded.logits(*inputs).float(), y)  # noqa: E731
+    else:
+        loss_fn = _batch_loss(loaded, data.multi_label)
     loss_sum, seen, step = 0.0, 0, 0
     try:
         module.train()
