@@ -10,10 +10,12 @@ import numpy as np
 import structlog
 
 import fedclinic
+from fedclinic.codecs import available_codecs
 from fedclinic.errors import IntegrityError
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
 from fedclinic.wire import ChunkAssembler, PipelinedAssembler
 
+from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine, Refused
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
@@ -21,7 +23,8 @@ from aggregator_service.transfer import SpillWriter, send_model
 
 log = structlog.get_logger("fedclinic.aggregator.agents")
 
-ACCEPTED_CODECS = ["raw"]
+ACCEPTED_CODECS = ["raw", *available_codecs()]  # update codecs this aggregator decodes (fedclinic.codecs)
+GRPC_MESSAGE_PREFIX = 5  # bytes gRPC puts before each message (compressed flag + length)
 
 
 def abort(context: grpc.ServicerContext, exc: Refused) -> None:
@@ -29,9 +32,10 @@ def abort(context: grpc.ServicerContext, exc: Refused) -> None:
 
 
 class AgentApi(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, engine: Engine, heartbeat_s: float = 15.0) -> None:
+    def __init__(self, engine: Engine, heartbeat_s: float = 15.0, audit=None) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s
+        self.audit = audit or NoAudit()  # aggregator_service.audit_trail.AuditTrail
 
     def Hello(self, request: agent_pb2.HelloRequest, context) -> agent_pb2.HelloResponse:
         site = peer_identity(context).name
@@ -41,8 +45,9 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                           f"v{fedclinic.PROTOCOL_VERSION}; upgrade the older side")
         caps = request.capabilities
         self.engine.secagg.hello(site, list(caps.features), caps.secure_aggregation)
+        self.engine.hello_codecs(site, caps.codecs)
         log.info("agent hello", site=site, agent_version=request.agent_version, devices=list(caps.devices),
-                 features=list(caps.features))
+                 features=list(caps.features), codecs=list(caps.codecs))
         return agent_pb2.HelloResponse(protocol_version=fedclinic.PROTOCOL_VERSION,
                                        aggregator_version=fedclinic.__version__, site_id=site, codecs=ACCEPTED_CODECS,
                                        features=[SECAGG_FEATURE])
@@ -52,6 +57,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         delivered: dict[tuple[str, int, int], bool] = {}
         secagg_cursor = [0]  # the last secure-aggregation phase message this stream delivered
         self.engine.site_connected(site)
+        self.audit.record("site.connected", actor=site)
         log.info("work stream opened", site=site)
         last_beat = 0.0
         try:
@@ -66,6 +72,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                     self.engine.wait_for_change(timeout=min(self.heartbeat_s, 1.0))
         finally:
             self.engine.site_disconnected(site)
+            self.audit.record("site.disconnected", actor=site)
             log.info("work stream closed", site=site)
 
     def FetchModel(self, request: agent_pb2.FetchModelRequest, context) -> Iterator[tensors_pb2.ModelChunk]:
@@ -77,11 +84,15 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                           f"model {request.model_hash[:12]} of task {request.task_id} is not available to {site}; "
                           "models are served only to sites assigned to the task")
         counter = [0]
+        complete = False
         try:
             yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256),
                                   include_files=request.include_files, counter=counter)
+            complete = True
         finally:
             self.engine.add_downlink(request.task_id, counter[0])
+            self.audit.record("model.downloaded", actor=site, task_id=request.task_id, model_hash=request.model_hash,
+                              bytes=counter[0], complete=complete)
 
     def SubmitUpdate(self, request_iterator, context) -> agent_pb2.UpdateReceipt:
         site = peer_identity(context).name
@@ -107,8 +118,11 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         spill = SpillWriter(self.engine.spill_path(h.task_id, h.round))
         assembler = PipelinedAssembler(ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True))
         committed = False
+        wire_bytes = first.ByteSize() + GRPC_MESSAGE_PREFIX
+        path, layout = spill.path, spill.layout
         try:
             for msg in request_iterator:
+                wire_bytes += msg.ByteSize() + GRPC_MESSAGE_PREFIX
                 kind = msg.WhichOneof("item")
                 if kind == "tensor":
                     assembler.add(msg.tensor)
@@ -124,9 +138,11 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             if not committed:
                 raise IntegrityError("the update stream ended before its commit message; nothing was stored")
             nbytes = spill.finish()
+            path, layout = self.engine.prepare_update(h, spill.path, spill.layout)  # codec payloads checked here
         except IntegrityError as exc:
             assembler.abort()
             spill.discard()
+            spill.path.unlink(missing_ok=True)
             log.warning("update rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"update rejected: {exc}")
         except BaseException:
@@ -134,9 +150,9 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             spill.discard()
             raise
         try:
-            update_id = self.engine.accept_update(site, h, spill.path, spill.layout, nbytes)
+            update_id = self.engine.accept_update(site, h, path, layout, nbytes, wire_bytes)
         except Refused as exc:
-            spill.path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             abort(context, exc)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
 

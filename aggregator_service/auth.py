@@ -38,7 +38,7 @@ def peer_identity(context: grpc.ServicerContext) -> PeerIdentity:
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, revocations: RevocationList | None, on_refusal: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, revocations: RevocationList | None, on_refusal: Callable[[str, str, str], None] | None = None) -> None:
         self.revocations = revocations
         self.on_refusal = on_refusal
 
@@ -73,7 +73,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def _refuse(self, context, code, message: str, method: str, who: str) -> None:
         log.warning("call refused", method=method, peer=who, reason=message)
         if self.on_refusal is not None:
-            self.on_refusal(who, message)
+            self.on_refusal(who, message, method)  # (peer name, reason, method): the audit trail
         context.abort(code, message)
 
 

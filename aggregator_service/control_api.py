@@ -14,6 +14,7 @@ from fedclinic.errors import IntegrityError
 from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
 from fedclinic.wire import manifest_from_proto
 
+from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import TERMINAL, Engine, Refused, status_of, validate_spec
 from aggregator_service.transfer import receive_model, send_model
@@ -22,8 +23,9 @@ log = structlog.get_logger("fedclinic.aggregator.control")
 
 
 class ControlApi(control_pb2_grpc.ControlServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, audit=None) -> None:
         self.engine = engine
+        self.audit = audit or NoAudit()  # aggregator_service.audit_trail.AuditTrail
 
     def _visible(self, context, task_id: str) -> None:
         ident = peer_identity(context)
@@ -121,7 +123,14 @@ class ControlApi(control_pb2_grpc.ControlServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"task {request.task_id} has finished no round yet; nothing to download")
         manifest = self.engine.store.model(model_hash)
-        yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256), include_files=True)
+        who, counter, complete = peer_identity(context).name, [0], False
+        try:
+            yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256), include_files=True,
+                                  counter=counter)
+            complete = True
+        finally:
+            self.audit.record("model.downloaded", actor=who, task_id=request.task_id, model_hash=model_hash,
+                              bytes=counter[0], complete=complete)
 
 
 def _payload(request_iterator) -> Iterator[tensors_pb2.FileChunk | tensors_pb2.TensorChunk]:

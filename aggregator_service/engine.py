@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import threading
 import time
@@ -26,14 +27,18 @@ from typing import Callable, Iterable
 import numpy as np
 import structlog
 
-from fedclinic.blobstore import BlobStore
+from fedclinic.blobstore import BlobStore, fsync_dir
+from fedclinic.audit import update_digest
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.selection import select_names
 from fedclinic.strategies import ClientDP, Strategy, make_strategy
-from fedclinic.strategies.tensorsource import FileTensor
+from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor, dense_blocks
+from fedclinic import codec_wire
+from fedclinic.codecs import open_payload
+from fedclinic.durable_file import DurableFile
 from fedclinic.wire import manifest_to_proto
 from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.store import Store, now_ms
@@ -58,17 +63,24 @@ class UpdateLayout:
     """Where each tensor of an update lives inside its spill file."""
 
     tensors: list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, offset, nbytes
+    #: name -> codec params (JSON) of tensors stored encoded (an update codec); the others are raw
+    encoded: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps([[n, d, list(s), o, b] for n, d, s, o, b in self.tensors])
+        return json.dumps([[n, d, list(s), o, b, *([self.encoded[n]] if n in self.encoded else [])]
+                           for n, d, s, o, b in self.tensors])
 
     @classmethod
     def from_json(cls, text: str) -> "UpdateLayout":
-        return cls([(n, d, tuple(s), o, b) for n, d, s, o, b in json.loads(text)])
+        rows = json.loads(text)
+        return cls([(r[0], r[1], tuple(r[2]), r[3], r[4]) for r in rows], {r[0]: r[5] for r in rows if len(r) > 5})
 
-    def tensors_in(self, path: Path) -> dict[str, FileTensor]:
-        """The update's tensors as block-readable file ranges (never loaded whole)."""
-        return {name: FileTensor(path, offset, dtype, shape) for name, dtype, shape, offset, _ in self.tensors}
+    def tensors_in(self, path: Path) -> dict[str, FileTensor | EncodedTensor]:
+        """The update's tensors as block-readable file ranges (never loaded whole); encoded ones are decoded
+        while they are read (fedclinic.strategies.tensorsource.EncodedTensor)."""
+        return {name: (EncodedTensor(path, offset, nbytes, self.encoded[name], shape) if name in self.encoded
+                       else FileTensor(path, offset, dtype, shape))
+                for name, dtype, shape, offset, nbytes in self.tensors}
 
 
 @dataclass
@@ -94,6 +106,24 @@ def privacy_metrics(site_metrics: list[dict[str, float]], strategy) -> dict[str,
     return out
 
 
+def uplink_metrics(reports) -> dict[str, float]:
+    """A round's update bytes summed over its sites: ``uplink_payload_bytes`` (tensor payloads as sent,
+    encoded), ``uplink_fp32_bytes`` (the same tensors as float32 deltas), ``uplink_wire_bytes`` (serialized
+    SubmitUpdate messages) and ``uplink_reduction`` = fp32 / payload. Empty without per-site updates (secure
+    aggregation: see the round's ``uplink_bytes``)."""
+    payload = sum(r.nbytes for r in reports)
+    fp32 = sum(r.fp32_bytes for r in reports)
+    if not reports or not fp32:
+        return {}
+    out = {"uplink_payload_bytes": float(payload), "uplink_fp32_bytes": float(fp32)}
+    wire = sum(r.wire_bytes for r in reports)
+    if wire:
+        out["uplink_wire_bytes"] = float(wire)
+    if payload:
+        out["uplink_reduction"] = fp32 / payload
+    return out
+
+
 def weighted_mean(reports: Iterable[tuple[int, dict[str, float]]]) -> dict[str, float]:
     totals: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -116,6 +146,8 @@ class Engine:
         self.changed = threading.Condition(self.lock)
         self._acc: dict[str, _Accumulator] = {}
         self._connected: dict[str, int] = {}
+        #: update codecs each site announced at Hello (a site that did not say Hello takes raw tasks only)
+        self._codecs: dict[str, frozenset[str]] = {}
         self._stopping = False
         self._ticker: threading.Thread | None = None
         #: rounds of tasks with secure aggregation: one SecAgg(+) session each (aggregator_service.secure_rounds)
@@ -176,7 +208,9 @@ class Engine:
                           " initial_model) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (task_id, owner, idempotency_key, spec.SerializeToString(), S.TASK_STATE_QUEUED, ts, ts,
                            model_hash))
-                self.store.add_event(c, task_id, "submitted", f"task {spec.name!r} submitted by {owner}")
+                self.store.add_event(c, task_id, "submitted", f"task {spec.name!r} submitted by {owner}", actor=owner,
+                                     name=spec.name, family=spec.family, dataset=spec.dataset, model_hash=model_hash,
+                                     rounds=spec.rounds.num_rounds)
                 self._open_round_tx(c, task_id, spec, 1, 1, model_hash)
             log.info("task created", task_id=task_id, owner=owner, name=spec.name)
             self.changed.notify_all()
@@ -197,7 +231,8 @@ class Engine:
             with self.store.tx() as c:
                 c.execute("UPDATE tasks SET state=?, error=?, updated_ms=? WHERE task_id=?",
                           (S.TASK_STATE_CANCELLED, f"cancelled by {by}: {reason}".strip(": "), now_ms(), task_id))
-                self.store.add_event(c, task_id, "cancelled", f"cancelled by {by}" + (f": {reason}" if reason else ""))
+                self.store.add_event(c, task_id, "cancelled", f"cancelled by {by}" + (f": {reason}" if reason else ""),
+                                     actor=by, reason=reason)
             self._drop_round_data(task_id)
             self.changed.notify_all()
 
@@ -223,16 +258,33 @@ class Engine:
                   (S.TASK_STATE_RUNNING, rnd, opened, task_id))
         self.store.add_event(c, task_id, "round-opened",
                              f"round {rnd} opened (attempt {attempt}); waiting for {target} site(s), "
-                             f"deadline in {rc.round_timeout_s:g} s")
+                             f"deadline in {rc.round_timeout_s:g} s", round=rnd, attempt=attempt, base_model=base_model,
+                             sites_target=target)
 
     def _eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool:
         if spec.sites and site not in spec.sites:
             return False
         if spec.secure_aggregation.enabled and not self.secagg.capable(site):
             return False  # the agent did not announce "secagg-v1" at Hello
+        if not self.supports_codec(site, spec.update.codec):
+            return False  # the agent did not announce every codec the task's updates use
         return self.store.one("SELECT 1 FROM site_declines WHERE task_id=? AND site=?", (task_id, site)) is None
 
     # agents -------------------------------------------------------------------------------------------
+    def hello_codecs(self, site: str, codecs: Iterable[str]) -> None:
+        """Remember the update codecs ``site`` announced at Hello (``Capabilities.codecs``)."""
+        with self.lock:
+            self._codecs[site] = frozenset(codecs)
+            self.changed.notify_all()
+
+    def supports_codec(self, site: str, codec: str) -> bool:
+        """Can ``site`` encode updates with the task codec ``codec`` (raw: every site)?"""
+        try:
+            needed = codec_wire.needed_codecs(codec)
+        except ConfigError:
+            return False
+        return set(needed) <= self._codecs.get(site, frozenset())
+
     def site_connected(self, site: str) -> None:
         with self.lock:
             self._connected[site] = self._connected.get(site, 0) + 1
@@ -283,7 +335,8 @@ class Engine:
                     with self.store.tx() as c:
                         c.execute("INSERT OR REPLACE INTO assignments(task_id, round, site, attempt, assigned_ms) "
                                   "VALUES (?, ?, ?, ?, ?)", (task.task_id, rnd.round, site, rnd.attempt, now_ms()))
-                        self.store.add_event(c, task.task_id, "site-assigned", f"{site} joined round {rnd.round}")
+                        self.store.add_event(c, task.task_id, "site-assigned", f"{site} joined round {rnd.round}",
+                                             actor=site, round=rnd.round, attempt=rnd.attempt)
                 manifest = self.store.model(rnd.base_model)
                 assert manifest is not None
                 send = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
@@ -309,7 +362,8 @@ class Engine:
                 if permanent:
                     c.execute("INSERT OR REPLACE INTO site_declines(task_id, site, reason) VALUES (?, ?, ?)",
                               (task_id, site, reason))
-                self.store.add_event(c, task_id, "declined", f"{site} declined round {rnd}: {reason}")
+                self.store.add_event(c, task_id, "declined", f"{site} declined round {rnd}: {reason}", actor=site,
+                                     round=rnd, reason=reason, permanent=permanent)
             log.warning("site declined", task_id=task_id, round=rnd, site=site, reason=reason)
             self.secagg.declined(site, task_id, rnd)
             if self._open_round(task_id) is not None:
@@ -399,9 +453,73 @@ class Engine:
                                                       f"{list(ref.shape)}")
                 if t.dtype != "float32":
                     raise Refused("INVALID_ARGUMENT", f"tensor {t.name!r}: deltas must be float32, got {t.dtype}")
+                self._check_tensor_codec(spec, t)
             if not seen:
                 raise Refused("INVALID_ARGUMENT", "the update carries no tensor")
             return {n: by_name[n] for n in seen}
+
+    @staticmethod
+    def _check_tensor_codec(spec: task_pb2.TaskSpec, t) -> None:
+        """A tensor of an update must use the task's codec with the task's parameters (INVALID_ARGUMENT)."""
+        want = codec_wire.canonical(spec.update.codec)
+        got = t.codec or codec_wire.RAW
+        if got != want:
+            raise Refused("INVALID_ARGUMENT", f"tensor {t.name!r} is encoded with codec {got!r}, but the task's "
+                                              f"updates use {want!r}")
+        codec = codec_wire.task_codec(want)
+        try:
+            if codec is None:
+                if t.codec_params:
+                    raise IntegrityError(f"tensor {t.name!r}: codec 'raw' takes no codec_params")
+            else:
+                codec_wire.check_header(t.name, t.codec, t.dtype, list(t.shape), int(t.encoded_nbytes))
+                codec_wire.params_of(t.name, codec, list(t.shape), dict(t.codec_params))
+        except IntegrityError as exc:
+            raise Refused("INVALID_ARGUMENT", str(exc)) from None
+
+    def prepare_update(self, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout) -> tuple[Path, UpdateLayout]:
+        """Check the payload of every encoded tensor of a received (durable) update completely; then keep it
+        encoded for a linear strategy (decoded into the accumulator when folded) or decode it, chunk by chunk,
+        into a float32 spill file for a strategy that looks at each update. Raw updates pass unchanged.
+        IntegrityError (nothing kept) for a malformed payload."""
+        spec = self.spec(h.task_id)
+        codec = codec_wire.task_codec(spec.update.codec)
+        if codec is None:
+            return spill, layout
+        by_name = {t.name: t for t in h.tensors}
+        params = {name: codec_wire.params_of(name, codec, list(by_name[name].shape), dict(by_name[name].codec_params))
+                  for name, *_ in layout.tensors}
+        encoded = UpdateLayout(list(layout.tensors), {n: json.dumps(p, separators=(",", ":")) for n, p in params.items()})
+        for name, _, _, _, _ in layout.tensors:  # full validation before anything is folded or kept
+            t = encoded.tensors_in(spill)[name]
+            try:
+                open_payload(t.payload(), params[name])
+            except IntegrityError as exc:
+                raise IntegrityError(f"tensor {name!r}: {exc}") from None
+        if not strategy_of(spec).needs_per_site_updates:
+            return spill, encoded
+        dense_path = spill.with_name(spill.stem + ".f32")
+        out = DurableFile(dense_path.with_suffix(".part"))
+        dense = UpdateLayout([])
+        scratch = np.empty(1 << 16, dtype=np.float32)
+        offset = 0
+        try:
+            for name, _, shape, _, _ in layout.tensors:
+                t = encoded.tensors_in(spill)[name]
+                reader = open_payload(t.payload(), params[name], chunk=scratch.size)
+                for _, block in dense_blocks(reader.chunks(), t.size, scratch):
+                    out.write(memoryview(block).cast("B"))
+                dense.tensors.append((name, "float32", shape, offset, 4 * t.size))
+                offset += 4 * t.size
+            out.close()
+        except BaseException:
+            out.discard()
+            dense_path.with_suffix(".part").unlink(missing_ok=True)
+            raise
+        os.replace(dense_path.with_suffix(".part"), dense_path)
+        fsync_dir(dense_path.parent)
+        spill.unlink(missing_ok=True)
+        return dense_path, dense
 
     def spill_path(self, task_id: str, rnd: int) -> Path:
         d = self.spill_root / task_id / str(rnd)
@@ -409,8 +527,11 @@ class Engine:
         return d / f"u-{uuid.uuid4().hex}.bin"
 
     def accept_update(self, site: str, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout,
-                      nbytes: int) -> str:
-        """Fold a verified, fsync'd update into the round, then record it durably. Returns its update id."""
+                      nbytes: int, wire_bytes: int = 0) -> str:
+        """Fold a verified, fsync'd update into the round, then record it durably. Returns its update id.
+        ``nbytes``: the tensors' payload bytes as sent (encoded); ``wire_bytes``: the serialized
+        SubmitUpdate messages (with gRPC's 5-byte message prefix); the fp32-equivalent size comes from the
+        shapes."""
         with self.lock:
             prior = self.existing_update(h.task_id, h.idempotency_key)
             if prior is not None:
@@ -427,16 +548,19 @@ class Engine:
             try:
                 with self.store.tx() as c:
                     c.execute("INSERT INTO updates(update_id, task_id, round, site, idempotency_key, num_samples, "
-                              "nbytes, spill_path, layout, metrics, eval_metrics, received_ms) "
-                              "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                              "nbytes, spill_path, layout, metrics, eval_metrics, received_ms, fp32_bytes, "
+                              "wire_bytes) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                               (update_id, h.task_id, h.round, site, h.idempotency_key, h.num_samples, nbytes,
                                str(spill), layout.to_json(), json.dumps(dict(h.metrics)),
-                               json.dumps(dict(h.eval_metrics)), now_ms()))
+                               json.dumps(dict(h.eval_metrics)), now_ms(),
+                               sum(4 * math.prod(t.shape) for t in h.tensors), wire_bytes))
                     c.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
                               (nbytes, h.task_id, h.round))
                     self.store.add_event(c, h.task_id, "update-received",
                                          f"{site} sent its round {h.round} update ({nbytes} bytes, "
-                                         f"{h.num_samples} samples)")
+                                         f"{h.num_samples} samples)", actor=site, round=h.round,
+                                         update_id=update_id, size=nbytes, sha256=update_digest(h.tensors),
+                                         num_samples=h.num_samples)
             except BaseException:
                 self._acc.pop(h.task_id, None)  # it holds an update the store does not: rebuild from disk
                 raise
@@ -529,13 +653,14 @@ class Engine:
         manifest = Manifest(tuple(entries), base.files)
         saved_state = {key: [self.blobs.put(raw_bytes(arr)), str(arr.dtype), list(arr.shape)]
                        for key, arr in acc.strategy.state().items()}
-        reports = self.store.all("SELECT num_samples, metrics, eval_metrics FROM updates WHERE task_id=? AND round=?",
-                                 (task_id, rnd.round))
+        reports = self.store.all("SELECT num_samples, metrics, eval_metrics, nbytes, fp32_bytes, wire_bytes FROM updates "
+                                 "WHERE task_id=? AND round=?", (task_id, rnd.round))
         site_metrics = [json.loads(r.metrics) for r in reports]
         metrics = weighted_mean((r.num_samples, m) for r, m in zip(reports, site_metrics))
         metrics.update({f"eval_{k}": v for k, v in
                         weighted_mean((r.num_samples, json.loads(r.eval_metrics)) for r in reports).items()})
         metrics.update(privacy_metrics(site_metrics, acc.strategy))
+        metrics.update(uplink_metrics(reports))
         metrics.update(extra_metrics or {})
         with self.store.tx() as c:
             model_hash = self.store.put_model(c, manifest)
@@ -544,11 +669,13 @@ class Engine:
                                                       json.dumps(saved_state), task_id, rnd.round))
             self.store.add_event(c, task_id, "round-closed",
                                  f"round {rnd.round} closed with {closed_with or f'{len(reports)} update(s)'}; "
-                                 f"model {model_hash[:12]}")
+                                 f"model {model_hash[:12]}", round=rnd.round, model_hash=model_hash,
+                                 updates=len(reports))
             if rnd.round >= spec.rounds.num_rounds:
                 c.execute("UPDATE tasks SET state=?, final_model=?, updated_ms=? WHERE task_id=?",
                           (S.TASK_STATE_COMPLETED, model_hash, now_ms(), task_id))
-                self.store.add_event(c, task_id, "completed", f"task completed after {rnd.round} round(s)")
+                self.store.add_event(c, task_id, "completed", f"task completed after {rnd.round} round(s)",
+                                     final_model=model_hash, rounds=rnd.round)
             else:
                 self._open_round_tx(c, task_id, spec, rnd.round + 1, 1, model_hash)
         log.info("round closed", task_id=task_id, round=rnd.round, updates=len(reports), model=model_hash[:12])
@@ -589,10 +716,15 @@ class Engine:
             return
         missed = (f"round {rnd.round} got {n} of the {rc.min_sites} update(s) it needs by its deadline "
                   f"({rc.round_timeout_s:g} s, attempt {rnd.attempt})")
+        unable = sorted(s for s in self._connected if not self.supports_codec(s, spec.update.codec))
+        if unable:
+            missed += (f"; connected site(s) {', '.join(unable)} did not announce the update codec "
+                       f"{spec.update.codec!r} at Hello (upgrade their agents or choose another codec)")
         retry = rc.on_quorum_miss == task_pb2.QUORUM_POLICY_RETRY and rnd.attempt <= rc.max_round_retries
         with self.store.tx() as c:
             if retry:
-                self.store.add_event(c, task_id, "round-failed", missed + "; quorum policy is 'retry': reopening")
+                self.store.add_event(c, task_id, "round-failed", missed + "; quorum policy is 'retry': reopening",
+                                     round=rnd.round, attempt=rnd.attempt)
                 deadline = now_ms() + int(rc.round_timeout_s * 1000)
                 c.execute("UPDATE rounds SET attempt=attempt+1, deadline_ms=? WHERE task_id=? AND round=?",
                           (deadline, task_id, rnd.round))
@@ -672,8 +804,7 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
         if tokenizer is None or tokenizer.sha256 != spec.tokenizer_sha256:
             problems.append("tokenizer_sha256 does not match the model's tokenizer.json (data contract: every site "
                             "tokenizes with the tokenizer the task declares); submit the model with its own tokenizer")
-    if spec.update.codec not in ("", "raw"):
-        problems.append(f"codec {spec.update.codec!r} is not available in this release (use 'raw')")
+    problems.extend(codec_wire.spec_problems(spec.update.codec, secure_aggregation=spec.secure_aggregation.enabled))
     try:
         strategy = strategy_of(spec)
         if "gradient_change_rate" in strategy.site_metrics() and not spec.training.measure_gradient_change:
@@ -709,10 +840,11 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
             metrics=json.loads(r.metrics), uplink_bytes=r.uplink_bytes, downlink_bytes=r.downlink_bytes,
             opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
             model_hash=r.model_hash)
-        for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics FROM updates "
+        for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics, fp32_bytes, wire_bytes FROM updates "
                            "WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round)):
             rs.reports.append(control_pb2.SiteReport(site_id=u.site, num_samples=u.num_samples, uplink_bytes=u.nbytes,
                                                      metrics=json.loads(u.metrics),
-                                                     eval_metrics=json.loads(u.eval_metrics)))
+                                                     eval_metrics=json.loads(u.eval_metrics),
+                                                     uplink_fp32_bytes=u.fp32_bytes, uplink_wire_bytes=u.wire_bytes))
         out.rounds.append(rs)
     return out

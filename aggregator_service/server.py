@@ -18,6 +18,7 @@ from fedclinic.proto import agent_pb2_grpc, control_pb2_grpc
 from fedclinic.rpc import SERVER_OPTIONS, server_credentials
 
 from aggregator_service.agent_api import AgentApi
+from aggregator_service.audit_trail import AuditTrail
 from aggregator_service.auth import AuthInterceptor
 from aggregator_service.config import AggregatorConfig
 from aggregator_service.control_api import ControlApi
@@ -33,19 +34,26 @@ class Aggregator:
     def __init__(self, config: AggregatorConfig) -> None:
         self.config = config
         self.store = Store(config.state_dir)
+        #: STATE_DIR/audit.jsonl (aggregator_service.audit_trail): task events after they commit, connections,
+        #: downloads, refused certificates
+        self.audit = AuditTrail(config.state_dir / "audit.jsonl")
+        self.store.on_commit = self.audit.on_commit
         self.blobs = BlobStore(config.state_dir / "blobs")
         self.engine = Engine(self.store, self.blobs)
         revocations = RevocationList(config.crl, config.tls.ca) if config.crl else None
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
-                                  interceptors=[AuthInterceptor(revocations)], options=SERVER_OPTIONS)
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s), self.server)
-        control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine), self.server)
+                                  interceptors=[AuthInterceptor(revocations, on_refusal=self._refused)], options=SERVER_OPTIONS)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_secure_port(config.listen, server_credentials(config.tls))
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen} (address in use or not allowed)")
         self._stopped = threading.Event()
+
+    def _refused(self, who: str, reason: str, method: str) -> None:
+        self.audit.record("auth.refused", actor=who, method=method, reason=reason)
 
     @property
     def address(self) -> str:
@@ -73,6 +81,7 @@ class Aggregator:
         self.engine.stop()
         self.server.stop(grace).wait()
         self.store.close()
+        self.audit.close()
         (self.config.state_dir / ADDRESS_FILE).unlink(missing_ok=True)
         log.info("aggregator stopped")
 

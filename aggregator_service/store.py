@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fedclinic.package import FileEntry, Manifest, TensorEntry
 
@@ -85,6 +85,9 @@ class Store:
         self._conn = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None, timeout=30)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
+        #: called after each commit with that transaction's events (see add_event): the audit trail
+        self.on_commit: Callable[[list[dict[str, Any]]], None] | None = None
+        self._tx_events: list[dict[str, Any]] = []
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
@@ -102,18 +105,28 @@ class Store:
         columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(rounds)").fetchall()}
         if "strategy_state" not in columns:
             self._conn.execute("ALTER TABLE rounds ADD COLUMN strategy_state TEXT NOT NULL DEFAULT '{}'")
+        columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(updates)").fetchall()}
+        for column in ("fp32_bytes", "wire_bytes"):  # byte accounting of update codecs (issue #6)
+            if column not in columns:
+                self._conn.execute(f"ALTER TABLE updates ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        """One atomic, durable transaction (BEGIN IMMEDIATE ... COMMIT)."""
+        """One atomic, durable transaction (BEGIN IMMEDIATE ... COMMIT). The events it added go to
+        ``on_commit`` after the commit (and nowhere after a rollback)."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
+            self._tx_events = []
             try:
                 yield self._conn
             except BaseException:
                 self._conn.execute("ROLLBACK")
+                self._tx_events = []
                 raise
             self._conn.execute("COMMIT")
+            events, self._tx_events = self._tx_events, []
+            if events and self.on_commit is not None:
+                self.on_commit(events)
 
     def execute(self, sql: str, args: tuple = ()) -> None:
         with self.tx() as c:
@@ -138,9 +151,14 @@ class Store:
         r = self.one("SELECT manifest FROM models WHERE model_hash=?", (model_hash,))
         return manifest_from_json(r.manifest) if r else None
 
-    def add_event(self, c: sqlite3.Connection, task_id: str, kind: str, message: str) -> None:
+    def add_event(self, c: sqlite3.Connection, task_id: str, kind: str, message: str, *, actor: str = "",
+                  **details: Any) -> None:
+        """Journal a task event (``WatchTask``); ``actor`` (who caused it) and ``details`` (plain JSON values)
+        go only to the audit trail, with the message."""
         c.execute("INSERT INTO events(task_id, kind, message, unix_ms) VALUES (?, ?, ?, ?)",
                   (task_id, kind, message, now_ms()))
+        self._tx_events.append({"task_id": task_id, "kind": kind, "message": message, "actor": actor,
+                                "details": details})
 
     def close(self) -> None:
         with self._lock:

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     priv_sub = priv.add_subparsers(dest="privacy_command", required=True)
     pst = priv_sub.add_parser("status", help="budget, spent and committed epsilon per dataset, and per task")
     pst.add_argument("--config", required=True)
+    from hospital_agent.tasks_cli import add_commands as add_task_commands
+
+    add_task_commands(sub)
     ins = sub.add_parser("install-service", help="lay out the systemd service: user, directories, permissions, unit")
     ins.add_argument("--root", default="/", help="install under this prefix instead of / (staging, tests)")
     ins.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
@@ -113,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "privacy":
         return privacy_status(args.config)
+
+    if args.command == "tasks":
+        from hospital_agent.tasks_cli import run as run_tasks
+
+        return run_tasks(args)
 
     if args.command == "check-config":
         problems = check_config(args.config)

@@ -31,6 +31,7 @@ Example::
     allowed_families = ["text-classification"]
     allowed_datasets = ["notes"]
     # secure_aggregation_min_cohort = 3   # fewest sites this site masks its update with (>= 3)
+    # approval = "manual"                 # a new task waits for `hospital-agent tasks approve ID` (default "auto")
 
 The site policy is enforced here, at the hospital, whatever the aggregator asks.
 """
@@ -48,6 +49,7 @@ from fedclinic.tomlconfig import env_overrides, load_toml, require
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
 FORMATS = ("jsonl", "csv", "tsv", "conll")
+APPROVAL_MODES = ("auto", "manual")
 
 
 def _sha256_or_none(value: Any, where: str) -> str | None:
@@ -97,6 +99,9 @@ class SitePolicy:
     #: under secure aggregation, refuse sessions (cohort, key directory, survivors) smaller than this (>= 3);
     #: enforced by fedclinic.secagg.ClientSession whatever the aggregator says
     secure_aggregation_min_cohort: int = 3
+    #: "auto": a task the policy allows runs at once; "manual": it waits for ``hospital-agent tasks approve ID``
+    #: (hospital_agent.approvals), and nothing is downloaded or trained before that
+    approval: str = "auto"
 
     def secagg_policy(self):
         """The site's fedclinic.secagg.ClientPolicy."""
@@ -172,8 +177,11 @@ class AgentConfig:
         if isinstance(min_cohort, bool) or not isinstance(min_cohort, int) or min_cohort < 3:
             raise ConfigError(f"{source}: [policy] secure_aggregation_min_cohort must be an integer >= 3 (with two "
                               "sites each learns the other's update from the sum)")
+        approval = pol.get("approval", "auto")
+        if approval not in APPROVAL_MODES:
+            raise ConfigError(f"{source}: [policy] approval must be \"auto\" or \"manual\", got {approval!r}")
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
-                            tuple(pol.get("allowed_datasets", list(datasets))), min_cohort)
+                            tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval)
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level"}
         if unknown:

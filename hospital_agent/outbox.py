@@ -3,7 +3,7 @@ the aggregator has acknowledged it. After a crash or SIGTERM the agent resends w
 same idempotency key, so the aggregator stores it exactly once.
 
 Layout: ``outbox/<task_id>.<round>/header.pb`` (a serialized ``UpdateHeader`` protobuf message: plain data,
-never pickle) and ``tensors.bin`` (the tensors' raw bytes back to back, in header order).
+never pickle) and ``tensors.bin`` (the tensors' bytes as sent, raw or encoded, back to back, in header order).
 """
 
 from __future__ import annotations
@@ -38,15 +38,17 @@ class Outbox:
         for partial in self.root.glob("*.tmp"):
             shutil.rmtree(partial, ignore_errors=True)
 
-    def put(self, header: agent_pb2.UpdateHeader, tensors: dict[str, np.ndarray]) -> OutboxEntry:
-        """Persist an update (header tensors must be in the same order as ``tensors``)."""
+    def put(self, header: agent_pb2.UpdateHeader, tensors: dict[str, np.ndarray | bytes]) -> OutboxEntry:
+        """Persist an update (header tensors must be in the same order as ``tensors``): raw arrays, or the
+        encoded payloads of an update codec (bytes, written as they will be sent)."""
         final = self.root / f"{header.task_id}.{header.round}"
         tmp = self.root / f"{header.task_id}.{header.round}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         with open(tmp / "tensors.bin", "wb") as fh:
             for t in header.tensors:
-                fh.write(raw_bytes(tensors[t.name]))
+                data = tensors[t.name]
+                fh.write(data if isinstance(data, bytes) else raw_bytes(data))
             fh.flush()
             os.fsync(fh.fileno())
         with open(tmp / "header.pb", "wb") as fh:

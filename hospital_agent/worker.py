@@ -4,7 +4,8 @@ One thread keeps the ``WatchWork`` stream open (reconnecting with capped exponen
 and queues what arrives; the main thread handles one assignment at a time:
 
 1. check the site policy and the data contract (nothing is downloaded before this passes; a refusal is
-   sent to the aggregator with its reason, which reaches the task owner);
+   sent to the aggregator with its reason, which reaches the task owner); under ``approval = "manual"`` a new
+   task is then held until ``hospital-agent tasks approve`` (hospital_agent.approvals);
 2. fetch only the tensors whose hash is not in the local cache;
 3. evaluate the global model on the site's held-out split (when configured), train locally with the
    shared trainer, compute delta = local - global on the tensors the task sends;
@@ -17,12 +18,14 @@ The model and the encoded dataset of a task stay in memory across its rounds.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -30,7 +33,10 @@ import numpy as np
 import structlog
 
 import fedclinic
+from fedclinic.audit import AuditError, AuditLog, update_digest
+from fedclinic import codec_wire
 from fedclinic.blobstore import BlobStore
+from fedclinic.codecs import CodecInputError, ErrorFeedback, available_codecs
 from fedclinic.failpoints import failpoint
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError
 from fedclinic.package import Manifest, ModelPackage, tensor_sha256
@@ -39,6 +45,7 @@ from fedclinic.rpc import explain_rpc_error, secure_channel
 from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_tensor_chunk_in, header_of,
                             manifest_from_proto)
 
+from hospital_agent.approvals import APPROVED, REJECTED, ApprovalStore
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
 from hospital_agent.privacy_ledger import BudgetExceeded
@@ -70,6 +77,15 @@ class _TaskState:
     private: "PrivatePlan | None" = None
 
 
+def _certificate_name(config: AgentConfig) -> str:
+    from fedclinic.pki import identity_from_pem
+
+    try:
+        return identity_from_pem(config.tls.cert.read_bytes()).name
+    except (OSError, ValueError, FedclinicError):
+        return "?"
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -77,6 +93,13 @@ class Agent:
         self.cache = BlobStore(config.work_dir / "cache")
         self.outbox = Outbox(config.work_dir / "outbox")
         self.privacy = SitePrivacy(config.work_dir / "privacy-ledger.sqlite", config.datasets)
+        #: tasks seen and their approval (hospital_agent.approvals; shared with `hospital-agent tasks`)
+        self.approvals = ApprovalStore(config.work_dir / "approvals.sqlite")
+        #: the site's audit trail (fedclinic.audit); the `hospital-agent tasks` CLI appends to it too
+        self.audit_log = AuditLog(config.work_dir / "audit.jsonl", on_torn_tail="quarantine")
+        self._cert_name = _certificate_name(config)  # the site's name before Hello has confirmed it
+        #: the latest assignment of each task waiting for approval (re-checked by the main loop)
+        self._held: dict[str, agent_pb2.Assignment] = {}
         self.stop_event = threading.Event()
         self.site_id = ""
         self._queue: "queue.Queue[agent_pb2.WorkItem]" = queue.Queue()
@@ -102,7 +125,7 @@ class Agent:
         from fedclinic.training import select_device
 
         device = select_device(self.config.device)
-        caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw"], secure_aggregation=True,
+        caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw", *available_codecs()], secure_aggregation=True,
                                       families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE])
         resp = self._stub.Hello(agent_pb2.HelloRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
                                                        agent_version=fedclinic.__version__, capabilities=caps),
@@ -129,9 +152,11 @@ class Agent:
                 try:
                     item = self._queue.get(timeout=0.5)
                 except queue.Empty:
+                    self._release_held()
                     continue
                 if item.WhichOneof("item") == "assignment":
                     self._handle_safely(item.assignment)
+                self._release_held()
         finally:
             self.stop()
             watcher.join(timeout=5)
@@ -214,13 +239,70 @@ class Agent:
         except grpc.RpcError as exc:
             log.warning("could not send the refusal", error=str(explain_rpc_error(exc, self.config.aggregator)))
 
+    # audit and approval -------------------------------------------------------------------------------------
+    def audit(self, kind: str, task_id: str | None = None, **details) -> None:
+        """Append to the site's audit trail (after the state change it records). A failed write is logged as an
+        error; the work goes on (the log then refuses further writes until the agent restarts)."""
+        try:
+            self.audit_log.append(kind, actor=f"agent:{self.site_id or self._cert_name}", task_id=task_id, **details)
+        except AuditError as exc:
+            log.error("audit record not written", kind=kind, error=str(exc))
+
+    def _approved(self, a: agent_pb2.Assignment) -> bool:
+        """May this assignment run now? Records the task in the approval store; under ``approval = "manual"`` a
+        task that is not approved yet is held (the aggregator sees a slow site: the round waits for it until its
+        deadline) and re-checked by the main loop; a rejected one is declined for good with the reason."""
+        auto = self.config.policy.approval == "auto"
+        rec, what = self.approvals.observe(a, auto=auto, decided_by="site policy (approval = \"auto\")")
+        if what:
+            if rec.state == APPROVED:
+                self.audit("task.approved", a.task_id, by=rec.decided_by, mode="auto", spec_sha256=rec.spec_sha256,
+                           name=a.spec.name)
+            else:
+                self.audit("task.awaiting_approval", a.task_id, round=a.round, spec_sha256=rec.spec_sha256,
+                           name=a.spec.name, **({"note": rec.note} if rec.note else {}))
+        if rec.state == APPROVED:
+            self._held.pop(a.task_id, None)
+            return True
+        if rec.state == REJECTED:
+            self._held.pop(a.task_id, None)
+            site = self.site_id or self._cert_name
+            self._decline(a, f"rejected at {site}: {rec.reason}", permanent=True)
+            return False
+        if self._held.get(a.task_id) is None or what:
+            log.warning("task awaiting approval at this site; nothing is fetched or trained until then",
+                        name=a.spec.name, approve=f"hospital-agent tasks approve {a.task_id} --config ...",
+                        show=f"hospital-agent tasks show {a.task_id} --config ...")
+        self._held[a.task_id] = a
+        return False
+
+    def _release_held(self) -> None:
+        """Handle held assignments whose task has been decided (approved or rejected) since."""
+        if not self._held:
+            return
+        for task_id in [t for t in self._held if t in self._cancelled]:
+            del self._held[task_id]
+        states = self.approvals.states(list(self._held))
+        for task_id, a in list(self._held.items()):
+            if states.get(task_id) not in (APPROVED, REJECTED):
+                continue
+            del self._held[task_id]
+            if states[task_id] == APPROVED and a.deadline_unix_ms and a.deadline_unix_ms < time.time() * 1000:
+                log.info("task approved after its round's deadline; waiting for the next assignment",
+                         task_id=task_id, round=a.round)
+                continue
+            self._handle_safely(a)
+
     # one assignment -----------------------------------------------------------------------------------------
     def handle(self, a: agent_pb2.Assignment) -> None:
         refusal = self.config.policy.refusal(a.spec, self.config.datasets)
         if refusal:
             log.warning("assignment refused by site policy", reason=refusal)
             self._decline(a, refusal, permanent=True)
+            self.audit("task.refused_by_policy", a.task_id, round=a.round, reason=refusal)
             return
+        if not self._approved(a):
+            return  # held for approval, or rejected: nothing is downloaded, read or trained
         secure = a.spec.secure_aggregation.enabled
         if secure and self.secagg.resume(a):
             return  # trained this round already: joined again with the vector it holds
@@ -251,6 +333,7 @@ class Agent:
             except (BudgetExceeded, ConfigError) as exc:
                 log.warning("private task refused", reason=str(exc))
                 self._decline(a, str(exc), permanent=True)
+                self.audit("task.refused_by_privacy_budget", a.task_id, round=a.round, reason=str(exc))
                 return
         self._sync_model(a, manifest, state)
         loaded = state.loaded
@@ -302,19 +385,72 @@ class Agent:
             except BudgetExceeded as exc:
                 log.warning("update withheld: privacy budget", reason=str(exc))
                 self._decline(a, str(exc), permanent=True)
+                self.audit("update.withheld_by_privacy_budget", a.task_id, round=a.round, reason=str(exc))
                 return
             header.metrics["dp_epsilon"] = header.dp.epsilon  # per-site spend, visible in the task's rounds
             header.metrics["dp_delta"] = header.dp.delta
             log.info("privacy charged", epsilon=round(header.dp.epsilon, 4), delta=header.dp.delta)
-        for name in send:
-            arr = delta[name]
-            header.tensors.append(tensors_pb2.TensorHeader(
-                name=name, dtype="float32", shape=list(arr.shape), codec="raw",
-                sha256=tensor_sha256(arr), encoded_nbytes=int(arr.nbytes)))
-        entry = self.outbox.put(header, delta)
+        payloads = self._encode_update(a, header, delta, send)  # after DP: the codec sees only what may leave
+        entry = self.outbox.put(header, payloads)
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self._upload(entry)
+
+    # update codecs (fedclinic.codec_wire) -------------------------------------------------------------------
+    def _feedback_path(self, task_id: str) -> Path:
+        return self.config.work_dir / "codec-state" / f"{task_id}.error-feedback.safetensors"
+
+    def _encode_update(self, a: agent_pb2.Assignment, header: agent_pb2.UpdateHeader, delta: dict[str, np.ndarray],
+                       send: list[str]) -> dict[str, np.ndarray | bytes]:
+        """Append each sent tensor's header to ``header`` and return what the outbox stores for it: the raw delta,
+        or its payload under the task's codec. Top-k keeps an error-feedback residual per task under work_dir:
+        the new residual is staged and saved here, committed when the aggregator acknowledges the update."""
+        codec = codec_wire.task_codec(a.spec.update.codec)
+        if codec is None:
+            for name in send:
+                arr = delta[name]
+                header.tensors.append(tensors_pb2.TensorHeader(
+                    name=name, dtype="float32", shape=list(arr.shape), codec="raw",
+                    sha256=tensor_sha256(arr), encoded_nbytes=int(arr.nbytes)))
+            return dict(delta)
+        feedback = None
+        if codec_wire.uses_error_feedback(codec):
+            path = self._feedback_path(a.task_id)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            feedback = ErrorFeedback.load(path, codec) if path.exists() else ErrorFeedback(codec)
+        out: dict[str, np.ndarray | bytes] = {}
+        for name in send:
+            arr = np.ascontiguousarray(delta[name], dtype=np.float32)
+            rng = codec_wire.tensor_rng(a.task_id, a.round, self.site_id, name)
+            try:
+                if feedback is not None and feedback.residual(name) is not None and \
+                        feedback.residual(name).shape != arr.shape:
+                    feedback.reset(name)
+                enc = feedback.encode(name, arr, rng=rng) if feedback is not None else codec.encode(arr, rng=rng)
+            except CodecInputError as exc:
+                raise FedclinicError(f"tensor {name!r} cannot be encoded with the task's codec: {exc}") from None
+            header.tensors.append(tensors_pb2.TensorHeader(
+                name=name, dtype="float32", shape=list(arr.shape), codec=codec.spec,
+                sha256=hashlib.sha256(enc.payload).hexdigest(), encoded_nbytes=len(enc.payload),
+                codec_params=codec_wire.header_params(enc)))
+            out[name] = enc.payload
+        if feedback is not None:
+            feedback.save(self._feedback_path(a.task_id))  # staged residual durable before the update exists
+        return out
+
+    def _settle_feedback(self, task_id: str, delivered: bool) -> None:
+        """The aggregator acknowledged (``delivered``) or refused the update: commit or drop its staged
+        error-feedback residual (no-op for codecs without one)."""
+        path = self._feedback_path(task_id)
+        if not path.exists():
+            return
+        feedback = ErrorFeedback.load(path)
+        if not feedback.pending:
+            return
+        feedback.commit() if delivered else feedback.discard()
+        feedback.save(path)
+        log.info("error-feedback residual " + ("committed" if delivered else "discarded"), task_id=task_id,
+                 tensors=len(feedback.names))
 
     def _charge_privacy(self, a: agent_pb2.Assignment, state: _TaskState) -> agent_pb2.DpReport | None:
         """Charge this round's DP-SGD steps to the ledger before anything leaves; None (and a decline) when the
@@ -325,6 +461,7 @@ class Agent:
         except BudgetExceeded as exc:
             log.warning("update withheld: privacy budget", reason=str(exc))
             self._decline(a, str(exc), permanent=True)
+            self.audit("update.withheld_by_privacy_budget", a.task_id, round=a.round, reason=str(exc))
             return None
         log.info("privacy charged", epsilon=round(report.epsilon, 4), delta=report.delta)
         return report
@@ -399,12 +536,20 @@ class Agent:
                 raise IntegrityError(f"the aggregator sent file {path!r}, which is not in the model manifest")
             self.cache.put(data, declared[path])
         log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have))
+        self.audit("model.fetched", task_id, model_hash=manifest.model_hash, bytes=int(tensors.nbytes),
+                   tensors=len(expect), skipped=len(have), files=len(files.files))
 
     # uploads ------------------------------------------------------------------------------------------------
     def _drain_outbox(self) -> None:
         for entry in self.outbox.entries():
             log.info("resending an update left in the outbox", task_id=entry.header.task_id, round=entry.header.round)
             self._upload_with_retries(entry)
+        waiting = {e.header.task_id for e in self.outbox.entries()}
+        folder = self.config.work_dir / "codec-state"
+        for path in sorted(folder.glob("*.error-feedback.safetensors")) if folder.is_dir() else []:
+            task_id = path.name[:-len(".error-feedback.safetensors")]
+            if task_id not in waiting:  # staged for an update that never reached the outbox: it was not sent
+                self._settle_feedback(task_id, delivered=False)
 
     def _upload_with_retries(self, entry: OutboxEntry) -> None:
         backoff = 1.0
@@ -429,12 +574,17 @@ class Agent:
                 log.warning("upload interrupted; the update stays in the outbox", error=exc.details())
                 raise
             log.error("update refused by the aggregator; dropping it", code=code.name, error=exc.details())
+            self._settle_feedback(h.task_id, delivered=False)
             self._sent.add((h.task_id, h.round))
             self.outbox.remove(entry)
             return
         finally:
             self._upload_call = None
         failpoint("agent.after-receipt")
+        self._settle_feedback(h.task_id, delivered=True)  # before the outbox entry goes: a crash resends, then commits
+        self.audit("update.sent", h.task_id, round=h.round, update_id=receipt.update_id, duplicate=receipt.duplicate,
+                   size=sum(int(t.encoded_nbytes) for t in h.tensors), sha256=update_digest(h.tensors),
+                   masked=bool(h.secagg_session_id))
         self._sent.add((h.task_id, h.round))
         self.outbox.remove(entry)
         log.info("update acknowledged", update_id=receipt.update_id, duplicate=receipt.duplicate,

@@ -79,6 +79,15 @@ def record_hash(record: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json({k: v for k, v in record.items() if k != "hash"})).hexdigest()
 
 
+def update_digest(tensors: Iterable[Any]) -> str:
+    """The sha256 an audit record names for one update: over the canonical JSON of ``[[name, codec, sha256,
+    encoded_nbytes], ...]`` of its tensor headers, in order. Each header's sha256 covers that tensor's encoded
+    bytes (checked by the receiver), so the digest commits to every byte sent; the agent's ``update.sent`` and
+    the aggregator's ``update.received`` records of the same update carry the same value."""
+    return hashlib.sha256(canonical_json([[t.name, t.codec or "raw", t.sha256, int(t.encoded_nbytes)]
+                                          for t in tensors])).hexdigest()
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 

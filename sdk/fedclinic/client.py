@@ -237,6 +237,10 @@ class ProgressDisplay:
         target = current.sites_target if current else 0
         closed = [r for r in st.rounds if r.state == control_pb2.ROUND_STATE_CLOSED]
         acc_txt = _headline(closed[-1].metrics) if closed else ""
+        if closed and closed[-1].metrics.get("uplink_fp32_bytes"):  # update codecs: bytes sent vs fp32 deltas
+            m = closed[-1].metrics
+            acc_txt += f" up {closed[-1].uplink_bytes:,} B (fp32 {int(m['uplink_fp32_bytes']):,} B"
+            acc_txt += f", {m['uplink_reduction']:.1f}x)" if m.get("uplink_reduction") else ")"
         if self.tty:
             width = 20
             filled = int(width * done / total)

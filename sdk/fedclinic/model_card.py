@@ -123,7 +123,7 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
                             "on_quorum_miss": _enum_name(rc, "on_quorum_miss", "QUORUM_POLICY_"),
                             "max_round_retries": rc.max_round_retries}
     card["update"] = {"trainable": list(spec.update.trainable_patterns), "frozen": list(spec.update.frozen_patterns),
-                      "private": list(spec.update.private_patterns)}
+                      "private": list(spec.update.private_patterns), "codec": spec.update.codec or "raw"}
     if spec.HasField("privacy") and spec.privacy.level:
         card["privacy"] = _fields(spec.privacy)
     if spec.HasField("secure_aggregation") and spec.secure_aggregation.enabled:
@@ -276,11 +276,12 @@ def render_markdown(card: Mapping[str, Any]) -> str:
 
     rounds = card.get("rounds") or []
     if rounds:
-        keys = sorted({k for r in rounds for k in r.get("metrics", {})},
+        keys = sorted({k for r in rounds for k in r.get("metrics", {}) if k not in UPLINK_METRICS},
                       key=lambda k: (HEADLINE_METRICS.index(k) if k in HEADLINE_METRICS else len(HEADLINE_METRICS), k))
         header = ("round", "sites", "samples", *keys, "uplink bytes", "downlink bytes")
         body = [(r["round"], len(r.get("sites", [])), r.get("num_samples"),
-                 *(_fmt(r.get("metrics", {}).get(k)) for k in keys), r.get("uplink_bytes"), r.get("downlink_bytes"))
+                 *(_fmt(r.get("metrics", {}).get(k)) for k in keys), uplink_text(r.get("uplink_bytes"), r.get("metrics")),
+                 r.get("downlink_bytes"))
                 for r in rounds]
         lines += ["## Rounds", "", *_table(header, body), ""]
         final = card.get("final_round_metrics") or {}
@@ -338,6 +339,23 @@ def _rounds_of_model(status: Any, model_hash: str, requested_round: int | None, 
         notes.append(f"the model's hash differs from the one round {rounds[-1].round} recorded "
                      f"({rounds[-1].model_hash[:12]}); the round history may not describe this model")
     return rounds
+
+
+UPLINK_METRICS = ("uplink_payload_bytes", "uplink_fp32_bytes", "uplink_wire_bytes", "uplink_reduction")
+"""Round metrics of the update codecs' byte accounting (shown in the uplink column, not as metrics)."""
+
+
+def uplink_text(uplink_bytes: Any, metrics: Any) -> str:
+    """A round's uplink bytes, with the float32 equivalent and the reduction when the round recorded them, e.g.
+    ``48 (fp32 744, 15.5x smaller; 4278 on the wire)``."""
+    m = metrics or {}
+    fp32, wire = m.get("uplink_fp32_bytes"), m.get("uplink_wire_bytes")
+    if not fp32:
+        return f"{uplink_bytes}"
+    text = f"{uplink_bytes} (fp32 {int(fp32)}"
+    if m.get("uplink_reduction"):
+        text += f", {m['uplink_reduction']:.1f}x smaller"
+    return text + (f"; {int(wire)} on the wire)" if wire else ")")
 
 
 def _round_entry(r: Any) -> dict[str, Any]:

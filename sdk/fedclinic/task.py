@@ -24,6 +24,7 @@ set, the base model (a local pretrained folder) and the training/round settings.
 
     [update]
     trainable = ['classifier\\..*', 'bert\\.encoder\\.layer\\.[45]\\..*']
+    codec = "topk:0.01+int8"          # how deltas travel: raw (fp32, default), fp16, bf16, int8, int4, topk:...
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class Task:
     strategy_params: dict[str, float | str] = field(default_factory=dict)  # numbers and names (e.g. granularity)
     trainable: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
+    #: ``[update] codec``: how each site encodes its delta tensors (fedclinic.codecs spec): "raw" (float32),
+    #: "fp16", "bf16", "int8", "int4" (blockwise, stochastic rounding), "topk:0.01" (with error feedback at
+    #: the sites) or "topk:0.01+int8"; sites must announce the codec at Hello to be assigned the task
+    codec: str = "raw"
     #: architecture settings applied when the initial model is packaged from ``model`` (``[model_config]``):
     #: e.g. the FedNER tagger's sizes, LSTM sizes, or HF config fields that keep shapes (dropout)
     model_config: dict[str, Any] = field(default_factory=dict)
@@ -141,6 +146,9 @@ class Task:
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
         p.extend(privacy_problems(self.privacy, self.family, self.architecture, self.strategy))
         p.extend(self._secure_aggregation_problems())
+        from fedclinic.codec_wire import spec_problems as codec_problems
+
+        p.extend(codec_problems(self.codec, secure_aggregation=bool(self.secure_aggregation.get("enabled"))))
         for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
                          ("max_length", 8)):
             if getattr(self, name) < lo:
@@ -202,7 +210,7 @@ class Task:
             strategy=self.strategy,
             strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
             strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
-            update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec="raw",
+            update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=canonical_codec(self.codec),
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen),
             privacy=privacy_config(self.privacy),
             secure_aggregation=_secure_aggregation_config(self.secure_aggregation),
@@ -219,7 +227,7 @@ class Task:
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
-                flat.update(_section(value, ("trainable", "frozen"), "update"))
+                flat.update(_section(value, ("trainable", "frozen", "codec"), "update"))
             elif key == "strategy" and isinstance(value, dict):
                 flat["strategy"] = value.get("name", "fedavg")
                 flat["strategy_params"] = {k: v for k, v in value.items() if k != "name"}
@@ -329,6 +337,12 @@ def package_for_task(task: Task):
     return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
                               multi_label=task.multi_label, max_length=task.max_length, seed=task.seed,
                               config=task.model_config or None)
+
+
+def canonical_codec(spec: str) -> str:
+    from fedclinic.codec_wire import canonical
+
+    return canonical(spec)
 
 
 def _section(value: Any, allowed: tuple[str, ...], name: str) -> dict[str, Any]:

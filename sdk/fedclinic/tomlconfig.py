@@ -17,6 +17,10 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"configuration file {p} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p} is a folder; give the configuration file inside it (e.g. {p / 'agent.toml'})") from None
+    except PermissionError:
+        raise ConfigError(f"{p} cannot be read by this user; run as the service's user or fix its permissions") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from None
 

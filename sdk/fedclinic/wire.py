@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from fedclinic.codec_wire import check_header as check_encoded_header, is_raw
 from fedclinic.errors import IntegrityError
 from fedclinic.package import Manifest, ModelPackage, TensorEntry, FileEntry, raw_bytes
 from fedclinic.proto import tensors_pb2 as pb
@@ -64,21 +65,25 @@ def manifest_from_proto(msg: pb.ModelManifest) -> Manifest:
 
 
 def validate_header(h: pb.TensorHeader) -> None:
-    """Check that a tensor header is self-consistent (the codec "raw": size = prod(shape) * itemsize)."""
+    """Check that a tensor header is self-consistent: codec "raw": size = prod(shape) * itemsize; an update
+    codec (:mod:`fedclinic.codec_wire`): a known codec spec, float32, a size within reach of the shape."""
     if not h.name:
         raise IntegrityError("tensor header has an empty name")
-    if h.codec not in ("raw", ""):
-        raise IntegrityError(f"tensor {h.name!r}: codec {h.codec!r} is not supported by this version (use 'raw')")
     if any(s < 0 for s in h.shape):
         raise IntegrityError(f"tensor {h.name!r}: negative dimension in shape {list(h.shape)}")
+    if len(h.sha256) != 64:
+        raise IntegrityError(f"tensor {h.name!r}: sha256 must be 64 hex characters")
+    if not is_raw(h.codec):
+        check_encoded_header(h.name, h.codec, h.dtype, list(h.shape), int(h.encoded_nbytes))
+        return
+    if h.codec_params:
+        raise IntegrityError(f"tensor {h.name!r}: codec 'raw' takes no codec_params")
     expected = int(np.prod(list(h.shape), dtype=np.int64)) * dtype_of(h.dtype).itemsize
     if h.encoded_nbytes != expected:
         raise IntegrityError(
             f"tensor {h.name!r}: {h.encoded_nbytes} bytes declared but dtype {h.dtype} and shape "
             f"{list(h.shape)} need {expected}"
         )
-    if len(h.sha256) != 64:
-        raise IntegrityError(f"tensor {h.name!r}: sha256 must be 64 hex characters")
 
 
 def _pieces(header: pb.TensorHeader, data: bytes | memoryview, chunk_bytes: int
@@ -192,11 +197,14 @@ class ChunkAssembler:
             want = self._expect.get(h.name)
             if want is None:
                 raise IntegrityError(f"tensor {h.name!r} was not announced")
-            if (want.dtype, list(want.shape), want.sha256) != (h.dtype, list(h.shape), h.sha256):
+            if ((want.dtype, list(want.shape), want.sha256, want.codec or "raw", want.encoded_nbytes,
+                 dict(want.codec_params)) != (h.dtype, list(h.shape), h.sha256, h.codec or "raw", h.encoded_nbytes,
+                                              dict(h.codec_params))):
                 raise IntegrityError(f"tensor {h.name!r}: header differs from the one announced")
         writer = self._begin(h)
-        self._open = _Open(h, writer, dtype_of(h.dtype).itemsize,
-                           check_finite=self._finite and h.dtype in ("float16", "float32", "float64"))
+        raw = is_raw(h.codec)  # an encoded payload is bytes; its codec checks values (fedclinic.codec_wire)
+        self._open = _Open(h, writer, dtype_of(h.dtype).itemsize if raw else 1,
+                           check_finite=raw and self._finite and h.dtype in ("float16", "float32", "float64"))
         if h.encoded_nbytes == 0:
             self._close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+import numpy as np
 import pytest
 
 from fedclinic.client import state_name
@@ -59,3 +60,33 @@ def test_agent_killed_during_upload_never_duplicates(federation_factory, failpoi
     assert sorted(r.site_id for r in final.rounds[0].reports) == ["site-a", "site-b"]
     if failpoint == "agent.after-receipt":  # the resent update was acknowledged as a duplicate, not re-counted
         wait_until(lambda: '"duplicate": true' in fed.log_text("agent-site-b"), 60, "the duplicate receipt")
+
+
+def test_agent_killed_after_receipt_commits_its_error_feedback_on_resend(federation_factory, monkeypatch):
+    """top-k keeps what it did not send: staged before the upload, committed only once the aggregator's receipt
+    is in. An agent killed between receipt and commit resends, gets a duplicate receipt, then commits."""
+    from fedclinic.codecs import ErrorFeedback
+
+    fed = federation_factory(2, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    fed.start_agent("site-a")
+    monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "agent.after-receipt")
+    crashing = fed.start_agent("site-b")
+    monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
+    with fed.client() as client:
+        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=300, codec="topk:0.1"),
+                           package=tiny_package())
+        assert crashing.wait(120) == 97
+        path = fed.root / "agent-site-b" / "codec-state" / f"{st.task_id}.error-feedback.safetensors"
+        staged = ErrorFeedback.load(path)
+        assert staged.pending and not staged.names  # acknowledged, not yet committed when it died
+        fed.start_agent("site-b")
+        final = client.wait(st.task_id, timeout=300, progress=False)
+    assert state_name(final.state) == "completed", final.error
+    wait_until(lambda: "error-feedback residual committed" in fed.log_text("agent-site-b"), 60, "the commit")
+    assert '"duplicate": true' in fed.log_text("agent-site-b")
+    committed = ErrorFeedback.load(path)
+    assert committed.pending == () and committed.names == staged.pending
+    for name in staged.pending:
+        assert np.count_nonzero(committed.residual(name)) > 0  # what top-10 % left out, kept for the next round

@@ -125,3 +125,8 @@ def test_aggregator_refuses_a_spec_whose_tokenizer_hash_is_not_the_models():
     validate_spec(good, pkg.manifest())
     with pytest.raises(Refused, match="tokenizer_sha256 does not match the model's tokenizer.json"):
         validate_spec(task.to_spec(tokenizer_sha256="00" * 32), pkg.manifest())
+
+
+def test_a_folder_or_unreadable_file_given_as_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder; give the configuration file inside it"):
+        AgentConfig.load(tmp_path)

@@ -22,7 +22,8 @@ import numpy as np
 
 from fedclinic.errors import IntegrityError
 from fedclinic.strategies.base import Strategy
-from fedclinic.strategies.tensorsource import TensorLike, blocks
+from fedclinic.codecs import decode_into
+from fedclinic.strategies.tensorsource import EncodedTensor, TensorLike, blocks
 
 _BLOCK = 1 << 18  # float32 elements per block: 1 MiB, stays in L2
 
@@ -88,6 +89,9 @@ def check_update(global_tensors: Mapping[str, TensorLike], update: Mapping[str, 
 
 def weighted_add(acc: np.ndarray, x: TensorLike, weight: float, scratch: np.ndarray) -> None:
     """acc += weight * x over the flattened tensor, blockwise through ``scratch`` (acc is 1-D float32)."""
+    if isinstance(x, EncodedTensor):  # decoded straight into the accumulator, one chunk at a time
+        decode_into(acc, x.payload(), x.decoded_params(), float(np.float32(weight)), chunk=scratch.size)
+        return
     w = np.float32(weight)
     for start, block in blocks(x, scratch):
         block *= w
