@@ -215,10 +215,13 @@ HEADLINE_METRICS = (("eval_macro_auc", "site-eval macro AUC"), ("eval_accuracy",
 
 
 def _headline(metrics) -> str:
-    for key, name in HEADLINE_METRICS:
-        if key in metrics:
-            return f" {name} {metrics[key]:.3f}"
-    return ""
+    """The round's headline metric, then its privacy spend when the task is private."""
+    text = next((f" {name} {metrics[key]:.3f}" for key, name in HEADLINE_METRICS if key in metrics), "")
+    if "dp_epsilon" in metrics:  # sample-level DP: the largest cumulative spend of any site
+        text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
+    elif "client_dp_epsilon" in metrics:
+        text += f" client-DP eps {metrics['client_dp_epsilon']:.2f}"
+    return text
 
 
 class ProgressDisplay:

@@ -48,7 +48,9 @@ for a package made locally); a section that is *absent* was not configured::
                          sample-weighted summary (train_loss, eval_accuracy, eval_macro_f1, eval_strict_f1, ...)
     final_round_metrics  "metrics" of the last of those rounds ({} when there is none; null = unknown)
     privacy              only when the task set differential privacy: {"level", "target_epsilon",
-                         "target_delta", "max_grad_norm", "noise_multiplier", "accountant"}
+                         "target_delta", "max_grad_norm", "noise_multiplier", "accountant"} and what was spent
+                         up to this model: "epsilon_spent_max_site", "delta_spent" (sample level: the largest
+                         cumulative spend of any site) or "client_epsilon_spent", "client_delta" (client level)
     secure_aggregation   only when the task enabled it, defaults filled in: {"enabled", "threshold",
                          "min_cohort", "clip", "bits", "rounding", "degree"}
     notes                plain-language caveats (list of strings)
@@ -137,6 +139,14 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
     sites = sorted({rep.site_id for r in rounds for rep in r.reports})
     card["sites"], card["num_sites"] = sites, len(sites)
     card["final_round_metrics"] = dict(card["rounds"][-1]["metrics"]) if rounds else {}
+    if card.get("privacy") and rounds:  # what was spent up to this model, not only what was asked for
+        final = card["final_round_metrics"]
+        if "dp_epsilon" in final:
+            card["privacy"]["epsilon_spent_max_site"] = final["dp_epsilon"]
+            card["privacy"]["delta_spent"] = final.get("dp_delta")
+        if "client_dp_epsilon" in final:
+            card["privacy"]["client_epsilon_spent"] = final["client_dp_epsilon"]
+            card["privacy"]["client_delta"] = final.get("client_dp_delta")
     card["model_round"] = rounds[-1].round if rounds else (0 if model_hash == status.initial_model_hash else None)
     card["is_final"] = bool(status.final_model_hash) and model_hash == status.final_model_hash
     if rounds:

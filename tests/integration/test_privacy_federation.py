@@ -40,7 +40,13 @@ def test_private_task_charges_every_site_before_sending(tmp_path):
         with fed.client() as client:
             st = client.submit(_task(), package=tiny_package("transformer"))
             final = client.wait(st.task_id, timeout=300, progress=False)
+            folder = client.download(st.task_id, tmp_path / "final-model")
         assert state_name(final.state) == "completed", final.error
+        import json
+
+        card = json.loads((folder / "model_card.json").read_text())
+        assert card["privacy"]["level"] == "sample" and card["privacy"]["target_epsilon"] == 4.0
+        assert card["privacy"]["epsilon_spent_max_site"] == pytest.approx(final.rounds[1].metrics["dp_epsilon"])
         first, last = final.rounds[0].metrics, final.rounds[1].metrics
         assert 0 < first["dp_epsilon"] < last["dp_epsilon"] <= 4.0 + 1e-6  # cumulative, within the target
         assert last["dp_delta"] == pytest.approx(1e-5)

@@ -103,3 +103,12 @@ def test_state_survives_a_restart_and_accounting_composes_rounds(seeded):
 def test_bad_parameters_are_refused(params, match):
     with pytest.raises(ConfigError, match=match):
         make_strategy("dp-fedavg", params)
+
+
+def test_watch_line_shows_the_privacy_spend():
+    from fedclinic.client import _headline
+
+    assert _headline({"eval_accuracy": 0.5, "dp_epsilon": 3.14159, "dp_delta": 1e-5}) == \
+        " site-eval acc 0.500 eps 3.14 (delta 1e-05)"
+    assert _headline({"client_dp_epsilon": 2.0}) == " client-DP eps 2.00"
+    assert _headline({"eval_accuracy": 0.5}) == " site-eval acc 0.500"
