@@ -21,7 +21,9 @@ pytestmark = pytest.mark.integration
 def test_quorum_retry_then_fail_says_which(federation_factory):
     fed = federation_factory(1)
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=2, on_quorum_miss="retry",
+        # the deadline must pass (one site can never make quorum), but leave the one site ample time to
+        # deliver its update inside each attempt, even on a loaded 2-core runner
+        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=8, on_quorum_miss="retry",
                                  max_round_retries=1), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
         events = [e.message for e in client.watch(st.task_id)]
