@@ -117,26 +117,10 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             abort(context, exc)
         spill = SpillWriter(self.engine.spill_path(h.task_id, h.round))
         assembler = PipelinedAssembler(ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True))
-        committed = False
-        wire_bytes = first.ByteSize() + GRPC_MESSAGE_PREFIX
         path, layout = spill.path, spill.layout
         try:
-            for msg in request_iterator:
-                wire_bytes += msg.ByteSize() + GRPC_MESSAGE_PREFIX
-                kind = msg.WhichOneof("item")
-                if kind == "tensor":
-                    assembler.add(msg.tensor)
-                elif kind == "commit":
-                    assembler.finish()
-                    if msg.commit.total_encoded_nbytes != assembler.nbytes:
-                        raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
-                                             f"{assembler.nbytes} arrived")
-                    committed = True
-                    break
-                else:
-                    raise IntegrityError(f"unexpected {kind!r} message inside an update stream")
-            if not committed:
-                raise IntegrityError("the update stream ended before its commit message; nothing was stored")
+            wire_bytes = first.ByteSize() + GRPC_MESSAGE_PREFIX + read_update_stream(
+                request_iterator, assembler, "the update stream", "nothing was stored")
             nbytes = spill.finish()
             path, layout = self.engine.prepare_update(h, spill.path, spill.layout)  # codec payloads checked here
         except IntegrityError as exc:
@@ -171,20 +155,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         sink = _ArraySink(np.empty(length, dtype=np.uint32))
         assembler = ChunkAssembler(lambda _h: sink, expect={t.name: t for t in h.tensors})
         try:
-            for msg in request_iterator:
-                kind = msg.WhichOneof("item")
-                if kind == "tensor":
-                    assembler.add(msg.tensor)
-                elif kind == "commit":
-                    assembler.finish()
-                    if msg.commit.total_encoded_nbytes != assembler.nbytes:
-                        raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
-                                             f"{assembler.nbytes} arrived")
-                    break
-                else:
-                    raise IntegrityError(f"unexpected {kind!r} message inside a masked-input stream")
-            else:
-                raise IntegrityError("the masked-input stream ended before its commit message; nothing was used")
+            read_update_stream(request_iterator, assembler, "the masked-input stream", "nothing was used")
         except IntegrityError as exc:
             log.warning("masked input rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"masked input rejected: {exc}")
@@ -210,6 +181,27 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except Refused as exc:
             abort(context, exc)
         return agent_pb2.DeclineResponse()
+
+
+def read_update_stream(request_iterator, assembler, what: str, consequence: str) -> int:
+    """Feed an update stream's tensor chunks to ``assembler`` up to its commit message, check the commit's byte
+    count, and return the serialized bytes the messages took on the wire (each with gRPC's message prefix).
+    IntegrityError for anything else in the stream, a count mismatch, or a stream without its commit."""
+    wire_bytes = 0
+    for msg in request_iterator:
+        wire_bytes += msg.ByteSize() + GRPC_MESSAGE_PREFIX
+        kind = msg.WhichOneof("item")
+        if kind == "tensor":
+            assembler.add(msg.tensor)
+        elif kind == "commit":
+            assembler.finish()
+            if msg.commit.total_encoded_nbytes != assembler.nbytes:
+                raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
+                                     f"{assembler.nbytes} arrived")
+            return wire_bytes
+        else:
+            raise IntegrityError(f"unexpected {kind!r} message inside {what}")
+    raise IntegrityError(f"{what} ended before its commit message; {consequence}")
 
 
 class _ArraySink:

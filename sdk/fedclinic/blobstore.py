@@ -15,16 +15,10 @@ import secrets
 from pathlib import Path
 import numpy as np
 
-from fedclinic.durable_file import DurableFile
+from fedclinic.durable_file import DurableFile, fsync_dir
 from fedclinic.errors import IntegrityError
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["BlobStore", "BlobWriter", "fsync_dir"]
 
 
 class BlobWriter:

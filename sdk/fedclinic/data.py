@@ -65,12 +65,7 @@ def read_classification(
     out: list[Example] = []
     for row_no, text, raw_labels in rows:
         where = f"{path}: row {row_no}"
-        if text is None:
-            raise DatasetError(f"{where}: missing text field {text_field!r}; every row needs the text to classify")
-        if not isinstance(text, str):
-            raise DatasetError(f"{where}: text field {text_field!r} must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise DatasetError(f"{where}: empty text in field {text_field!r}; remove the row or fill in the text")
+        require_text(text, where, text_field, "the text to classify")
         found = _parse_labels(raw_labels, where, label_field, fmt, allowed)
         if not found:
             raise DatasetError(f"{where}: missing label (field {label_field!r}); every row needs a label from "
@@ -87,6 +82,18 @@ def read_classification(
     if not out:
         raise DatasetError(f"{path}: the dataset is empty (no example rows); point the site at a file with data")
     return out
+
+
+def require_text(text: object, where: str, field: str, purpose: str) -> str:
+    """``text`` if it is a non-empty string, else a DatasetError naming ``where``, the field and what to do
+    (``purpose``: what every row needs, e.g. "the text to classify")."""
+    if text is None:
+        raise DatasetError(f"{where}: missing text field {field!r}; every row needs {purpose}")
+    if not isinstance(text, str):
+        raise DatasetError(f"{where}: text field {field!r} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise DatasetError(f"{where}: empty text in field {field!r}; remove the row or fill in the text")
+    return text
 
 
 def read_dataset(

@@ -60,6 +60,7 @@ import numpy as np
 
 from fedclinic.data import (
     FORMATS,
+    require_text,
     _check_label_set,
     _decode_guard,
     _fmt_labels,
@@ -122,13 +123,7 @@ def read_image_text(
     order = {lab: i for i, lab in enumerate(labels)}
     out: list[ImageTextExample] = []
     for where, image, text, raw_labels, used_label_field in rows:
-        if text is None:
-            raise DatasetError(f"{where}: missing text field {text_field!r}; every row needs the report that goes "
-                               "with its image")
-        if not isinstance(text, str):
-            raise DatasetError(f"{where}: text field {text_field!r} must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise DatasetError(f"{where}: empty text in field {text_field!r}; fill in the report or remove the row")
+        require_text(text, where, text_field, "the report that goes with its image")
         found = _parse_labels(raw_labels, where, used_label_field, fmt, allowed)
         if not found:
             raise DatasetError(f"{where}: no label (field {used_label_field!r}); every row needs at least one label "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedclinic.data import _check_label_set, _decode_guard, _fmt_labels, _open_text, jsonl_objects
+from fedclinic.data import _check_label_set, _decode_guard, _fmt_labels, _open_text, jsonl_objects, require_text
 from fedclinic.errors import DatasetError
 
 NER_FORMATS = ("jsonl", "conll")
@@ -108,13 +108,7 @@ def _read_jsonl(path, lines: list[str], labels: list[str], text_field: str,
     allowed = set(labels)
     out: list[NerExample] = []
     for where, obj in jsonl_objects(path, lines, f"{text_field!r} and {entities_field!r}"):
-        text = obj.get(text_field)
-        if text is None:
-            raise DatasetError(f"{where}: missing text field {text_field!r}; every row needs the text to tag")
-        if not isinstance(text, str):
-            raise DatasetError(f"{where}: text field {text_field!r} must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise DatasetError(f"{where}: empty text in field {text_field!r}; remove the row or fill in the text")
+        text = require_text(obj.get(text_field), where, text_field, "the text to tag")
         raw = obj.get(entities_field)
         if raw is None:
             raw = []

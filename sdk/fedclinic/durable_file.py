@@ -24,6 +24,7 @@ import errno
 import fcntl
 import mmap
 import os
+import secrets
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -202,6 +203,37 @@ def _pwrite_all(fd: int, buf: mmap.mmap, length: int, offset: int) -> None:
         done = 0
         while done < length:
             done += os.pwrite(fd, view[done:], offset + done)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file inside ``path`` durable (fsync of the folder)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` so that a reader (or a crash) sees the old file or the whole new one: a
+    temporary file created exclusively with ``mode`` in the same folder, fsync'd, renamed over ``path``,
+    then the folder fsync'd. The temporary file is removed if anything fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
+            _write_all(fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def _write_all(fd: int, view: memoryview) -> None:

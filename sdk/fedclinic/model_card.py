@@ -68,11 +68,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from fedclinic.durable_file import write_atomically
 from fedclinic.errors import ConfigError
 from fedclinic.package import CARD_FILE, CARD_MARKDOWN_FILE, META_FILE
 
@@ -442,12 +442,4 @@ def _table(header: Sequence[Any], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, text.encode("utf-8"))

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,7 @@ import safetensors.numpy
 from fedclinic.codecs.base import Codec, Encoded, as_finite_f32
 from fedclinic.codecs.errors import CodecInputError, IntegrityError
 from fedclinic.codecs.spec import parse_codec
+from fedclinic.durable_file import write_atomically
 
 FORMAT = "fedclinic-error-feedback/1"
 _COMMITTED, _PENDING = "committed/", "pending/"
@@ -122,22 +122,7 @@ class ErrorFeedback:
         tensors = {_COMMITTED + k: np.require(v, requirements=["C"]) for k, v in self._residual.items()}
         tensors.update({_PENDING + k: np.require(v, requirements=["C"]) for k, v in self._pending.items()})
         meta = {"format": FORMAT, "codec": self.codec.spec}
-        data = safetensors.numpy.save(tensors, metadata=meta)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomically(path, safetensors.numpy.save(tensors, metadata=meta), mode=0o600)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], codec: Codec | str | None = None) -> ErrorFeedback:
