@@ -84,8 +84,9 @@ def test_agent_killed_after_receipt_commits_its_error_feedback_on_resend(federat
         fed.start_agent("site-b")
         final = client.wait(st.task_id, timeout=300, progress=False)
     assert state_name(final.state) == "completed", final.error
-    wait_until(lambda: "error-feedback residual committed" in fed.log_text("agent-site-b"), 60, "the commit")
-    assert '"duplicate": true' in fed.log_text("agent-site-b")
+    # the agent commits, then logs the duplicate receipt: wait for the later line, then check both happened
+    wait_until(lambda: '"duplicate": true' in fed.log_text("agent-site-b"), 60, "the duplicate receipt")
+    assert "error-feedback residual committed" in fed.log_text("agent-site-b")
     committed = ErrorFeedback.load(path)
     assert committed.pending == () and committed.names == staged.pending
     for name in staged.pending:
