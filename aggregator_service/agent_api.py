@@ -95,6 +95,22 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                               bytes=counter[0], complete=complete)
 
     def SubmitUpdate(self, request_iterator, context) -> agent_pb2.UpdateReceipt:
+        """Receive one update (or masked input); its outcome and duration go to the metrics."""
+        started = time.monotonic()
+        outcome = "interrupted"
+        try:
+            receipt = self._submit_update(request_iterator, context)
+            outcome = "duplicate" if receipt.duplicate else "accepted"
+            return receipt
+        except BaseException:
+            code = context.code()  # set by context.abort; None when the stream broke first
+            if code is not None:
+                outcome = code.name.lower()
+            raise
+        finally:
+            self.engine.metrics.update_answered(outcome, time.monotonic() - started)
+
+    def _submit_update(self, request_iterator, context) -> agent_pb2.UpdateReceipt:
         site = peer_identity(context).name
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("item") != "header":
@@ -163,6 +179,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             update_id = self.engine.secagg.accept_masked(site, h, sink.array, assembler.nbytes)
         except Refused as exc:
             abort(context, exc)
+        self.engine.metrics.masked_input_stored(h.task_id, site)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=assembler.nbytes,
                                        round=h.round)
 

@@ -1,19 +1,67 @@
-"""``fedclinic-aggregator``: run the aggregator service."""
+"""``fedclinic-aggregator``: run the aggregator service; back up, verify and restore its state."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from fedclinic import logs
 from fedclinic.errors import FedclinicError
 
 
+def _state_dir(args: argparse.Namespace) -> Path:
+    if args.state_dir is not None:
+        return Path(args.state_dir)
+    from aggregator_service.config import AggregatorConfig
+
+    return AggregatorConfig.load(args.config).state_dir
+
+
+def _backup(args: argparse.Namespace) -> int:
+    from aggregator_service.backup import create_backup
+
+    m = create_backup(_state_dir(args), args.dest)
+    print(f"backup written to {args.dest}: {len(m.files)} files, {m.nbytes} bytes, schema version "
+          f"{m.schema_version}, taken {m.created}; verified")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from aggregator_service.backup import verify_backup
+
+    m = verify_backup(args.src)
+    print(f"backup {args.src} is complete and intact: {len(m.files)} files, {m.nbytes} bytes, schema version "
+          f"{m.schema_version}, taken {m.created} from {m.source_state_dir}")
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    from aggregator_service.backup import restore_backup
+
+    m = restore_backup(args.src, args.state_dir)
+    print(f"restored {len(m.files)} files ({m.nbytes} bytes, taken {m.created}) into {args.state_dir}; point the "
+          "aggregator's state_dir at it and start it")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedclinic-aggregator", description="fedclinic aggregator service")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the service until SIGTERM/SIGINT")
+    serve = sub.add_parser("serve", help="run the service until SIGTERM/SIGINT (SIGHUP: reload certificates, CRL)")
     serve.add_argument("--config", required=True, help="path to aggregator.toml")
+    serve.add_argument("--metrics-address", metavar="HOST:PORT",
+                       help='Prometheus endpoint, overriding metrics_address of the config ("" turns it off)')
+    backup = sub.add_parser("backup", help="back up the state (online: the service may run) into a new folder DEST")
+    where = backup.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", help="aggregator.toml (its state_dir is backed up)")
+    where.add_argument("--state-dir", help="the state folder to back up")
+    backup.add_argument("dest", help="a new or empty folder for the backup")
+    verify = sub.add_parser("verify-backup", help="check a backup's manifest, file hashes and database")
+    verify.add_argument("src", help="the backup folder")
+    restore = sub.add_parser("restore", help="verify a backup and restore it into a new or empty state folder")
+    restore.add_argument("src", help="the backup folder")
+    restore.add_argument("state_dir", help="the new state folder (must not exist, or be empty)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from aggregator_service.config import AggregatorConfig
@@ -21,12 +69,21 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             config = AggregatorConfig.load(args.config)
+            if args.metrics_address is not None:
+                config = config.with_metrics_address(args.metrics_address, "--metrics-address")
             logs.configure(config.log_level)
             Aggregator(config).serve_forever()
         except (FedclinicError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    return 0
+        return 0
+    logs.configure("warning")
+    handler = {"backup": _backup, "verify-backup": _verify, "restore": _restore}[args.command]
+    try:
+        return handler(args)
+    except (FedclinicError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Example::
     log_level = "info"
     max_workers = 64          # gRPC threads: one per connected agent stream plus headroom
     heartbeat_s = 15
+    metrics_address = "127.0.0.1:9464"   # optional: Prometheus endpoint (HTTP GET /metrics); off when absent
 
     [tls]
     cert = "/etc/fedclinic/aggregator.crt"
@@ -20,14 +21,19 @@ Override any value from the environment, e.g. ``FEDCLINIC_AGGREGATOR_LISTEN=127.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fedclinic.errors import ConfigError
+from fedclinic.metrics_endpoint import MetricsAddress, parse_metrics_address
 from fedclinic.rpc import TlsFiles
-from fedclinic.tomlconfig import env_overrides, load_toml, require
+from fedclinic.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
 ENV_PREFIX = "FEDCLINIC_AGGREGATOR"
+#: the settings aggregator.toml may hold; anything else is refused (a misspelt ``[tls] crl`` must not silently
+#: turn revocation checks off)
+KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls")
+TLS_KEYS = ("cert", "key", "ca", "crl")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class AggregatorConfig:
     log_level: str = "info"
     max_workers: int = 64
     heartbeat_s: float = 15.0
+    #: where the Prometheus endpoint listens (fedclinic.metrics_endpoint); None: no endpoint
+    metrics_address: MetricsAddress | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "AggregatorConfig":
@@ -50,12 +58,19 @@ class AggregatorConfig:
             q = Path(value).expanduser()
             return q if q.is_absolute() else base / q
 
+        refuse_unknown(doc, KEYS, src, ENV_PREFIX)
         tls = TlsFiles(p(require(doc, "tls.cert", str, src)), p(require(doc, "tls.key", str, src)),
                        p(require(doc, "tls.ca", str, src)))
+        refuse_unknown(doc["tls"], TLS_KEYS, f"{src}: [tls]", ENV_PREFIX)
         crl = doc.get("tls", {}).get("crl")
         max_workers = int(doc.get("max_workers", 64))
         if max_workers < 4:
             raise ConfigError(f"{src}: max_workers must be at least 4")
         return cls(listen=require(doc, "listen", str, src), state_dir=p(require(doc, "state_dir", str, src)),
                    tls=tls, crl=p(crl) if crl else None, log_level=str(doc.get("log_level", "info")),
-                   max_workers=max_workers, heartbeat_s=float(doc.get("heartbeat_s", 15.0)))
+                   max_workers=max_workers, heartbeat_s=float(doc.get("heartbeat_s", 15.0)),
+                   metrics_address=parse_metrics_address(doc.get("metrics_address"), src))
+
+    def with_metrics_address(self, value: str, where: str) -> "AggregatorConfig":
+        """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""
+        return replace(self, metrics_address=parse_metrics_address(value, where))

@@ -129,6 +129,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
                                   counter=counter)
             complete = True
         finally:
+            self.engine.metrics.control_download.inc(counter[0])
             self.audit.record("model.downloaded", actor=who, task_id=request.task_id, model_hash=model_hash,
                               bytes=counter[0], complete=complete)
 

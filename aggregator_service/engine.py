@@ -36,10 +36,11 @@ from fedclinic.secagg.task_config import spec_problems as secure_aggregation_pro
 from fedclinic.selection import select_names
 from fedclinic.strategies import ClientDP, Strategy, make_strategy
 from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor, dense_blocks
-from fedclinic import codec_wire
+from fedclinic import codec_wire, safl
 from fedclinic.codecs import open_payload
 from fedclinic.durable_file import DurableFile
 from fedclinic.wire import manifest_to_proto
+from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.store import Store, now_ms
 
@@ -124,6 +125,29 @@ def uplink_metrics(reports) -> dict[str, float]:
     return out
 
 
+def update_layers(layout_json: str) -> list[int]:
+    """The transformer layers a stored update carried (from its tensor names; fedclinic.safl.layer_of)."""
+    return safl.layers_in_update(t[0] for t in UpdateLayout.from_json(layout_json).tensors)
+
+
+def selection_metrics(per_site_layers: list[list[int]]) -> dict[str, float]:
+    """SAFL's round figures: ``safl_layer_<l>_sites`` = how many sites sent layer l (a layer nobody sent is not
+    listed). Counted from the tensors each update carried, not from what a site says it chose."""
+    counts: dict[int, int] = {}
+    for layers in per_site_layers:
+        for layer in layers:
+            counts[layer] = counts.get(layer, 0) + 1
+    return {f"safl_layer_{layer}_sites": float(n) for layer, n in sorted(counts.items())}
+
+
+def sent_tensors(spec: task_pb2.TaskSpec, manifest: Manifest) -> list[str]:
+    """The tensors a site may send for ``spec``: the static selection (trainable/frozen/private patterns), and
+    under SAFL only its layer and head tensors (each update then carries the head and at most top-k layers)."""
+    names = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
+                         spec.update.frozen_patterns, spec.update.private_patterns)
+    return safl.sendable(names, spec.family) if spec.update.selection == safl.SAFL else names
+
+
 def weighted_mean(reports: Iterable[tuple[int, dict[str, float]]]) -> dict[str, float]:
     totals: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -136,7 +160,8 @@ def weighted_mean(reports: Iterable[tuple[int, dict[str, float]]]) -> dict[str, 
 
 
 class Engine:
-    def __init__(self, store: Store, blobs: BlobStore, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: Store, blobs: BlobStore, *, clock: Callable[[], float] = time.time,
+                 metrics: AggregatorMetrics | None = None) -> None:
         self.store = store
         self.blobs = blobs
         self.spill_root = store.state_dir / "updates"
@@ -152,6 +177,9 @@ class Engine:
         self._ticker: threading.Thread | None = None
         #: rounds of tasks with secure aggregation: one SecAgg(+) session each (aggregator_service.secure_rounds)
         self.secagg = SecureRounds(self)
+        #: Prometheus metrics (aggregator_service.metrics); a private registry when none is given
+        self.metrics = metrics if metrics is not None else AggregatorMetrics()
+        self.metrics.attach(self)
 
     # lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -290,6 +318,10 @@ class Engine:
             self._connected[site] = self._connected.get(site, 0) + 1
             self.changed.notify_all()
 
+    def connected_count(self) -> int:
+        """How many distinct sites have a work stream open now."""
+        return len(self._connected)
+
     def site_disconnected(self, site: str) -> None:
         with self.lock:
             n = self._connected.get(site, 0) - 1
@@ -339,8 +371,7 @@ class Engine:
                                              actor=site, round=rnd.round, attempt=rnd.attempt)
                 manifest = self.store.model(rnd.base_model)
                 assert manifest is not None
-                send = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
-                                    spec.update.frozen_patterns, spec.update.private_patterns)
+                send = sent_tensors(spec, manifest)
                 items.append(agent_pb2.WorkItem(assignment=agent_pb2.Assignment(
                     task_id=task.task_id, round=rnd.round, attempt=rnd.attempt, spec=spec,
                     model=manifest_to_proto(manifest), deadline_unix_ms=rnd.deadline_ms, send_tensors=send)))
@@ -371,11 +402,13 @@ class Engine:
             self.changed.notify_all()
 
     def add_downlink(self, task_id: str, nbytes: int) -> None:
+        self.metrics.downlink_sent(task_id, nbytes)
         with self.lock:
             self.store.execute("UPDATE rounds SET downlink_bytes = downlink_bytes + ? WHERE task_id=? AND state=?",
                                (nbytes, task_id, S.ROUND_STATE_OPEN))
 
     def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
+        self.metrics.uplink(task_id, nbytes)
         with self.lock:
             self.store.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
                                (nbytes, task_id, rnd))
@@ -437,8 +470,7 @@ class Engine:
             spec = task_pb2.TaskSpec.FromString(task.spec)
             manifest = self.store.model(rnd.base_model)
             assert manifest is not None
-            allowed = set(select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
-                                       spec.update.frozen_patterns, spec.update.private_patterns))
+            allowed = set(sent_tensors(spec, manifest))
             by_name = {t.name: t for t in manifest.tensors}
             seen: set[str] = set()
             for t in h.tensors:
@@ -456,6 +488,11 @@ class Engine:
                 self._check_tensor_codec(spec, t)
             if not seen:
                 raise Refused("INVALID_ARGUMENT", "the update carries no tensor")
+            if spec.update.selection == safl.SAFL:
+                try:
+                    safl.check_update_layers(seen, spec.update.select_top_k_layers)
+                except IntegrityError as exc:
+                    raise Refused("INVALID_ARGUMENT", str(exc)) from None
             return {n: by_name[n] for n in seen}
 
     @staticmethod
@@ -565,6 +602,7 @@ class Engine:
                 self._acc.pop(h.task_id, None)  # it holds an update the store does not: rebuild from disk
                 raise
             log.info("update accepted", task_id=h.task_id, round=h.round, site=site, nbytes=nbytes)
+            self.metrics.update_stored(h.task_id, site, nbytes, wire_bytes)
             self._maybe_close(h.task_id)
             self.changed.notify_all()
             return update_id
@@ -653,14 +691,16 @@ class Engine:
         manifest = Manifest(tuple(entries), base.files)
         saved_state = {key: [self.blobs.put(raw_bytes(arr)), str(arr.dtype), list(arr.shape)]
                        for key, arr in acc.strategy.state().items()}
-        reports = self.store.all("SELECT num_samples, metrics, eval_metrics, nbytes, fp32_bytes, wire_bytes FROM updates "
-                                 "WHERE task_id=? AND round=?", (task_id, rnd.round))
+        reports = self.store.all("SELECT num_samples, metrics, eval_metrics, nbytes, fp32_bytes, wire_bytes, layout "
+                                 "FROM updates WHERE task_id=? AND round=?", (task_id, rnd.round))
         site_metrics = [json.loads(r.metrics) for r in reports]
         metrics = weighted_mean((r.num_samples, m) for r, m in zip(reports, site_metrics))
         metrics.update({f"eval_{k}": v for k, v in
                         weighted_mean((r.num_samples, json.loads(r.eval_metrics)) for r in reports).items()})
         metrics.update(privacy_metrics(site_metrics, acc.strategy))
         metrics.update(uplink_metrics(reports))
+        if spec.update.selection == safl.SAFL:
+            metrics.update(selection_metrics([update_layers(r.layout) for r in reports]))
         metrics.update(extra_metrics or {})
         with self.store.tx() as c:
             model_hash = self.store.put_model(c, manifest)
@@ -777,6 +817,17 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
     return problems
 
 
+def selection_problems(spec: task_pb2.TaskSpec, strategy, names: list[str]) -> list[str]:
+    """The task's layer selection, checked as fedclinic.task.Task checks it, plus against the model's tensors."""
+    u = spec.update
+    problems = safl.config_problems(u.selection, u.select_top_k_layers, u.safl_profile_samples, u.safl_token,
+                                    spec.family, spec.architecture)
+    if u.selection != safl.SAFL or problems:
+        return problems
+    return (safl.composition_problems(strategy, spec.secure_aggregation.enabled)
+            + safl.model_problems(names, spec.family, u.select_top_k_layers))
+
+
 def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
     """Reject task specs that cannot run, with a message that says what to change."""
     rc = spec.rounds
@@ -813,8 +864,9 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
         if rc.min_sites < strategy.min_updates():
             problems.append(f"strategy {strategy.name!r} needs at least {strategy.min_updates()} updates per round; "
                             f"raise rounds.min_sites (now {rc.min_sites}) or change the strategy's parameters")
-        select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns, spec.update.frozen_patterns,
-                     spec.update.private_patterns)
+        names = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
+                             spec.update.frozen_patterns, spec.update.private_patterns)
+        problems.extend(selection_problems(spec, strategy, names))
     except ConfigError as exc:
         problems.append(str(exc))
     if problems:
@@ -840,11 +892,13 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
             metrics=json.loads(r.metrics), uplink_bytes=r.uplink_bytes, downlink_bytes=r.downlink_bytes,
             opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
             model_hash=r.model_hash)
-        for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics, fp32_bytes, wire_bytes FROM updates "
-                           "WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round)):
+        safl_task = out.spec.update.selection == safl.SAFL
+        for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics, fp32_bytes, wire_bytes, layout "
+                           "FROM updates WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round)):
             rs.reports.append(control_pb2.SiteReport(site_id=u.site, num_samples=u.num_samples, uplink_bytes=u.nbytes,
                                                      metrics=json.loads(u.metrics),
                                                      eval_metrics=json.loads(u.eval_metrics),
-                                                     uplink_fp32_bytes=u.fp32_bytes, uplink_wire_bytes=u.wire_bytes))
+                                                     uplink_fp32_bytes=u.fp32_bytes, uplink_wire_bytes=u.wire_bytes,
+                                                     selected_layers=update_layers(u.layout) if safl_task else []))
         out.rounds.append(rs)
     return out

@@ -13,9 +13,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedclinic.blobstore import BlobStore
+from fedclinic.metrics_endpoint import MetricsServer
 from fedclinic.pki import RevocationList
 from fedclinic.proto import agent_pb2_grpc, control_pb2_grpc
-from fedclinic.rpc import SERVER_OPTIONS, server_credentials
+from fedclinic.credentials import WatchedCredentials, reloading_server_credentials
+from fedclinic.rpc import SERVER_OPTIONS
 
 from aggregator_service.agent_api import AgentApi
 from aggregator_service.audit_trail import AuditTrail
@@ -23,6 +25,7 @@ from aggregator_service.auth import AuthInterceptor
 from aggregator_service.config import AggregatorConfig
 from aggregator_service.control_api import ControlApi
 from aggregator_service.engine import Engine
+from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.store import Store
 
 log = structlog.get_logger("fedclinic.aggregator")
@@ -37,20 +40,47 @@ class Aggregator:
         #: STATE_DIR/audit.jsonl (aggregator_service.audit_trail): task events after they commit, connections,
         #: downloads, refused certificates
         self.audit = AuditTrail(config.state_dir / "audit.jsonl")
-        self.store.on_commit = self.audit.on_commit
+        #: Prometheus metrics (aggregator_service.metrics), served on config.metrics_address when set
+        self.metrics = AggregatorMetrics()
+        self.store.on_commit = self._committed
         self.blobs = BlobStore(config.state_dir / "blobs")
-        self.engine = Engine(self.store, self.blobs)
-        revocations = RevocationList(config.crl, config.tls.ca) if config.crl else None
+        self.engine = Engine(self.store, self.blobs, metrics=self.metrics)
+        self.metrics_server: MetricsServer | None = None
+        #: the CRL, re-read when the file changes (every call checks it; open streams before each message)
+        self.revocations = RevocationList(config.crl, config.tls.ca) if config.crl else None
+        revocations = self.revocations
+        #: the server certificate, key and CA, followed on disk: new TLS handshakes get a renewed certificate
+        self.credentials = WatchedCredentials(config.tls, role="aggregator")
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
-                                  interceptors=[AuthInterceptor(revocations, on_refusal=self._refused)], options=SERVER_OPTIONS)
+                                  interceptors=[AuthInterceptor(revocations, on_refusal=self._refused,
+                                                                count_refusal=self.metrics.call_refused)], options=SERVER_OPTIONS)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_secure_port(config.listen, server_credentials(config.tls))
+        self.port = self.server.add_secure_port(config.listen, reloading_server_credentials(self.credentials))
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen} (address in use or not allowed)")
         self._stopped = threading.Event()
+
+    def reload_credentials(self) -> None:
+        """SIGHUP: look at the certificate files and the CRL now and log what is in use. (Both are also picked
+        up without it: the certificate at the next TLS handshake, the CRL at the next call or stream message.)"""
+        changed = self.credentials.poll(force=True)
+        ident = self.credentials.current.identity
+        crl = "not configured"
+        if self.revocations is not None:
+            crl = "reloaded" if self.revocations.reload_if_changed() else "unchanged"
+            if self.revocations.last_error:
+                crl = f"kept the previous list: {self.revocations.last_error}"
+        log.info("reload requested", certificate="reloaded" if changed else "unchanged",
+                 certificate_problem=self.credentials.last_error, serial=ident.serial_hex if ident else None,
+                 not_after=ident.not_after.isoformat() if ident else None, crl=crl,
+                 revoked=len(self.revocations.serials) if self.revocations is not None else 0)
+
+    def _committed(self, events: list[dict]) -> None:
+        self.audit.on_commit(events)
+        self.metrics.on_commit(events)
 
     def _refused(self, who: str, reason: str, method: str) -> None:
         self.audit.record("auth.refused", actor=who, method=method, reason=reason)
@@ -61,13 +91,21 @@ class Aggregator:
         return f"{host}:{self.port}"
 
     def start(self) -> None:
+        if self.config.metrics_address is not None:  # first: a port in use fails the start before anything runs
+            self.metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_address)
         self.engine.start()
         self.server.start()
         for name in ("", "fedclinic.v1.AgentService", "fedclinic.v1.Control"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        published = {"address": self.address, "pid": os.getpid()}
+        if self.metrics_server is not None:
+            published["metrics_address"] = str(self.metrics_server.address)
+            log.info("metrics endpoint listening", url=self.metrics_server.url,
+                     **({} if self.metrics_server.loopback else
+                        {"warning": "reachable from other machines: limit who may connect (firewall, NetworkPolicy)"}))
         addr_file = self.config.state_dir / ADDRESS_FILE
         tmp = addr_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
+        tmp.write_text(json.dumps(published))
         os.replace(tmp, addr_file)
         log.info("aggregator listening", address=self.address, state_dir=str(self.config.state_dir))
 
@@ -80,20 +118,28 @@ class Aggregator:
         self.health.enter_graceful_shutdown()
         self.engine.stop()
         self.server.stop(grace).wait()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.store.close()
         self.audit.close()
         (self.config.state_dir / ADDRESS_FILE).unlink(missing_ok=True)
         log.info("aggregator stopped")
 
     def serve_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT; SIGHUP reloads certificates and CRL (:meth:`reload_credentials`)."""
         done = threading.Event()
+        reload = threading.Event()
 
         def on_signal(signum, _frame):
             log.info("signal received", signal=signal.Signals(signum).name)
-            done.set()
+            (reload if signum == signal.SIGHUP else done).set()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGHUP, on_signal)
         self.start()
-        done.wait()
+        while not done.is_set():
+            if reload.wait(0.5):
+                reload.clear()
+                self.reload_credentials()
         self.stop()

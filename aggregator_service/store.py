@@ -4,11 +4,16 @@ Everything the service acknowledges is in here first: a task after its model blo
 after its spill file is fsync'd and its row committed. The round engine rebuilds its in-memory
 accumulators from these rows after a restart, so an acknowledged update is never lost or counted twice
 (``updates`` is unique per (task, round, site) and per (task, idempotency key)).
+
+The schema is versioned (``meta.schema_version``). :data:`MIGRATIONS` is the ordered list of steps from
+version N to N+1; opening a store applies the missing steps in one transaction (all or nothing) and logs
+``store schema migrated``; a database newer than this build is refused with :class:`StoreError`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -17,39 +22,103 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import structlog
+
+import fedclinic
+from fedclinic.errors import FedclinicError
 from fedclinic.package import FileEntry, Manifest, TensorEntry
 
-SCHEMA_VERSION = 1
+log = structlog.get_logger("fedclinic.aggregator.store")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-  task_id TEXT PRIMARY KEY, owner TEXT NOT NULL, idempotency_key TEXT NOT NULL, spec BLOB NOT NULL,
-  state INTEGER NOT NULL, current_round INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
-  created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, initial_model TEXT NOT NULL,
-  final_model TEXT NOT NULL DEFAULT '', UNIQUE (owner, idempotency_key));
-CREATE TABLE IF NOT EXISTS models (model_hash TEXT PRIMARY KEY, manifest TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS rounds (
-  task_id TEXT NOT NULL, round INTEGER NOT NULL, attempt INTEGER NOT NULL, state INTEGER NOT NULL,
-  sites_target INTEGER NOT NULL, opened_ms INTEGER NOT NULL, deadline_ms INTEGER NOT NULL,
-  closed_ms INTEGER NOT NULL DEFAULT 0, base_model TEXT NOT NULL, model_hash TEXT NOT NULL DEFAULT '',
-  uplink_bytes INTEGER NOT NULL DEFAULT 0, downlink_bytes INTEGER NOT NULL DEFAULT 0,
-  metrics TEXT NOT NULL DEFAULT '{}', strategy_state TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (task_id, round));
-CREATE TABLE IF NOT EXISTS assignments (
-  task_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, attempt INTEGER NOT NULL,
-  assigned_ms INTEGER NOT NULL, declined TEXT NOT NULL DEFAULT '', PRIMARY KEY (task_id, round, site));
-CREATE TABLE IF NOT EXISTS updates (
-  update_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL,
-  idempotency_key TEXT NOT NULL, num_samples INTEGER NOT NULL, nbytes INTEGER NOT NULL,
-  spill_path TEXT NOT NULL, layout TEXT NOT NULL, metrics TEXT NOT NULL, eval_metrics TEXT NOT NULL,
-  received_ms INTEGER NOT NULL, UNIQUE (task_id, round, site), UNIQUE (task_id, idempotency_key));
-CREATE TABLE IF NOT EXISTS site_declines (
-  task_id TEXT NOT NULL, site TEXT NOT NULL, reason TEXT NOT NULL, PRIMARY KEY (task_id, site));
-CREATE TABLE IF NOT EXISTS events (
-  seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL,
-  unix_ms INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS events_by_task ON events (task_id, seq);
-"""
+SCHEMA_V1 = (
+    "CREATE TABLE IF NOT EXISTS tasks ("
+    " task_id TEXT PRIMARY KEY, owner TEXT NOT NULL, idempotency_key TEXT NOT NULL, spec BLOB NOT NULL,"
+    " state INTEGER NOT NULL, current_round INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',"
+    " created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, initial_model TEXT NOT NULL,"
+    " final_model TEXT NOT NULL DEFAULT '', UNIQUE (owner, idempotency_key))",
+    "CREATE TABLE IF NOT EXISTS models (model_hash TEXT PRIMARY KEY, manifest TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS rounds ("
+    " task_id TEXT NOT NULL, round INTEGER NOT NULL, attempt INTEGER NOT NULL, state INTEGER NOT NULL,"
+    " sites_target INTEGER NOT NULL, opened_ms INTEGER NOT NULL, deadline_ms INTEGER NOT NULL,"
+    " closed_ms INTEGER NOT NULL DEFAULT 0, base_model TEXT NOT NULL, model_hash TEXT NOT NULL DEFAULT '',"
+    " uplink_bytes INTEGER NOT NULL DEFAULT 0, downlink_bytes INTEGER NOT NULL DEFAULT 0,"
+    " metrics TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (task_id, round))",
+    "CREATE TABLE IF NOT EXISTS assignments ("
+    " task_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, attempt INTEGER NOT NULL,"
+    " assigned_ms INTEGER NOT NULL, declined TEXT NOT NULL DEFAULT '', PRIMARY KEY (task_id, round, site))",
+    "CREATE TABLE IF NOT EXISTS updates ("
+    " update_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL,"
+    " idempotency_key TEXT NOT NULL, num_samples INTEGER NOT NULL, nbytes INTEGER NOT NULL,"
+    " spill_path TEXT NOT NULL, layout TEXT NOT NULL, metrics TEXT NOT NULL, eval_metrics TEXT NOT NULL,"
+    " received_ms INTEGER NOT NULL, UNIQUE (task_id, round, site), UNIQUE (task_id, idempotency_key))",
+    "CREATE TABLE IF NOT EXISTS site_declines ("
+    " task_id TEXT NOT NULL, site TEXT NOT NULL, reason TEXT NOT NULL, PRIMARY KEY (task_id, site))",
+    "CREATE TABLE IF NOT EXISTS events ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL,"
+    " unix_ms INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS events_by_task ON events (task_id, seq)",
+)
+"""The tables as the first release made them (schema version 1)."""
+
+
+class StoreError(FedclinicError):
+    """The state database cannot be opened or migrated by this build (says what to do)."""
+
+
+def _columns(c: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in c.execute(f"PRAGMA table_info({table})").fetchall()}
+
+
+def _add_column(c: sqlite3.Connection, table: str, column: str, decl: str) -> None:
+    """ALTER TABLE ... ADD COLUMN unless it is there (builds before numbered steps added some columns
+    while still calling the schema version 1)."""
+    if column not in _columns(c, table):
+        c.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+
+def _to_v1(c: sqlite3.Connection, store: "Store") -> None:
+    for statement in SCHEMA_V1:
+        c.execute(statement)
+
+
+def _to_v2(c: sqlite3.Connection, store: "Store") -> None:
+    _add_column(c, "rounds", "strategy_state", "TEXT NOT NULL DEFAULT '{}'")   # stateful strategies (FedOpt...)
+    _add_column(c, "updates", "fp32_bytes", "INTEGER NOT NULL DEFAULT 0")      # byte accounting of update codecs
+    _add_column(c, "updates", "wire_bytes", "INTEGER NOT NULL DEFAULT 0")
+
+
+def _to_v3(c: sqlite3.Connection, store: "Store") -> None:
+    # where the spill paths in ``updates`` point: Store.__init__ relocates them when the folder moved
+    c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('state_dir', ?)", (str(store.state_dir),))
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
+    transaction and must not commit."""
+
+    to: int
+    what: str
+    apply: Callable[[sqlite3.Connection, "Store"], None]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "tasks, models, rounds, assignments, updates, site declines, events", _to_v1),
+    Migration(2, "rounds.strategy_state; updates.fp32_bytes and wire_bytes", _to_v2),
+    Migration(3, "meta.state_dir, so a moved or restored state folder relocates its spill paths", _to_v3),
+)
+"""Every schema step in order; append a step (never edit a released one) and its number is the new version."""
+
+SCHEMA_VERSION = MIGRATIONS[-1].to
+
+
+def read_schema_version(conn: sqlite3.Connection) -> int:
+    """The ``schema_version`` in the ``meta`` table of an open database (0 when there is none)."""
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    except sqlite3.OperationalError:  # no meta table: a new database
+        return 0
+    return int(row[0]) if row is not None else 0
 
 
 def now_ms() -> int:
@@ -91,24 +160,59 @@ class Store:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
-        self._conn.executescript(SCHEMA)
         self._migrate()
-        version = self.one("SELECT value FROM meta WHERE key='schema_version'")
-        if version is None:
-            self.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(version.value) > SCHEMA_VERSION:
-            raise RuntimeError(f"{self.db_path} has schema version {version.value}, newer than this aggregator "
-                               f"({SCHEMA_VERSION}); upgrade fedclinic-aggregator")
+        self._relocate_spill_paths()
+
+    @property
+    def schema_version(self) -> int:
+        """The schema version recorded in the database (0 for a new, empty one)."""
+        return read_schema_version(self._conn)
 
     def _migrate(self) -> None:
-        """Bring a database made by an earlier build of this schema version up to date (additive only)."""
-        columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(rounds)").fetchall()}
-        if "strategy_state" not in columns:
-            self._conn.execute("ALTER TABLE rounds ADD COLUMN strategy_state TEXT NOT NULL DEFAULT '{}'")
-        columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(updates)").fetchall()}
-        for column in ("fp32_bytes", "wire_bytes"):  # byte accounting of update codecs (issue #6)
-            if column not in columns:
-                self._conn.execute(f"ALTER TABLE updates ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+        """Apply the steps of :data:`MIGRATIONS` above the database's version, in order, in one transaction
+        (all or nothing), with a log line; refuse a database newer than this build."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                current = read_schema_version(self._conn)
+                if current > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"{self.db_path} has schema version {current}, newer than this fedclinic-aggregator "
+                        f"({fedclinic.__version__}, schema version {SCHEMA_VERSION}): it was written by a newer "
+                        "release. Run that release (or newer), or restore a backup taken with this one")
+                steps = [m for m in MIGRATIONS if m.to > current]
+                for step in steps:
+                    try:
+                        step.apply(self._conn, self)
+                    except sqlite3.Error as exc:
+                        raise StoreError(
+                            f"cannot migrate {self.db_path} from schema version {step.to - 1} to {step.to} "
+                            f"({step.what}): {exc}. Nothing was changed; restore the state folder from a "
+                            "backup (fedclinic-aggregator restore) or report this with the database") from None
+                    self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
+                                       (str(step.to),))
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        if steps:
+            log.info("store schema migrated", path=str(self.db_path), from_version=current, to_version=SCHEMA_VERSION,
+                     steps=[f"{m.to - 1}->{m.to}: {m.what}" for m in steps])
+
+    def _relocate_spill_paths(self) -> None:
+        """Point the spill paths of ``updates`` into this state folder when the folder was moved or restored
+        elsewhere (they are absolute paths under ``<state_dir>/updates``)."""
+        row = self.one("SELECT value FROM meta WHERE key='state_dir'")
+        here = str(self.state_dir)
+        if row is None or row.value == here:
+            return
+        old, new = os.path.join(row.value, "updates", ""), os.path.join(here, "updates", "")
+        with self.tx() as c:
+            n = c.execute("UPDATE updates SET spill_path = ? || substr(spill_path, ?) "
+                          "WHERE substr(spill_path, 1, ?) = ?", (new, len(old) + 1, len(old), old)).rowcount
+            c.execute("UPDATE meta SET value=? WHERE key='state_dir'", (here,))
+        log.info("state folder moved: spill paths relocated", old=row.value, new=here, updates=n)
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:

@@ -8,8 +8,15 @@ import signal
 import sys
 import tempfile
 
+import structlog
+
 from fedclinic import logs
 from fedclinic.errors import FedclinicError
+
+log = structlog.get_logger("fedclinic.agent")
+
+#: WORK_DIR/metrics.addr: the metrics endpoint's bound address (JSON), e.g. when metrics_address asks for port 0
+METRICS_ADDRESS_FILE = "metrics.addr"
 
 
 def check_config(path: str) -> list[str]:
@@ -82,17 +89,53 @@ def privacy_status(config_path: str) -> int:
     return 0
 
 
+def privacy_finish(config_path: str, task_id: str) -> int:
+    """Release a task's unspent privacy reservation by hand (it completed without this site in its last round,
+    or ended while the agent was offline): the ledger keeps what it spent and charges it no more (a later
+    round of it would be withheld and declined). Audited; no network."""
+    import getpass
+
+    from fedclinic.audit import AuditLog
+
+    from hospital_agent.config import AgentConfig
+    from hospital_agent.privacy_ledger import PrivacyLedger
+
+    try:
+        config = AgentConfig.load(config_path)
+    except FedclinicError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    datasets = PrivacyLedger(config.work_dir / "privacy-ledger.sqlite").finish_task(task_id)
+    if not datasets:
+        print(f"error: task {task_id} holds no running reservation in the privacy ledger (finished already, or "
+              "never admitted here); see `hospital-agent privacy status`", file=sys.stderr)
+        return 1
+    by = f"site-admin:{getpass.getuser()}"
+    with AuditLog(config.work_dir / "audit.jsonl", on_torn_tail="quarantine") as audit:
+        audit.append("privacy.reservation_released", actor=by, task_id=task_id, datasets=datasets,
+                     reason="finished by the site admin")
+    print(f"task {task_id} finished on {', '.join(datasets)}: its unspent reservation is released; it keeps what "
+          "it spent and is charged no more")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hospital-agent", description="fedclinic hospital agent")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="connect to the aggregator and work until SIGTERM/SIGINT")
+    run = sub.add_parser("run", help="connect to the aggregator and work until SIGTERM/SIGINT (SIGHUP: reload certificates)")
     run.add_argument("--config", required=True, help="path to agent.toml")
+    run.add_argument("--metrics-address", metavar="HOST:PORT",
+                     help='Prometheus endpoint, overriding metrics_address of the config ("" turns it off)')
     chk = sub.add_parser("check-config", help="validate configuration, certificates and datasets")
     chk.add_argument("--config", required=True)
     priv = sub.add_parser("privacy", help="the site's differential-privacy budgets and spend")
     priv_sub = priv.add_subparsers(dest="privacy_command", required=True)
     pst = priv_sub.add_parser("status", help="budget, spent and committed epsilon per dataset, and per task")
     pst.add_argument("--config", required=True)
+    pfin = priv_sub.add_parser("finish", help="release an ended task's unspent reservation (the agent was not told "
+                                              "it ended); it is charged no more")
+    pfin.add_argument("task_id")
+    pfin.add_argument("--config", required=True)
     from hospital_agent.tasks_cli import add_commands as add_task_commands
 
     add_task_commands(sub)
@@ -115,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     if args.command == "privacy":
+        if args.privacy_command == "finish":
+            return privacy_finish(args.config, args.task_id)
         return privacy_status(args.config)
 
     if args.command == "tasks":
@@ -132,16 +177,33 @@ def main(argv: list[str] | None = None) -> int:
     from hospital_agent.config import AgentConfig
     from hospital_agent.worker import Agent
 
+    from fedclinic.metrics_endpoint import MetricsServer
+
     try:
         config = AgentConfig.load(args.config)
+        if args.metrics_address is not None:
+            config = config.with_metrics_address(args.metrics_address, "--metrics-address")
         logs.configure(config.log_level)
         agent = Agent(config)
-    except FedclinicError as exc:
+        endpoint = (MetricsServer(agent.metrics.registry, config.metrics_address)
+                    if config.metrics_address is not None else None)
+    except (FedclinicError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if endpoint is not None:
+        endpoint.publish(config.work_dir / METRICS_ADDRESS_FILE)
+        log.info("metrics endpoint listening", url=endpoint.url,
+                 **({} if endpoint.loopback else
+                    {"warning": "reachable from other machines: limit who may connect (firewall, NetworkPolicy)"}))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
-    agent.run()
+    signal.signal(signal.SIGHUP, lambda *_: agent.reload_requested.set())  # re-read the certificate files now
+    try:
+        agent.run()
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+            (config.work_dir / METRICS_ADDRESS_FILE).unlink(missing_ok=True)
     return 0
 
 

@@ -6,6 +6,7 @@ Example::
     work_dir = "/var/lib/hospital-agent"
     device = "auto"            # "cpu", "cuda", "cuda:1"; auto = CUDA when present
     mixed_precision = false    # allow autocast on CUDA when a task asks for it
+    metrics_address = "127.0.0.1:9465"   # optional: Prometheus endpoint (HTTP GET /metrics); off when absent
 
     [tls]
     cert = "/etc/hospital-agent/site-a.crt"
@@ -38,18 +39,25 @@ The site policy is enforced here, at the hospital, whatever the aggregator asks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fedclinic.errors import ConfigError
+from fedclinic.metrics_endpoint import MetricsAddress, parse_metrics_address
 from fedclinic.proto import task_pb2
 from fedclinic.rpc import TlsFiles
-from fedclinic.tomlconfig import env_overrides, load_toml, require
+from fedclinic.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
 FORMATS = ("jsonl", "csv", "tsv", "conll")
 APPROVAL_MODES = ("auto", "manual")
+#: the keys each table may hold; anything else is refused (a misspelt ``aproval`` must not mean "auto")
+TLS_KEYS = ("cert", "key", "ca")
+POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_cohort", "approval")
+DATASET_KEYS = ("path", "format", "text_field", "label_field", "eval_path", "entities_field", "tokenizer_sha256",
+                "question_field", "answer_field", "context_field", "image_field", "privacy_epsilon",
+                "privacy_delta")
 
 
 def _sha256_or_none(value: Any, where: str) -> str | None:
@@ -140,6 +148,8 @@ class AgentConfig:
     mixed_precision: bool = False
     log_level: str = "info"
     source: str = ""
+    #: where the Prometheus endpoint listens (fedclinic.metrics_endpoint); None: no endpoint, no open port
+    metrics_address: MetricsAddress | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -154,10 +164,12 @@ class AgentConfig:
 
         tls = TlsFiles(p(require(doc, "tls.cert", str, source)), p(require(doc, "tls.key", str, source)),
                        p(require(doc, "tls.ca", str, source)))
+        refuse_unknown(doc["tls"], TLS_KEYS, f"{source}: [tls]", ENV_PREFIX)
         datasets = {}
         for name, entry in (doc.get("datasets") or {}).items():
             if not isinstance(entry, dict) or "path" not in entry:
                 raise ConfigError(f"{source}: [datasets.{name}] needs a 'path'")
+            refuse_unknown(entry, DATASET_KEYS, f"{source}: [datasets.{name}]", ENV_PREFIX)
             fmt = entry.get("format")
             if fmt is not None and fmt not in FORMATS:
                 raise ConfigError(f"{source}: [datasets.{name}] format must be one of {', '.join(FORMATS)}")
@@ -173,6 +185,7 @@ class AgentConfig:
                                           image_field=entry.get("image_field", "image"),
                                           **_privacy_budget(entry, f"{source}: [datasets.{name}]"))
         pol = doc.get("policy") or {}
+        refuse_unknown(pol, POLICY_KEYS, f"{source}: [policy]", ENV_PREFIX)
         min_cohort = pol.get("secure_aggregation_min_cohort", 3)
         if isinstance(min_cohort, bool) or not isinstance(min_cohort, int) or min_cohort < 3:
             raise ConfigError(f"{source}: [policy] secure_aggregation_min_cohort must be an integer >= 3 (with two "
@@ -183,10 +196,15 @@ class AgentConfig:
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval)
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
-                              "mixed_precision", "log_level"}
+                              "mixed_precision", "log_level", "metrics_address"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
         return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
                    tls=tls, datasets=datasets, policy=policy, server_name=doc.get("server_name"),
                    device=str(doc.get("device", "auto")), mixed_precision=bool(doc.get("mixed_precision", False)),
-                   log_level=str(doc.get("log_level", "info")), source=source)
+                   log_level=str(doc.get("log_level", "info")), source=source,
+                   metrics_address=parse_metrics_address(doc.get("metrics_address"), source))
+
+    def with_metrics_address(self, value: str, where: str) -> "AgentConfig":
+        """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""
+        return replace(self, metrics_address=parse_metrics_address(value, where))

@@ -45,6 +45,7 @@ aggregator = "{aggregator}"   # CHANGE: host:port from your federation operator
 work_dir = "/var/lib/hospital-agent"      # keep: the service may write only here (ReadWritePaths=)
 device = "auto"                           # auto = first CUDA GPU when present, else CPU
 mixed_precision = false
+# metrics_address = "127.0.0.1:9465"      # optional Prometheus endpoint, loopback only (docs/hospital-it.md)
 
 [tls]                                     # CHANGE: your site's files (fedclinic pki request --name {site})
 cert = "/etc/hospital-agent/{site}.crt"
@@ -69,6 +70,7 @@ EXAMPLE_AGENT_ENV = """\
 # Any agent.toml setting can be overridden as FEDCLINIC_AGENT_<KEY>, sections joined by "__".
 # Never put private keys or passwords here: point to files instead.
 #FEDCLINIC_AGENT_LOG_LEVEL=debug
+#FEDCLINIC_AGENT_METRICS_ADDRESS=127.0.0.1:9465
 #OMP_NUM_THREADS=8
 """
 

@@ -71,5 +71,10 @@ class Outbox:
             if folder.is_dir() and not folder.name.endswith(".tmp") and (folder / "header.pb").is_file():
                 yield OutboxEntry(folder, agent_pb2.UpdateHeader.FromString((folder / "header.pb").read_bytes()))
 
+    def count(self) -> int:
+        """Updates waiting here for the aggregator's acknowledgement (without reading their headers)."""
+        return sum(1 for folder in self.root.iterdir()
+                   if not folder.name.endswith(".tmp") and (folder / "header.pb").is_file())
+
     def remove(self, entry: OutboxEntry) -> None:
         shutil.rmtree(entry.folder, ignore_errors=True)

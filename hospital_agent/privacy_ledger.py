@@ -17,8 +17,19 @@ charge(dataset, task, round, epsilon_after)
     charge again). Refused when the task was not admitted, when it would spend more than it planned, or when
     the dataset's committed spend with this charge would exceed the budget (e.g. the budget was lowered since
     admission). Idempotent per round: charging a round again keeps the larger epsilon.
-finish(dataset, task)
-    The task's reservation shrinks to what it spent.
+finish(dataset, task) / finish_task(task)
+    The task ended for this site: its reservation shrinks to what it spent (the unspent rest of its plan goes
+    back to the dataset's budget) and it is charged no more. Called when the agent learns that the task will
+    spend nothing more here (see below); idempotent, and a no-op for a task the ledger does not hold.
+
+When a task ends for the site (:class:`hospital_agent.site_privacy.SitePrivacy` calls ``finish``):
+
+- its last round (``rounds.num_rounds``) is charged: the plan covers no further round;
+- the aggregator cancels it or it fails (``CancelWork`` on the work stream);
+- the site declines it for good (``permanent`` decline: the aggregator never assigns it here again);
+- the site's admin says so (``hospital-agent privacy finish TASK``): for a task that completed without this
+  site in its last round, or ended while the agent was not connected. The agent is not told of a completed
+  task, so without one of these its unspent reservation would stay committed.
 
 So a crash between charge and send leaves the spend recorded (the update may never arrive: the ledger
 over-counts, never under-counts), and no sequence of concurrent admissions and charges lets the committed
@@ -167,9 +178,21 @@ class PrivacyLedger:
                        "SET epsilon_after=max(epsilon_after, excluded.epsilon_after)",
                        (dataset, task_id, int(round_number), float(epsilon_after), _now_ms()))
 
-    def finish(self, dataset: str, task_id: str) -> None:
+    def finish(self, dataset: str, task_id: str) -> bool:
+        """The task ended on ``dataset``: release its unspent reservation, refuse further charges. True when the
+        task was running (False: unknown, or finished already)."""
         with self._tx() as db:
-            db.execute("UPDATE tasks SET finished=1 WHERE dataset=? AND task_id=?", (dataset, task_id))
+            return db.execute("UPDATE tasks SET finished=1 WHERE dataset=? AND task_id=? AND finished=0",
+                              (dataset, task_id)).rowcount > 0
+
+    def finish_task(self, task_id: str) -> list[str]:
+        """:meth:`finish` on every dataset the task was admitted on (a cancellation names the task only); the
+        datasets whose reservation was released."""
+        with self._tx() as db:
+            names = [r[0] for r in db.execute("SELECT dataset FROM tasks WHERE task_id=? AND finished=0 "
+                                              "ORDER BY dataset", (task_id,))]
+            db.execute("UPDATE tasks SET finished=1 WHERE task_id=? AND finished=0", (task_id,))
+        return names
 
     def accountant_state(self, dataset: str, task_id: str) -> str:
         """The JSON accountant state last charged for the task ('' when none), to resume after a restart."""

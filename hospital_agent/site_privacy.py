@@ -11,6 +11,10 @@ For a task whose spec asks for ``privacy.level = "sample"``:
 2. After local training, :meth:`SitePrivacy.charge` adds the round's steps to the task's accountant (restored
    from the ledger, so a restart continues it), charges the new cumulative epsilon to the ledger, and only
    then returns the ``DpReport`` the update carries. If the charge is refused, the update is not sent.
+   Charging the task's last round (``rounds.num_rounds``) finishes the task in the ledger: no further round
+   exists, so the unspent rest of its reservation goes back to the dataset's budget.
+3. :meth:`SitePrivacy.task_ended` finishes the task in the ledger when the agent learns that it will spend
+   nothing more on it (cancelled or failed at the aggregator, or declined for good by this site).
 """
 
 from __future__ import annotations
@@ -70,5 +74,11 @@ class SitePrivacy:
         if not math.isfinite(epsilon):
             epsilon = float("inf")
         self.ledger.charge(spec.dataset, task_id, round_number, epsilon, accountant=nxt.to_json())
+        if round_number >= spec.rounds.num_rounds:
+            self.ledger.finish(spec.dataset, task_id)  # the last round: nothing more can be spent
         return agent_pb2.DpReport(epsilon=epsilon, delta=plan.delta, noise_multiplier=plan.noise_multiplier,
                                   max_grad_norm=private.max_grad_norm, accountant=plan.accountant)
+
+    def task_ended(self, task_id: str) -> list[str]:
+        """The task will spend nothing more at this site: release its unspent reservations (the datasets)."""
+        return self.ledger.finish_task(task_id)

@@ -13,7 +13,9 @@ and queues what arrives; the main thread handles one assignment at a time:
    under secure aggregation the delta instead leaves only masked, in the round's SecAgg session
    (hospital_agent.secure_aggregation; phase messages are answered on their own thread).
 
-The model and the encoded dataset of a task stay in memory across its rounds.
+The model and the encoded dataset of a task stay in memory across its rounds. Every call takes its stub from
+hospital_agent.connection.AgentChannel, which switches to a new channel when the site's certificate is renewed on
+disk (the work stream then reopens with it; running calls and the outbox are not affected).
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from fedclinic.failpoints import failpoint
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError
 from fedclinic.package import Manifest, ModelPackage, tensor_sha256
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
-from fedclinic.rpc import explain_rpc_error, secure_channel
+from fedclinic.rpc import explain_rpc_error
 from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_tensor_chunk_in, header_of,
                             manifest_from_proto)
 
 from hospital_agent.approvals import APPROVED, REJECTED, ApprovalStore
 from hospital_agent.config import AgentConfig
+from hospital_agent.connection import AgentChannel
+from hospital_agent.metrics import AgentMetrics, count_wire_bytes
 from hospital_agent.outbox import Outbox, OutboxEntry
 from hospital_agent.privacy_ledger import BudgetExceeded
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
@@ -106,20 +110,57 @@ class Agent:
         self._cancelled: set[str] = set()
         self._tasks: dict[str, _TaskState] = {}
         self._sent: set[tuple[str, int]] = set()  # (task, round) acknowledged by the aggregator
-        self._channel: grpc.Channel | None = None
-        self._stub: agent_pb2_grpc.AgentServiceStub | None = None
+        #: the channel to the aggregator, rebuilt when the site's certificate is renewed (hospital_agent.connection)
+        self._conn: AgentChannel | None = None
+        #: set by SIGHUP (re-read the certificate files now) and by a credentials switch (resend the outbox)
+        self.reload_requested = threading.Event()
+        self._resend_outbox = threading.Event()
         self._watch_call = None
         self._upload_call = None
         self.secagg = SiteSecAgg(self)
         self._secagg_queue: "queue.Queue[agent_pb2.SecAggPhase]" = queue.Queue()
+        #: Prometheus metrics (hospital_agent.metrics), served by the CLI when metrics_address is set
+        self.metrics = AgentMetrics(self.outbox, self.privacy.ledger, lambda: len(self._held))
 
     # connection -----------------------------------------------------------------------------------------
     def connect(self) -> None:
-        self._channel = secure_channel(self.config.aggregator, self.config.tls, server_name=self.config.server_name)
-        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
-        self._submit_update = self._channel.stream_unary(  # takes pre-serialized UpdateChunk bytes
-            "/fedclinic.v1.AgentService/SubmitUpdate", request_serializer=None,
-            response_deserializer=agent_pb2.UpdateReceipt.FromString)
+        self._conn = AgentChannel(self.config.aggregator, self.config.tls, server_name=self.config.server_name,
+                                  on_change=self._credentials_changed)
+
+    @property
+    def _stub(self) -> agent_pb2_grpc.AgentServiceStub:
+        """The stub for the next call: on a new channel if the certificate was renewed since the last call."""
+        assert self._conn is not None, "connect() first"
+        return self._conn.stub()
+
+    @property
+    def _submit_update(self):
+        assert self._conn is not None, "connect() first"
+        return self._conn.submit_update()
+
+    def _credentials_changed(self) -> None:
+        """A renewed certificate is in use for new calls: move the work stream over, resend the outbox."""
+        log.info("renewed certificate in use; reopening the work stream with it")
+        self._resend_outbox.set()
+        call = self._watch_call
+        if call is not None:
+            call.cancel()
+
+    def _maintain_connection(self) -> None:
+        """Between assignments: pick up renewed credentials (SIGHUP forces a re-read) and resend what the outbox
+        holds after a switch (e.g. an update refused while the old certificate was revoked)."""
+        assert self._conn is not None
+        force = self.reload_requested.is_set()
+        self.reload_requested.clear()
+        switched = self._conn.refresh(force=force)
+        if force:
+            ident = self._conn.credentials.current.identity
+            log.info("reload requested", certificate="reloaded" if switched else "unchanged",
+                     certificate_problem=self._conn.credentials.last_error,
+                     serial=ident.serial_hex if ident else None)
+        if self._resend_outbox.is_set():
+            self._resend_outbox.clear()
+            self._drain_outbox()
 
     def hello(self) -> agent_pb2.HelloResponse:
         from fedclinic.training import select_device
@@ -152,6 +193,7 @@ class Agent:
                 try:
                     item = self._queue.get(timeout=0.5)
                 except queue.Empty:
+                    self._maintain_connection()
                     self._release_held()
                     continue
                 if item.WhichOneof("item") == "assignment":
@@ -161,8 +203,8 @@ class Agent:
             self.stop()
             watcher.join(timeout=5)
             phases.join(timeout=5)
-            if self._channel is not None:
-                self._channel.close()
+            if self._conn is not None:
+                self._conn.close()
             log.info("agent stopped", site=self.site_id)
 
     def _watch_loop(self) -> None:
@@ -170,6 +212,7 @@ class Agent:
         while not self.stop_event.is_set():
             try:
                 resp = self.hello()
+                self.metrics.connected = True
                 log.info("connected", aggregator=self.config.aggregator, site=resp.site_id,
                          aggregator_version=resp.aggregator_version)
                 self._watch_call = self._stub.WatchWork(
@@ -181,6 +224,7 @@ class Agent:
                         self._cancelled.add(item.cancel.task_id)
                         self.secagg.forget(item.cancel.task_id)
                         log.info("task cancelled by aggregator", task_id=item.cancel.task_id, reason=item.cancel.reason)
+                        self._release_privacy(item.cancel.task_id, f"ended at the aggregator: {item.cancel.reason}")
                     elif kind == "assignment":
                         self._queue.put(item)
                     elif kind == "secagg":
@@ -190,6 +234,7 @@ class Agent:
                     return
                 err = explain_rpc_error(exc, self.config.aggregator)
                 log.warning("work stream lost; reconnecting", error=str(err), retry_in_s=round(backoff, 1))
+            self.metrics.connected = False
             self.stop_event.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 30.0)
 
@@ -200,7 +245,7 @@ class Agent:
                 msg = self._secagg_queue.get(timeout=0.5)
             except queue.Empty:
                 continue
-            structlog.contextvars.bind_contextvars(task_id=msg.task_id, round=msg.round)
+            structlog.contextvars.bind_contextvars(task_id=msg.task_id, round=msg.round, site=self.site_id)
             try:
                 self.secagg.handle(msg)
             except grpc.RpcError as exc:
@@ -209,25 +254,27 @@ class Agent:
             except Exception:  # keep answering other sessions; this one will time out at the aggregator
                 log.exception("secure-aggregation phase failed")
             finally:
-                structlog.contextvars.unbind_contextvars("task_id", "round")
+                structlog.contextvars.unbind_contextvars("task_id", "round", "site")
 
     def _handle_safely(self, a: agent_pb2.Assignment) -> None:
-        structlog.contextvars.bind_contextvars(task_id=a.task_id, round=a.round)
+        structlog.contextvars.bind_contextvars(task_id=a.task_id, round=a.round, site=self.site_id)
         try:
             self.handle(a)
         except Stopped as exc:
             log.info("assignment interrupted", reason=str(exc))
         except (DatasetError, IntegrityError) as exc:
             log.error("assignment refused", error=str(exc))
+            self.metrics.assignment_refused("data")
             self._decline(a, str(exc), permanent=isinstance(exc, DatasetError))
         except grpc.RpcError as exc:
             log.warning("assignment failed on the network; it will be offered again", error=str(
                 explain_rpc_error(exc, self.config.aggregator)))
         except FedclinicError as exc:
             log.error("assignment failed", error=str(exc))
+            self.metrics.assignment_refused("error")
             self._decline(a, str(exc), permanent=False)
         finally:
-            structlog.contextvars.unbind_contextvars("task_id", "round")
+            structlog.contextvars.unbind_contextvars("task_id", "round", "site")
 
     def _decline(self, a: agent_pb2.Assignment, reason: str, permanent: bool) -> None:
         self._decline_round(a.task_id, a.round, reason, permanent)
@@ -238,6 +285,19 @@ class Agent:
                                                         permanent=permanent), timeout=30)
         except grpc.RpcError as exc:
             log.warning("could not send the refusal", error=str(explain_rpc_error(exc, self.config.aggregator)))
+        if permanent:
+            self._release_privacy(task_id, f"declined for good by this site: {reason}")
+
+    def _release_privacy(self, task_id: str, why: str) -> None:
+        """The task spends nothing more here: give its unspent privacy reservation back (site_privacy)."""
+        try:
+            datasets = self.privacy.task_ended(task_id)
+        except Exception:  # the ledger stays as it was (reserved); the work stream must go on
+            log.exception("could not release the task's privacy reservation", task_id=task_id)
+            return
+        if datasets:
+            log.info("privacy reservation released", task_id=task_id, datasets=datasets, reason=why)
+            self.audit("privacy.reservation_released", task_id, datasets=datasets, reason=why)
 
     # audit and approval -------------------------------------------------------------------------------------
     def audit(self, kind: str, task_id: str | None = None, **details) -> None:
@@ -268,6 +328,7 @@ class Agent:
             self._held.pop(a.task_id, None)
             site = self.site_id or self._cert_name
             self._decline(a, f"rejected at {site}: {rec.reason}", permanent=True)
+            self.metrics.assignment_refused("rejected")
             return False
         if self._held.get(a.task_id) is None or what:
             log.warning("task awaiting approval at this site; nothing is fetched or trained until then",
@@ -298,6 +359,7 @@ class Agent:
         refusal = self.config.policy.refusal(a.spec, self.config.datasets)
         if refusal:
             log.warning("assignment refused by site policy", reason=refusal)
+            self.metrics.assignment_refused("policy")
             self._decline(a, refusal, permanent=True)
             self.audit("task.refused_by_policy", a.task_id, round=a.round, reason=refusal)
             return
@@ -334,13 +396,22 @@ class Agent:
                 log.warning("private task refused", reason=str(exc))
                 self._decline(a, str(exc), permanent=True)
                 self.audit("task.refused_by_privacy_budget", a.task_id, round=a.round, reason=str(exc))
+                self.metrics.assignment_refused("privacy_budget")
                 return
         self._sync_model(a, manifest, state)
         loaded = state.loaded
         eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
         send = list(a.send_tensors)
+        from fedclinic import safl
         from fedclinic.models import module_tensors
 
+        safl_config = safl.SaflConfig.from_spec(a.spec)
+        selection = None
+        if safl_config is not None:  # attention-selected layers: profile the global model, train the top-k + head
+            selection = safl.select_layers(loaded, state.train_data, safl_config, send,
+                                           seed=safl.profile_seed(cfg.seed, a.round, self.site_id))
+            send = selection.tensors
+            log.info("layers selected", layers=selection.layers, tensors=len(send))
         before = module_tensors(loaded.module, send)
         started = time.monotonic()
 
@@ -361,12 +432,14 @@ class Agent:
             result = training.train_local(loaded, state.train_data, cfg, trainable=send, progress=progress,
                                           optimizer_state=state.optimizer_state)
         state.optimizer_state = result.optimizer_state
+        self.metrics.trained(a.task_id, time.monotonic() - started)
         after = module_tensors(loaded.module, send)
         delta = training.compute_delta(before, after, send)
         # the module now holds local weights; remember that so the next round reloads the global ones
         for name in send:
             state.tensor_sha[name] = ""
-        metrics = {**result.reported_metrics(), "train_seconds": time.monotonic() - started}
+        metrics = {**result.reported_metrics(), "train_seconds": time.monotonic() - started,
+                   **(selection.metrics() if selection is not None else {})}
         if secure:
             # no sample count, metrics or DP report travel beside a masked vector; privacy is charged first
             if state.private is not None and self._charge_privacy(a, state) is None:
@@ -386,6 +459,7 @@ class Agent:
                 log.warning("update withheld: privacy budget", reason=str(exc))
                 self._decline(a, str(exc), permanent=True)
                 self.audit("update.withheld_by_privacy_budget", a.task_id, round=a.round, reason=str(exc))
+                self.metrics.assignment_refused("privacy_budget")
                 return
             header.metrics["dp_epsilon"] = header.dp.epsilon  # per-site spend, visible in the task's rounds
             header.metrics["dp_delta"] = header.dp.delta
@@ -462,6 +536,7 @@ class Agent:
             log.warning("update withheld: privacy budget", reason=str(exc))
             self._decline(a, str(exc), permanent=True)
             self.audit("update.withheld_by_privacy_budget", a.task_id, round=a.round, reason=str(exc))
+            self.metrics.assignment_refused("privacy_budget")
             return None
         log.info("privacy charged", epsilon=round(report.epsilon, 4), delta=report.delta)
         return report
@@ -536,14 +611,19 @@ class Agent:
                 raise IntegrityError(f"the aggregator sent file {path!r}, which is not in the model manifest")
             self.cache.put(data, declared[path])
         log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have))
+        self.metrics.fetched(task_id, tensors.nbytes + sum(len(data) for data in files.files.values()))
         self.audit("model.fetched", task_id, model_hash=manifest.model_hash, bytes=int(tensors.nbytes),
                    tensors=len(expect), skipped=len(have), files=len(files.files))
 
     # uploads ------------------------------------------------------------------------------------------------
     def _drain_outbox(self) -> None:
         for entry in self.outbox.entries():
-            log.info("resending an update left in the outbox", task_id=entry.header.task_id, round=entry.header.round)
-            self._upload_with_retries(entry)
+            structlog.contextvars.bind_contextvars(task_id=entry.header.task_id, round=entry.header.round)
+            try:  # the upload's own log lines (acknowledged, refused, interrupted) carry the task and round too
+                log.info("resending an update left in the outbox")
+                self._upload_with_retries(entry)
+            finally:
+                structlog.contextvars.unbind_contextvars("task_id", "round")
         waiting = {e.header.task_id for e in self.outbox.entries()}
         folder = self.config.work_dir / "codec-state"
         for path in sorted(folder.glob("*.error-feedback.safetensors")) if folder.is_dir() else []:
@@ -566,14 +646,23 @@ class Agent:
     def _upload(self, entry: OutboxEntry) -> None:
         h = entry.header
         try:
-            self._upload_call = self._submit_update.future(self._update_stream(entry))
+            self.metrics.upload_started(h.task_id)
+            wire_bytes = [0]
+            self._upload_call = self._submit_update.future(count_wire_bytes(self._update_stream(entry), wire_bytes))
             receipt = self._upload_call.result()
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 log.warning("upload interrupted; the update stays in the outbox", error=exc.details())
+                self.metrics.upload_interruptions.inc()
+                raise
+            if code == grpc.StatusCode.UNAUTHENTICATED:  # this site's certificate was refused, not the update
+                log.error("the aggregator refused this site's certificate; the update stays in the outbox and is sent "
+                          "again once a renewed certificate is installed", error=exc.details())
+                self.metrics.refused(code.name)
                 raise
             log.error("update refused by the aggregator; dropping it", code=code.name, error=exc.details())
+            self.metrics.refused(code.name)
             self._settle_feedback(h.task_id, delivered=False)
             self._sent.add((h.task_id, h.round))
             self.outbox.remove(entry)
@@ -582,6 +671,8 @@ class Agent:
             self._upload_call = None
         failpoint("agent.after-receipt")
         self._settle_feedback(h.task_id, delivered=True)  # before the outbox entry goes: a crash resends, then commits
+        self.metrics.acknowledged(h.task_id, receipt.duplicate, sum(int(t.encoded_nbytes) for t in h.tensors),
+                                  wire_bytes[0])
         self.audit("update.sent", h.task_id, round=h.round, update_id=receipt.update_id, duplicate=receipt.duplicate,
                    size=sum(int(t.encoded_nbytes) for t in h.tensors), sha256=update_digest(h.tensors),
                    masked=bool(h.secagg_session_id))

@@ -1,6 +1,6 @@
 """``fedclinic``: the data scientist's and administrator's command line.
 
-    fedclinic pki init-ca | issue | request | revoke | list
+    fedclinic pki init-ca | issue | request | renew | install | revoke | refresh-crl | list
     fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT
     fedclinic demo [--report report.json]
     fedclinic audit verify FILE [--expect-head SEQ:HASH]
@@ -38,7 +38,7 @@ def _client(args):
 
 
 def _print_status(st, as_json: bool) -> None:
-    from fedclinic.client import state_name
+    from fedclinic.client import state_name, waiting_sites
 
     if as_json:
         print(json_format.MessageToJson(st, preserving_proto_field_name=True))
@@ -53,6 +53,10 @@ def _print_status(st, as_json: bool) -> None:
               f"down {r.downlink_bytes} B {metrics}")
         for d in r.declined:
             print(f"    declined: {d}")
+    waiting = waiting_sites(st)
+    if waiting:  # who to ask when a round stalls: training, offline, or held for approval at the site
+        print(f"    waiting for: {', '.join(waiting)} (no update or refusal yet: still training, offline, or "
+              "holding the task for approval by its IT)")
 
 
 def _task_command(args) -> int:
@@ -70,8 +74,11 @@ def _task_command(args) -> int:
         elif args.task_cmd == "status":
             _print_status(client.status(args.task_id), args.json)
         elif args.task_cmd == "list":
-            for st in client.list(include_finished=args.all):
+            tasks = list(client.list(include_finished=args.all))
+            for st in tasks:
                 _print_status(st, args.json)
+            if not tasks and not args.json:
+                print("no tasks" if args.all else "no queued or running tasks (--all lists finished ones too)")
         elif args.task_cmd == "watch":
             st = client.wait(args.task_id, progress=True)
             _print_status(st, False)

@@ -35,6 +35,20 @@ def state_name(state: int) -> str:
     return control_pb2.TaskState.Name(state).removeprefix("TASK_STATE_").lower()
 
 
+def waiting_sites(status: control_pb2.TaskStatus) -> list[str]:
+    """The sites the open round still waits for: assigned, with neither an update nor a refusal yet (sorted).
+    The aggregator cannot tell why: the site may be training, offline, or holding the task for approval by its
+    IT (``approval = "manual"``). Empty when no round is open, and for secure aggregation, whose rounds report
+    no per-site updates."""
+    if not status.rounds or status.spec.secure_aggregation.enabled:
+        return []
+    r = status.rounds[-1]
+    if r.state != control_pb2.ROUND_STATE_OPEN:
+        return []
+    done = {rep.site_id for rep in r.reports} | {d.split(":", 1)[0] for d in r.declined}
+    return sorted(set(r.sites_assigned) - done)
+
+
 class Client:
     def __init__(self, address: str, tls: TlsFiles, *, server_name: str | None = None) -> None:
         self.address = address
@@ -221,6 +235,10 @@ def _headline(metrics) -> str:
         text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
     elif "client_dp_epsilon" in metrics:
         text += f" client-DP eps {metrics['client_dp_epsilon']:.2f}"
+    layers = sorted((int(k[len("safl_layer_"):-len("_sites")]), int(v)) for k, v in metrics.items()
+                    if k.startswith("safl_layer_") and k.endswith("_sites"))
+    if layers:  # SAFL: how many sites sent each layer this round
+        text += " layers " + " ".join(f"{layer}:{n}" for layer, n in layers)
     return text
 
 
@@ -248,8 +266,10 @@ class ProgressDisplay:
             width = 20
             filled = int(width * done / total)
             bar = "#" * filled + "-" * (width - filled)
+            waiting = waiting_sites(st) if reported else []  # once some sites are in: who the round waits for
+            wait_txt = f" (waiting for {', '.join(waiting)})" if waiting else ""
             line = (f"\r{st.task_id} [{bar}] round {min(done + 1, total)}/{total} sites {reported}/{target}"
-                    f"{acc_txt} {state_name(st.state)}")
+                    f"{wait_txt}{acc_txt} {state_name(st.state)}")
             self.out.write(line.ljust(100))
             if event.kind in ("declined", "round-failed", "failed"):
                 self.out.write(f"\n  {event.message}\n")

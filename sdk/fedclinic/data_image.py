@@ -18,7 +18,8 @@ while reading, so a manifest that passes is fully valid (a corrupt image fails h
 Examples keep the image *path*; :func:`load_image` decodes it again when the model encodes the data (once
 per task), at the model's image size.
 
-Image files are recognised by their content, not their name: PNG, JPEG, or DICOM (Part 10, with the
+A server that receives an image's bytes (``fedclinic serve``) decodes them with :func:`decode_image_bytes`: the
+same recognition, decoders and steps as for a file. Image files are recognised by their content, not their name: PNG, JPEG, or DICOM (Part 10, with the
 ``DICM`` marker; PNG/JPEG via Pillow, DICOM via pydicom; compressed DICOM transfer syntaxes decode when
 pydicom has a decoder for them).
 
@@ -49,6 +50,7 @@ Preprocessing (exactly; :func:`decode_image` then :func:`preprocess`)
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import re
@@ -254,26 +256,44 @@ def decode_image(path: str | os.PathLike[str], *, where: str = "") -> np.ndarray
     except OSError as exc:
         raise DatasetError(f"{prefix}cannot read image file {p} ({exc.strerror or exc}); check the file and its "
                            "permissions") from None
+    return _decode(p, head, f"{prefix}image file {p}", "re-export the image or remove the row",
+                   "convert it or remove the row")
+
+
+def decode_image_bytes(data: bytes, *, name: str = "the image") -> np.ndarray:
+    """:func:`decode_image` for a file's bytes held in memory (e.g. received by a server): the same recognition,
+    decoders and grayscale conversion. DatasetError naming ``name`` for empty, unknown or corrupt bytes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DatasetError(f"{name} must be the bytes of a PNG, JPEG or DICOM file, got {type(data).__name__}")
+    data = bytes(data)
+    if not data:
+        raise DatasetError(f"{name} is empty (0 bytes); send the bytes of a PNG, JPEG or DICOM file")
+    return _decode(io.BytesIO(data), data[:132], name, "send the image file's bytes unchanged",
+                   "send a PNG, JPEG or DICOM (Part 10) file")
+
+
+def _decode(source: Path | io.BytesIO, head: bytes, what: str, fix_corrupt: str, fix_unknown: str) -> np.ndarray:
+    """Decode ``source`` (a file or its bytes; ``head`` = its first 132 bytes) to [0, 1] grayscale; ``what`` names
+    it in errors, ``fix_*`` say what to do about a corrupt or an unrecognised image."""
     kind = sniff_image_kind(head)
     if kind is None:
-        raise DatasetError(f"{prefix}image file {p} is not a PNG, JPEG or DICOM file (unrecognised content; a DICOM "
-                           "file must be in Part 10 format: 128-byte preamble, then 'DICM'); convert it or remove the "
-                           "row")
+        raise DatasetError(f"{what} is not a PNG, JPEG or DICOM file (unrecognised content; a DICOM "
+                           "file must be in Part 10 format: 128-byte preamble, then 'DICM'); " + fix_unknown)
     try:
-        gray = _decode_dicom(p) if kind == "dicom" else _decode_pil(p)
+        gray = _decode_dicom(source) if kind == "dicom" else _decode_pil(source)
     except DatasetError as exc:
-        raise DatasetError(f"{prefix}image file {p}: {exc}") from None
+        raise DatasetError(f"{what}: {exc}") from None
     except Exception as exc:  # decoders raise many types (OSError, ValueError, SyntaxError, ...) for bad bytes
-        raise DatasetError(f"{prefix}image file {p} is corrupt or unreadable as {kind.upper()} "
-                           f"({type(exc).__name__}: {exc}); re-export the image or remove the row") from None
+        raise DatasetError(f"{what} is corrupt or unreadable as {kind.upper()} "
+                           f"({type(exc).__name__}: {exc}); {fix_corrupt}") from None
     if gray.ndim != 2 or gray.size == 0:
-        raise DatasetError(f"{prefix}image file {p} decoded to shape {gray.shape}; expected one 2-D image")
+        raise DatasetError(f"{what} decoded to shape {gray.shape}; expected one 2-D image")
     if not np.isfinite(gray).all():
-        raise DatasetError(f"{prefix}image file {p} holds NaN or infinite pixel values")
+        raise DatasetError(f"{what} holds NaN or infinite pixel values")
     return gray.astype(np.float32)
 
 
-def _decode_pil(p: Path) -> np.ndarray:
+def _decode_pil(p: Path | io.BytesIO) -> np.ndarray:
     from PIL import Image
 
     with Image.open(p) as img:
@@ -293,7 +313,7 @@ def _decode_pil(p: Path) -> np.ndarray:
         return np.asarray(img.convert("L"), dtype=np.float64) / 255.0
 
 
-def _decode_dicom(p: Path) -> np.ndarray:
+def _decode_dicom(p: Path | io.BytesIO) -> np.ndarray:
     import pydicom
     from pydicom.pixels import apply_modality_lut
 
@@ -391,5 +411,5 @@ def load_image(path: str | os.PathLike[str], *, size: int, mean: float = 0.5, st
     return preprocess(decode_image(path, where=where), size=size, mean=mean, std=std)
 
 
-__all__ = ["IMAGE_KINDS", "ImageTextExample", "decode_image", "load_image", "preprocess", "read_image_text",
-           "resolve_image_path", "sniff_image_kind", "voi_window"]
+__all__ = ["IMAGE_KINDS", "ImageTextExample", "decode_image", "decode_image_bytes", "load_image", "preprocess",
+           "read_image_text", "resolve_image_path", "sniff_image_kind", "voi_window"]

@@ -32,6 +32,8 @@ from pathlib import Path
 DEMO_DATASET = "drugreviews"
 # MiniLM has 6 encoder layers; training the top two plus the pooler and the head keeps a round short on CPU.
 TRAINABLE = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.[45]\..*"]
+#: --layers all: every encoder layer, the pooler and the head (the embeddings stay frozen)
+ALL_LAYERS = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.\d+\..*"]
 # NER: the same top layers, the tag head and the CRF (a token classifier has no pooler)
 NER_TRAINABLE = [r"classifier\..*", r"crf\..*", r"bert\.encoder\.layer\.[45]\..*"]
 # QA: SmolLM2's top two decoder layers (of 30) and the final norm; the tied embedding/output matrix stays
@@ -73,6 +75,16 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--privacy-epsilon", type=float, default=None,
                    help="classification: train with sample-level DP-SGD at every site, this epsilon (delta 1e-5) for "
                         "the whole task; each site's dataset gets exactly that budget")
+    p.add_argument("--codec", default="raw", help="how deltas travel (fedclinic.codecs spec): raw, fp16, int8, "
+                   "topk:0.01, topk:0.01+int8, ...")
+    p.add_argument("--layers", choices=("top2", "all"), default="top2",
+                   help="classification: train the top 2 encoder layers (default) or all 6 (+ pooler and head)")
+    p.add_argument("--safl-top-k", type=int, default=0,
+                   help="classification: attention-selected layers (SAFL): each site trains and sends its K best "
+                        "layers of those --layers allows, every round (0 = off)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="classification: train and send only LoRA adapters of this rank on query/value (alpha = "
+                        "2 x rank) and the head; the encoder stays frozen (0 = off)")
 
 
 def _say(msg: str) -> None:
@@ -253,7 +265,12 @@ def run_demo(args: argparse.Namespace) -> int:
         _say(f"  {name}: {len(rows) - n_eval} training {unit}, {n_eval} for local evaluation; {what} "
              + ", ".join(f"{lab} {n}" for lab, n in mix.items()))
 
-    trainable_patterns = {"classification": TRAINABLE, "ner": NER_TRAINABLE, "qa": QA_TRAINABLE}[args.task]
+    trainable_patterns = {"classification": ALL_LAYERS if args.layers == "all" else TRAINABLE, "ner": NER_TRAINABLE,
+                          "qa": QA_TRAINABLE}[args.task]
+    if (args.safl_top_k or args.lora_rank or args.layers != "top2") and args.task != "classification":
+        raise SystemExit("--layers, --safl-top-k and --lora-rank apply to the classification demo")
+    if args.safl_top_k and args.lora_rank:
+        raise SystemExit("choose one of --safl-top-k and --lora-rank")
     family = {"ner": dict(family="token-classification", architecture="transformer-crf"),
               "qa": dict(family="question-answering", architecture="causal-lm")}.get(args.task, {})
     package = None
@@ -267,6 +284,15 @@ def run_demo(args: argparse.Namespace) -> int:
         # short answers: 16 new tokens bound every generation; evaluation generates for all held-out pairs
         package = package_qa_pretrained(model_dir, max_length=args.max_length, max_new_tokens=16,
                                         eval_examples=len(test))
+    if args.lora_rank:
+        from fedclinic import lora
+        from fedclinic.models import package_pretrained
+
+        package = lora.add_adapters(package_pretrained(model_dir, labels=labels, max_length=args.max_length,
+                                                       seed=args.seed),
+                                    lora.LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank, seed=args.seed))
+        trainable_patterns = lora.trainable_patterns(head=(r"classifier\..*", r"bert\.pooler\..*"))
+    selection = {"selection": "safl", "safl_top_k": args.safl_top_k} if args.safl_top_k else {}
     batch_size = 8 if qa else 16
     privacy = {}
     if args.privacy_epsilon is not None:
@@ -278,7 +304,8 @@ def run_demo(args: argparse.Namespace) -> int:
     task = Task(privacy=privacy, name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
                 learning_rate=args.learning_rate, optimizer=args.optimizer, max_length=args.max_length, seed=args.seed,
-                trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", **family)
+                trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", codec=args.codec,
+                **selection, **family)
     threads = 1 if args.sites > 1 else None
     report: dict = {"rounds": []}
     with LocalFederation(out / "federation", sites, agent_threads=threads) as fed:
@@ -287,7 +314,11 @@ def run_demo(args: argparse.Namespace) -> int:
         with fed.client() as client:
             status = client.submit(task, package=package)
             model_name = {"classification": "MiniLM-L6", "ner": "MiniLM-L6 + CRF", "qa": "SmolLM2-135M"}[args.task]
-            _say(f"task {status.task_id} submitted: {model_name}, {args.rounds} rounds, top 2 layers trained")
+            trained = (f"LoRA r={args.lora_rank} adapters and the head" if args.lora_rank else
+                       f"attention-selected top {args.safl_top_k} layers per site" if args.safl_top_k else
+                       "all 6 layers" if args.layers == "all" else "top 2 layers")
+            _say(f"task {status.task_id} submitted: {model_name}, {args.rounds} rounds, {trained} trained, "
+                 f"codec {args.codec}")
             final = client.wait(status.task_id, progress=True, out=sys.stdout)
             from fedclinic.client import state_name
 
@@ -312,6 +343,8 @@ def run_demo(args: argparse.Namespace) -> int:
         m = test_metrics(round_models[r.round])
         row = {"round": r.round, "global_accuracy": m["accuracy"], "uplink_bytes": r.uplink_bytes,
                "downlink_bytes": r.downlink_bytes, "sites": [s.site_id for s in r.reports]}
+        row.update({k: r.metrics[k] for k in ("uplink_payload_bytes", "uplink_fp32_bytes", "uplink_wire_bytes")
+                    if k in r.metrics})
         row.update({f"global_{k}": m[k] for k in extra})
         if "dp_epsilon" in r.metrics:
             row["dp_epsilon"] = r.metrics["dp_epsilon"]
@@ -373,6 +406,8 @@ def run_demo(args: argparse.Namespace) -> int:
         onnx_report = _export_and_check(final_dir, out / "onnx-model", test)
     _say(f"final model: {final_dir}   (federation {fed_seconds:.0f} s, total {time.monotonic() - t0:.0f} s)")
     report.update({"onnx": onnx_report})
+    report.update({"codec": args.codec, "layers": args.layers, "safl_top_k": args.safl_top_k,
+                   "lora_rank": args.lora_rank})
     report.update({"task": args.task, "task_id": final.task_id, "labels": labels, "centralized_accuracy": central,
                    "local_only_accuracy": local_only, "final_model_dir": str(final_dir),
                    "federation_seconds": fed_seconds, "total_seconds": time.monotonic() - t0})

@@ -15,6 +15,12 @@ Inputs and outputs:
 
 - text-classification: ``input_ids`` and ``attention_mask`` (int64 ``[batch, seq]``) -> ``logits``.
 - feature-classification: ``features`` (float32 ``[batch, num_features]``) -> ``logits``.
+- image-text-classification: ``image`` (float32 ``[batch, 1, S, S]``, S = the model's fixed ``image_size``, pixels
+  preprocessed as :mod:`fedclinic.data_image` states), ``input_ids``, ``attention_mask`` -> ``logits`` (one per
+  label; sigmoid gives the probabilities). The bundle adds ``preprocessing.json``
+  (:func:`fedclinic.models.image_text.preprocessing_spec`): image size, normalisation, the decoding steps, the text
+  encoding and the output's threshold, so that any ONNX Runtime binding can make the inputs. The BiLSTM report
+  branch is traced through its unpacked forward, like the text LSTM.
 - token-classification: ``input_ids``, ``attention_mask`` -> ``logits`` (per-token tag scores ``[batch, seq,
   tags]``); with a CRF also ``tags`` (int64 ``[batch, seq]``), the Viterbi path computed inside the graph
   (:mod:`fedclinic.onnx_crf`), which must equal PyTorch's path exactly on every parity input.
@@ -24,20 +30,27 @@ Inputs and outputs:
   Its parity check is by generation: see :mod:`fedclinic.onnx_causal_lm`.
 
 Parity: the held-out inputs (from ``--texts`` rows, or seeded random inputs of several batch sizes and
-sequence lengths, with padding) go through PyTorch and onnxruntime. The maximum absolute difference of the
+sequence lengths, with padding; image-text: with each row's ``image`` file, else seeded random pixels over the
+preprocessed range) go through PyTorch and onnxruntime. The maximum absolute difference of the
 logits is printed, and the export fails above the tolerance (fp32: 1e-4; question-answering: 1e-3). For int8 the figure is the
 same maximum difference plus top-1 agreement with PyTorch, checked against ``int8_tolerance`` (default 1.0
 in logit units; 2.0 for NER's per-token scores, whose maximum runs over every token) and 95 % agreement:
-quantization changes values by design. Weights are quantized per channel, on the MatMuls only (on MiniLM
-this kept every test prediction; per-tensor scales did not).
+quantization changes values by design. For a multi-label model (image-text) the agreement checked is
+``label_agreement``, the share of per-label decisions (logit > 0, i.e. probability > 0.5) that agree; top-1
+agreement is reported beside it. Weights are quantized per channel, on the MatMuls and fused Attention ops only
+(on MiniLM this kept every test prediction; per-tensor scales did not).
 
 The exporter is torch's (``torch.onnx.export(..., dynamo=True)``); the graph is checked with ``onnx.checker``.
 The LSTM architectures (text ``lstm``, NER ``cnn-bilstm-crf``) are traced through their unpacked forward
 (``torch.compiler.is_exporting()``), which the parity check compares with the packed forward used in training.
+BERT encoders are traced in the form onnxruntime's transformer optimizer fuses, one Attention op per layer
+(:mod:`fedclinic.onnx_encoder_fusion`); the fused graph is kept only when every layer fused, and the parity check
+compares it with the model's own forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -48,13 +61,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from fedclinic import lora
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.package import CARD_FILE, CARD_MARKDOWN_FILE
 
 OPSET = 18
-#: families without an ONNX path yet, and why
-NOT_EXPORTABLE = {"image-text-classification": "the packed-sequence BiLSTM report branch and the image pipeline "
-                                               "have no traced form yet"}
+IMAGE_TEXT = "image-text-classification"
 FP32_TOLERANCE = 1e-4
 #: question-answering first-step logits: a 30-layer LM's logits reach |40| (float32 spacing ~4e-6 there); on
 #: SmolLM2-135M the exported graph differs from PyTorch by 1.1e-4 at most, and PyTorch differs from itself by
@@ -80,6 +92,8 @@ class ParityResult:
     #: ONNX loop generated identically before its first divergence (fp32 must be 1.0), and how many there were
     token_agreement: float | None = None
     generated_tokens: int | None = None
+    #: multi-label (image-text): share of the per-label decisions (logit > 0) that agree with PyTorch's
+    label_agreement: float | None = None
 
 
 @dataclass
@@ -90,6 +104,8 @@ class ExportReport:
     fp32: ParityResult
     int8: ParityResult | None = None
     files: list[str] = field(default_factory=list)
+    #: BERT encoders: layers whose attention runs as one onnxruntime Attention op (fedclinic.onnx_encoder_fusion)
+    fused_attention_layers: int = 0
 
 
 class ParityError(IntegrityError):
@@ -122,6 +138,17 @@ def _wrapper(loaded) -> tuple[Any, list[str]]:
 
         return TokenForward().eval(), ["input_ids", "attention_mask"]
 
+    if loaded.family == IMAGE_TEXT:
+        class ImageTextForward(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = loaded.module
+
+            def forward(self, image, input_ids, attention_mask):
+                return loaded.logits(image, input_ids, attention_mask)
+
+        return ImageTextForward().eval(), ["image", "input_ids", "attention_mask"]
+
     class TextForward(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -133,12 +160,26 @@ def _wrapper(loaded) -> tuple[Any, list[str]]:
     return TextForward().eval(), ["input_ids", "attention_mask"]
 
 
-def parity_inputs(loaded, *, texts: Sequence[str] = (), seed: int = 0) -> list[tuple[np.ndarray, ...]]:
+def parity_inputs(loaded, *, texts: Sequence[str] = (), seed: int = 0,
+                  images: Sequence[str | Path] | None = None) -> list[tuple[np.ndarray, ...]]:
     """Held-out inputs: ``texts`` tokenized with the model's tokenizer, or seeded random batches of sizes 1, 3
-    and 8 (text: lengths up to the model's max_length, right-padded like the trainer pads)."""
+    and 8 (text: lengths up to the model's max_length, right-padded like the trainer pads).
+
+    Image-text: ``(image, input_ids, attention_mask)``; ``images`` (files, one per text) are decoded and
+    preprocessed by :func:`fedclinic.data_image.load_image`, else each row gets seeded random pixels uniform over
+    the preprocessed range ``[(0 - mean) / std, (1 - mean) / std]``."""
+    if loaded.family == IMAGE_TEXT:
+        return _image_text_parity_inputs(loaded, texts=texts, seed=seed, images=images)
+    if images:
+        raise ConfigError(f"parity images are for {IMAGE_TEXT} models; this one is {loaded.family}")
     rng = np.random.default_rng(seed)
     if loaded.family == "feature-classification":
         return [(rng.normal(size=(b, loaded.num_features)).astype(np.float32),) for b in (1, 3, 8)]
+    return _token_parity_inputs(loaded, texts, rng)
+
+
+def _token_parity_inputs(loaded, texts: Sequence[str], rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
+    """``(input_ids, attention_mask)`` batches of ``texts`` (8 a batch), or seeded random ones (see parity_inputs)."""
     max_len = loaded.max_length
     batches = []
     if texts:
@@ -160,11 +201,34 @@ def parity_inputs(loaded, *, texts: Sequence[str] = (), seed: int = 0) -> list[t
     return batches
 
 
+def _image_text_parity_inputs(loaded, *, texts: Sequence[str], seed: int,
+                               images: Sequence[str | Path] | None) -> list[tuple[np.ndarray, ...]]:
+    from fedclinic.data_image import load_image
+
+    if images is not None and len(images) != len(texts):
+        raise ConfigError(f"{len(images)} parity images for {len(texts)} texts; give one image per text")
+    rng = np.random.default_rng(seed)
+    text_batches = _token_parity_inputs(loaded, texts, rng)
+    size, mean, std = loaded.image_size, loaded.image_mean, loaded.image_std
+    batches, start = [], 0
+    for ids, mask in text_batches:
+        n = len(ids)
+        if images is not None:
+            px = np.stack([load_image(path, size=size, mean=mean, std=std) for path in images[start:start + n]])
+        else:
+            px = ((rng.uniform(0.0, 1.0, size=(n, 1, size, size)) - mean) / std).astype(np.float32)
+        batches.append((px, ids, mask))
+        start += n
+    return batches
+
+
 def check_parity(run_onnx: Callable[..., np.ndarray], run_torch: Callable[..., np.ndarray],
                  batches: Sequence[tuple[np.ndarray, ...]], *, tolerance: float,
-                 min_agreement: float = 1.0) -> ParityResult:
-    """Compare logits on every batch; ParityError if max |diff| > tolerance or top-1 agreement < min_agreement."""
+                 min_agreement: float = 1.0, multi_label: bool = False) -> ParityResult:
+    """Compare logits on every batch; ParityError if max |diff| > tolerance or the agreement < min_agreement: top-1
+    agreement, or with ``multi_label`` the per-label decision (logit > 0) agreement."""
     worst, agree, total = 0.0, 0, 0
+    label_same, label_total = 0, 0
     for batch in batches:
         got, want = np.asarray(run_onnx(*batch)), np.asarray(run_torch(*batch))
         if got.shape != want.shape:
@@ -175,12 +239,19 @@ def check_parity(run_onnx: Callable[..., np.ndarray], run_torch: Callable[..., n
             decisions = decisions[np.asarray(batch[1]) > 0]
         agree += int(np.sum(decisions))
         total += int(decisions.size)
+        if multi_label:
+            label_same += int(np.sum((got > 0) == (want > 0)))
+            label_total += int(got.size)
     result = ParityResult(max_abs_diff=worst, top1_agreement=agree / max(total, 1), tolerance=tolerance,
-                          inputs=total)
+                          inputs=total, label_agreement=label_same / max(label_total, 1) if multi_label else None)
     if not worst <= tolerance:
         raise ParityError(f"parity check failed: max |ONNX - PyTorch| = {worst:.3g} > tolerance {tolerance:g} over "
                           f"{total} inputs; the exported graph does not match the model")
-    if result.top1_agreement < min_agreement:
+    if result.label_agreement is not None:
+        if result.label_agreement < min_agreement:
+            raise ParityError(f"parity check failed: per-label decision agreement {result.label_agreement:.1%} < "
+                              f"{min_agreement:.0%} over {label_total} label decisions of {total} inputs")
+    elif result.top1_agreement < min_agreement:
         raise ParityError(f"parity check failed: top-1 agreement {result.top1_agreement:.1%} < "
                           f"{min_agreement:.0%} over {total} inputs")
     return result
@@ -189,7 +260,8 @@ def check_parity(run_onnx: Callable[..., np.ndarray], run_torch: Callable[..., n
 def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = False, texts: Sequence[str] = (),
                 tolerance: float | None = None, int8_tolerance: float | None = None, overwrite: bool = False,
                 log: Callable[[str], None] = lambda _m: None,
-                contexts: Sequence[str] | None = None) -> ExportReport:
+                contexts: Sequence[str] | None = None,
+                images: Sequence[str | Path] | None = None) -> ExportReport:
     """Export the package in ``model_dir`` to ``out_dir`` and check parity; see the module docstring.
 
     ``tolerance`` bounds the fp32 logits difference (default :data:`FP32_TOLERANCE`, 1e-4;
@@ -197,7 +269,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
 
     For a question-answering model ``texts`` are the parity questions (default: three built-in ones) and
     ``contexts`` their optional contexts (one per question, "" for none; other families have no use for them and
-    ignore them, so one held-out file can carry them); ``int8_tolerance``, when given, bounds
+    ignore them, so one held-out file can carry them); for an image-text model ``images`` are the parity texts'
+    image files (one per text; default: seeded random pixels); ``int8_tolerance``, when given, bounds
     the int8 graph's first-step logits difference (by default the int8 figures are reported, not checked).
     Raises ConfigError for bad arguments, ParityError when a check fails (nothing is written then)."""
     import torch
@@ -216,11 +289,12 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
 
     source_card = read_card(src)  # before any work: an unreadable card is reported at once
     package = ModelPackage.load(src)
-    if package.meta.get("family") in NOT_EXPORTABLE:
-        raise ConfigError(f"{package.meta['family']} models cannot be exported to ONNX yet "
-                          f"({NOT_EXPORTABLE[package.meta['family']]}); use the PyTorch package, or serve a family "
-                          "that exports (text, token classification, question answering)")
+    if lora.spec_of(package) is not None:
+        package = lora.merge(package)
+        log("LoRA adapters merged into their base weights (W + alpha/r * B A) before export")
     loaded = build_model(package)
+    if images and loaded.family != IMAGE_TEXT:
+        raise ConfigError(f"parity images are for {IMAGE_TEXT} models; this one is {loaded.family}")
     if loaded.family == "question-answering":
         from fedclinic.onnx_causal_lm import export_causal_lm_into
 
@@ -235,13 +309,13 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         if int8_tolerance is None:  # per-token scores: the maximum runs over every token of every input
             int8_tolerance = INT8_TOKEN_TOLERANCE if loaded.family == "token-classification" else INT8_TOLERANCE
         module, input_names = _wrapper(loaded)
-        batches = parity_inputs(loaded, texts=texts)
+        batches = parity_inputs(loaded, texts=texts, images=images)
         example = tuple(torch.from_numpy(x) for x in batches[-1])
         batch = torch.export.Dim("batch", min=1, max=4096)
         dynamic: dict[str, dict[int, Any]] = {name: {0: batch} for name in input_names}
-        if len(input_names) == 2:
+        if "input_ids" in input_names:  # the image keeps its fixed [1, S, S]
             seq = torch.export.Dim("seq", min=2, max=max(loaded.max_length, 2))
-            for name in input_names:
+            for name in ("input_ids", "attention_mask"):
                 dynamic[name][1] = seq
 
         def run(stage: Path) -> ExportReport:
@@ -268,18 +342,25 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
     import onnxruntime as ort
     import torch
 
+    from fedclinic import onnx_encoder_fusion
+
     out = stage  # every file below lands in the staging folder
     tmp = out / "model.onnx.tmp"
     log(f"exporting {loaded.family}/{loaded.architecture} to ONNX (opset {OPSET})")
     _forget_rnn_kernels()
-    with torch.no_grad(), warnings.catch_warnings():
+    # a BERT encoder is traced in the form onnxruntime fuses (eager attention, additive mask); the parity
+    # reference below stays ``module``, the model's own forward
+    fusing = onnx_encoder_fusion.fusable(loaded.module) and input_names == ["input_ids", "attention_mask"]
+    traced = onnx_encoder_fusion.encoder_export_forward(loaded.module) if fusing else module
+    with torch.no_grad(), warnings.catch_warnings(), (traced if fusing else contextlib.nullcontext()):
         # batch and seq of every input share one constraint; the exporter says so once per axis
         warnings.filterwarnings("ignore", message="# The axis name")
-        program = torch.onnx.export(module, example, dynamo=True, opset_version=OPSET, input_names=input_names,
+        program = torch.onnx.export(traced, example, dynamo=True, opset_version=OPSET, input_names=input_names,
                                     output_names=["logits"], dynamic_shapes=dynamic,
                                     verbose=False)
         program.save(str(tmp))
     onnx.checker.check_model(str(tmp))
+    fused_layers = _fuse_encoder_attention(tmp, loaded.module.config, log) if fusing else 0
 
     def torch_logits(*xs):
         with torch.no_grad():
@@ -295,39 +376,78 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
     if crf is not None:
         _append_crf(tmp, crf)
         want_paths = torch_paths(loaded, batches)  # PyTorch's Viterbi, once for the fp32 and int8 checks
+    multi_label = loaded.family == IMAGE_TEXT
     fp32_session = session(tmp)
-    fp32 = check_parity(logits_of(fp32_session), torch_logits, batches, tolerance=tolerance)
+    fp32 = check_parity(logits_of(fp32_session), torch_logits, batches, tolerance=tolerance, multi_label=multi_label)
     if crf is not None:
         fp32.path_agreement = check_paths(fp32_session, want_paths, batches, min_agreement=1.0)
     tmp.replace(out / "model.onnx")
     log(f"fp32 parity: max |ONNX - PyTorch| = {fp32.max_abs_diff:.3g} over {fp32.inputs} inputs "
         f"(tolerance {tolerance:g})")
     report = ExportReport(family=loaded.family, architecture=loaded.architecture,
-                          opset=OPSET, fp32=fp32, files=["model.onnx"])
+                          opset=OPSET, fp32=fp32, files=["model.onnx"], fused_attention_layers=fused_layers)
     if int8:
         qtmp = out / "model.int8.onnx.tmp"
         quantize_int8(out / "model.onnx", qtmp)
         int8_session = session(qtmp)
         report.int8 = check_parity(logits_of(int8_session), torch_logits, batches, tolerance=int8_tolerance,
-                                   min_agreement=INT8_MIN_AGREEMENT)
+                                   min_agreement=INT8_MIN_AGREEMENT, multi_label=multi_label)
         if crf is not None:
             report.int8.path_agreement = check_paths(int8_session, want_paths, batches, min_agreement=0.0)
         qtmp.replace(out / "model.int8.onnx")
         report.files.append("model.int8.onnx")
+        labels = ("" if report.int8.label_agreement is None else
+                  f", per-label decision agreement {report.int8.label_agreement:.1%}")
         log(f"int8 parity: max |ONNX - PyTorch| = {report.int8.max_abs_diff:.3g}, top-1 agreement "
-            f"{report.int8.top1_agreement:.1%} (tolerance {int8_tolerance:g}, >= {INT8_MIN_AGREEMENT:.0%})")
+            f"{report.int8.top1_agreement:.1%}{labels} (tolerance {int8_tolerance:g}, >= {INT8_MIN_AGREEMENT:.0%})")
     for name in _SIDE_FILES:
         if name in package.files:
             (out / name).write_bytes(package.files[name])
             report.files.append(name)
-    _write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []))
+    notes = _write_image_preprocessing(out, loaded, report) if loaded.family == IMAGE_TEXT else []
+    _write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []),
+                       notes)
     (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
 
 
+def _write_image_preprocessing(out: Path, loaded, report: ExportReport) -> list[str]:
+    """Write the image-text bundle's ``preprocessing.json``; returns the model card's notes about its inputs."""
+    from fedclinic.models.image_text import PREPROCESSING_FILE, preprocessing_spec
+
+    spec = preprocessing_spec(loaded)
+    (out / PREPROCESSING_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    report.files.append(PREPROCESSING_FILE)
+    size = loaded.image_size
+    return [f"the ONNX graph takes images of exactly 1 x {size} x {size} (one grayscale channel, float32, NCHW): "
+            f"decode, resize and normalise every image as {PREPROCESSING_FILE} states (fedclinic.data_image); "
+            "batch and report length are dynamic",
+            f"outputs are logits, one per label; sigmoid gives each label's probability, and a label is reported "
+            f"at probability >= {spec['output']['threshold']} (fedclinic serve --threshold changes it)"]
+
+
+def _fuse_encoder_attention(path: Path, config, log) -> int:
+    """Replace the graph at ``path`` by its attention-fused form when every layer fuses; returns how many did."""
+    from fedclinic import onnx_encoder_fusion
+
+    fused_path = path.with_name(path.name + ".fused")
+    layers = int(config.num_hidden_layers)
+    try:
+        fused = onnx_encoder_fusion.fuse_attention(path, fused_path, num_heads=int(config.num_attention_heads),
+                                                   hidden_size=int(config.hidden_size))
+        if fused != layers:
+            log(f"attention fused in {fused} of {layers} layers: keeping the unfused graph")
+            return 0
+        fused_path.replace(path)
+        log(f"attention fused into one onnxruntime Attention op in each of the {layers} layers")
+        return layers
+    finally:
+        fused_path.unlink(missing_ok=True)
+
+
 def quantize_int8(src: Path, dst: Path) -> None:
     """Dynamic int8 quantization of the graph at ``src`` into ``dst``: int8 weights, per output channel, on the
-    MatMuls only (activations are quantized on the fly by onnxruntime)."""
+    MatMuls and fused Attention ops (activations are quantized on the fly by onnxruntime)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -340,8 +460,11 @@ def quantize_int8(src: Path, dst: Path) -> None:
     try:
         # per-channel weight scales on the MatMuls: on MiniLM, per-tensor scales moved logits by up to 2.3
         # and flipped 4.5 % of test predictions; per-channel MatMul-only flipped none (max |diff| 0.45)
+        # a fused Attention becomes QAttention (int8 Q/K/V projection). The fused graph holds contrib ops that
+        # onnx's shape inference cannot type, hence the default tensor type
         quantize_dynamic(str(plain), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"])
+                         op_types_to_quantize=["MatMul", "Attention"],
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         plain.unlink(missing_ok=True)
 
@@ -429,7 +552,9 @@ def add_export_commands(sub) -> None:
     p.add_argument("out_dir")
     p.add_argument("--int8", action="store_true", help="also write a dynamically int8-quantized model")
     p.add_argument("--texts", help="JSONL with a 'text' field per row: held-out inputs for the parity check "
-                                   "(question-answering: the questions, with an optional 'context' field)")
+                                   "(question-answering: the questions, with an optional 'context' field; "
+                                   "image-text: with an optional 'image' field, a PNG/JPEG/DICOM path relative to "
+                                   "the JSONL's folder)")
     p.add_argument("--tolerance", type=float, default=None,
                    help=f"fp32 max |diff| allowed (default {FP32_TOLERANCE:g}; {QA_FP32_TOLERANCE:g} for "
                         "question-answering first-step logits)")
@@ -443,6 +568,7 @@ def add_export_commands(sub) -> None:
 def _export_command(args) -> int:
     texts: list[str] = []
     contexts: list[str] = []
+    images: list[Path | None] = []
     if args.texts:
         path = Path(args.texts)
         if not path.is_file():
@@ -458,8 +584,22 @@ def _export_command(args) -> int:
                 if not isinstance(context, str):
                     raise ConfigError(f"{path}:{i}: 'context' must be a string")
                 contexts.append(context)
+                images.append(_row_image(path, i, row))
+        if any(images) and not all(images):
+            raise ConfigError(f"{path}: some rows have an 'image' and some do not; give every row an image, or none "
+                              "(seeded random pixels are used then)")
     export_onnx(args.model_dir, args.out_dir, int8=args.int8, texts=texts, tolerance=args.tolerance,
                 int8_tolerance=args.int8_tolerance, overwrite=args.overwrite, log=lambda m: print(m, flush=True),
-                contexts=contexts if any(contexts) else None)
+                contexts=contexts if any(contexts) else None, images=images if any(images) else None)
     print(f"wrote {Path(args.out_dir) / 'model.onnx'}" + (" and model.int8.onnx" if args.int8 else ""))
     return 0
+
+
+def _row_image(path: Path, line: int, row: dict) -> Path | None:
+    """The image file a ``--texts`` row names (relative to the JSONL's folder, as a manifest's are), or None."""
+    value = row.get("image")
+    if value is None:
+        return None
+    from fedclinic.data_image import resolve_image_path
+
+    return resolve_image_path(path.resolve().parent, value, f"{path}:{line}")

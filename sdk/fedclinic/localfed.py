@@ -74,13 +74,17 @@ def wait_until(predicate, timeout: float, what: str, *, interval: float = 0.05, 
 
 class LocalFederation:
     def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
-                 aggregator_settings: dict[str, Any] | None = None, log_level: str = "info") -> None:
+                 aggregator_settings: dict[str, Any] | None = None, log_level: str = "info",
+                 metrics_address: str | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.sites = {s.name: s for s in sites}
         self.agent_threads = agent_threads
         self.aggregator_settings = aggregator_settings or {}
         self.log_level = log_level
+        #: every service's Prometheus endpoint listens here (port 0: each on a free port; see metrics_url)
+        self.metrics_address = metrics_address
+        self._aggregator_metrics = ""  # as the running aggregator published it
         self.pki_dir = self.root / "pki"
         self.ca_dir = self.pki_dir / "ca"
         self.logs = self.root / "logs"
@@ -120,13 +124,14 @@ class LocalFederation:
                                 cwd=self.root, start_new_session=True)
 
     def start_aggregator(self, timeout: float = 60) -> str:
-        state = self.root / "aggregator-state"
+        state = Path(self.aggregator_settings.get("state_dir", self.root / "aggregator-state"))
         state.mkdir(exist_ok=True)
         addr_file = state / "aggregator.addr"
         addr_file.unlink(missing_ok=True)
         cfg = {"listen": self.aggregator_settings.get("listen", "127.0.0.1:0"), "state_dir": str(state),
                "log_level": self.log_level, "heartbeat_s": 2.0,
-               **{k: v for k, v in self.aggregator_settings.items() if k != "listen"},
+               **({"metrics_address": self.metrics_address} if self.metrics_address is not None else {}),
+               **{k: v for k, v in self.aggregator_settings.items() if k not in ("listen", "state_dir")},
                "tls": {**self.creds("aggregator"), "crl": str(self.ca_dir / "crl.pem")}}
         path = self.root / "aggregator.toml"
         path.write_text(to_toml(cfg))
@@ -139,7 +144,9 @@ class LocalFederation:
                 raise FedclinicError(f"the aggregator exited with code {proc.returncode}; see {self.logs / 'aggregator.log'}")
 
         wait_until(addr_file.exists, timeout, "the aggregator to listen", check=alive)
-        self.address = json.loads(addr_file.read_text())["address"]
+        published = json.loads(addr_file.read_text())
+        self.address = published["address"]
+        self._aggregator_metrics = published.get("metrics_address", "")
         return self.address
 
     def agent_config_path(self, site: str) -> Path:
@@ -148,7 +155,9 @@ class LocalFederation:
     def write_agent_config(self, site: str) -> Path:
         s = self.sites[site]
         cfg: dict[str, Any] = {"aggregator": self.address, "work_dir": str(self.root / f"agent-{site}"),
-                               "log_level": self.log_level, "server_name": "localhost", **s.extra,
+                               "log_level": self.log_level, "server_name": "localhost",
+                               **({"metrics_address": self.metrics_address} if self.metrics_address is not None else {}),
+                               **s.extra,
                                "tls": self.creds(site), "datasets": s.datasets}
         if s.policy is not None:
             cfg["policy"] = s.policy
@@ -162,6 +171,17 @@ class LocalFederation:
                            self._env(self.agent_threads))
         self.agents[site] = proc
         return proc
+
+    def metrics_url(self, service: str = "aggregator") -> str:
+        """``http://HOST:PORT/metrics`` of the aggregator or of the agent of site ``service``, as it bound it
+        (raises FileNotFoundError while an agent has not opened its endpoint yet)."""
+        if service == "aggregator":
+            address = self._aggregator_metrics
+        else:
+            address = json.loads((self.root / f"agent-{service}" / "metrics.addr").read_text())["address"]
+        if not address:
+            raise FedclinicError(f"the {service} has no metrics endpoint; give LocalFederation(metrics_address=...)")
+        return f"http://{address}/metrics"
 
     def start(self) -> None:
         self.make_pki()

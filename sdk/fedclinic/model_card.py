@@ -56,7 +56,8 @@ for a package made locally); a section that is *absent* was not configured::
     notes                plain-language caveats (list of strings)
     export               only in an ONNX bundle: {"created", "fedclinic_version", "opset", "inputs", "outputs",
                          "files", "fp32": {"max_abs_diff", "tolerance", "top1_agreement", "inputs",
-                         "path_agreement"?}, "int8": {...same...}?} with the figures of export_report.json
+                         "path_agreement"? (CRF), "label_agreement"? (multi-label image-text: per-label
+                         decisions that agree)}, "int8": {...same...}?} with the figures of export_report.json
 
 What a round's metrics mean: ``train_*`` come from the sites' local training in that round; ``eval_*`` are
 the sites' evaluation, on their held-out splits, of the model that round *started from* (the previous
@@ -126,6 +127,12 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
                             "max_round_retries": rc.max_round_retries}
     card["update"] = {"trainable": list(spec.update.trainable_patterns), "frozen": list(spec.update.frozen_patterns),
                       "private": list(spec.update.private_patterns), "codec": spec.update.codec or "raw"}
+    if spec.update.selection == "safl":
+        from fedclinic.safl import SaflConfig
+
+        cfg = SaflConfig.from_spec(spec)
+        card["update"]["selection"] = {"method": "safl", "top_k": cfg.top_k, "profile_samples": cfg.profile_samples,
+                                       "token": cfg.token}
     if spec.HasField("privacy") and spec.privacy.level:
         card["privacy"] = _fields(spec.privacy)
     if spec.HasField("secure_aggregation") and spec.secure_aggregation.enabled:
@@ -321,6 +328,8 @@ def render_markdown(card: Mapping[str, Any]) -> str:
                         f"top-1 agreement {_fmt(p.get('top1_agreement'))} over {p.get('inputs')} inputs")
                 if p.get("path_agreement") is not None:
                     text += f", CRF path agreement {_fmt(p['path_agreement'])}"
+                if p.get("label_agreement") is not None:
+                    text += f", per-label decision agreement {_fmt(p['label_agreement'])}"
                 erows.append((f"{precision} parity vs PyTorch", text))
         lines += ["## ONNX export", "", *_table(("", ""), erows), ""]
 
@@ -372,7 +381,9 @@ def _round_entry(r: Any) -> dict[str, Any]:
     return {"round": r.round, "attempt": r.attempt, "sites": sorted(rep.site_id for rep in r.reports),
             "num_samples": sum(rep.num_samples for rep in r.reports), "metrics": dict(sorted(r.metrics.items())),
             "uplink_bytes": r.uplink_bytes, "downlink_bytes": r.downlink_bytes, "model_hash": r.model_hash,
-            "closed": _ms(r.closed_unix_ms)}
+            "closed": _ms(r.closed_unix_ms),
+            **({"selected_layers": {rep.site_id: list(rep.selected_layers) for rep in r.reports}}
+               if any(rep.selected_layers for rep in r.reports) else {})}
 
 
 def _fields(message: Any) -> dict[str, Any]:

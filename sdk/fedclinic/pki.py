@@ -16,6 +16,10 @@ Private keys are always written with mode 0600 from the moment the file exists (
 0o600 on a temporary file, then ``os.replace``), never chmod'ed afterwards. Every file is written
 atomically, so a crash never leaves a half-written key, certificate, CRL or registry.
 
+Rotation: :func:`renew` (with the CA at hand) or ``request`` + ``issue --csr`` + :func:`install_credentials`
+replace a service's key and certificate in place (key first, then certificate, each atomically); running
+services follow those files (fedclinic.credentials).
+
 gRPC Python has no CRL parameter: TLS checks the chain and the validity window, and the aggregator checks
 revocation per call with :class:`RevocationList` on the identity that :func:`identity_from_pem` parses
 from ``context.auth_context()["x509_pem_cert"][0]``.
@@ -61,6 +65,8 @@ __all__ = [
     "init_ca",
     "issue",
     "make_csr",
+    "renew",
+    "install_credentials",
     "revoke",
     "refresh_crl",
     "list_certs",
@@ -663,6 +669,83 @@ def make_csr(
 
 
 # ----------------------------------------------------------------------------------------------------------
+# rotation: install a new key and certificate over the ones a running service uses
+
+
+def install_credentials(
+    cert_path: str | os.PathLike[str],
+    key_path: str | os.PathLike[str],
+    ca_path: str | os.PathLike[str],
+    *,
+    to_cert: str | os.PathLike[str],
+    to_key: str | os.PathLike[str],
+    expected_role: str | None = None,
+) -> PeerIdentity:
+    """Check a new certificate and key (:func:`check_own_certificate`: the pair matches, issued by the CA in
+    ``ca_path``, valid now, role ``expected_role`` when given) and put them in place of ``to_cert`` /
+    ``to_key``: the key first (mode 0600), then the certificate, each replaced atomically. A running aggregator
+    or agent watches those files and switches to the new pair once both have changed (it ignores the moment
+    in between, when key and certificate do not match). Nothing is replaced if the check fails."""
+    ident = check_own_certificate(cert_path, key_path, ca_path, expected_role=expected_role)
+    to_cert, to_key = Path(to_cert), Path(to_key)
+    if to_cert.resolve() == Path(cert_path).resolve() or to_key.resolve() == Path(key_path).resolve():
+        raise PkiError("the new certificate and key must be different files from the ones they replace")
+    for target in (to_cert, to_key):
+        if not target.parent.is_dir():
+            raise PkiError(f"the folder {target.parent} does not exist; give the paths of the files the service uses")
+    cert_pem = _read_bytes(Path(cert_path), "certificate", "check the path")
+    key_pem = _read_bytes(Path(key_path), "private key", "check the path")
+    _write_atomic(to_key, key_pem, 0o600)
+    _write_atomic(to_cert, cert_pem, 0o644)
+    return ident
+
+
+def renew(
+    ca_dir: str | os.PathLike[str],
+    *,
+    cert_path: str | os.PathLike[str],
+    key_path: str | os.PathLike[str] | None = None,
+    days: int = 30,
+    revoke_old: bool = False,
+) -> IssuedCert:
+    """Renew the certificate in ``cert_path`` in place: a new P-256 key is made in the folder of ``key_path``
+    (default: ``cert_path`` with ``.key``), a new certificate with the same role, name and DNS/IP names is
+    issued by the CA in ``ca_dir`` for ``days`` days, and both are installed with :func:`install_credentials`
+    (key first, then certificate). With ``revoke_old`` the old certificate is then revoked as ``superseded``
+    (do this once the service has picked up the new one: its open connections still use the old).
+
+    For a CA kept elsewhere, the same rotation is ``fedclinic pki request`` (new key made on the site, into a
+    staging folder), ``fedclinic pki issue --csr`` at the CA, then ``fedclinic pki install``."""
+    cert_path = Path(cert_path)
+    key_path = Path(key_path) if key_path is not None else cert_path.with_suffix(".key")
+    old = _load_cert(cert_path, "certificate", "give the certificate file the service uses")
+    ident = _identity(old)
+    ca = _load_ca(Path(ca_dir))
+    if not _verify_issued_by(old, ca.cert):
+        raise PkiError(f"{cert_path} was not issued by the CA in {ca_dir}; renew it with the CA that issued it, or "
+                       f"{_issue_hint(ident.role, ident.name)}")
+    try:
+        san = old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns, ips = san.get_values_for_type(x509.DNSName), san.get_values_for_type(x509.IPAddress)
+    except x509.ExtensionNotFound:
+        dns, ips = [], []
+    staging = _mkdir(key_path.parent / f".renew-{secrets.token_hex(4)}")
+    try:
+        new = issue(ca_dir, role=ident.role, name=ident.name, out_dir=staging, days=days, dns=dns, ips=ips)
+        assert new.key_path is not None
+        install_credentials(new.cert_path, new.key_path, new.ca_path, to_cert=cert_path, to_key=key_path,
+                            expected_role=ident.role)
+    finally:
+        for leftover in staging.iterdir():
+            leftover.unlink()
+        staging.rmdir()
+    if revoke_old:
+        revoke(ca_dir, serial_hex=ident.serial_hex, reason="superseded")
+    return IssuedCert(name=new.name, role=new.role, serial_hex=new.serial_hex, cert_path=cert_path, key_path=key_path,
+                      ca_path=new.ca_path, not_after=new.not_after, fingerprint_sha256=new.fingerprint_sha256)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # revocation
 
 
@@ -893,6 +976,8 @@ class RevocationList:
             self._serials, self._next_update = serials, next_update
             self._loaded = sig
             self.last_error = None
+            log.info("revocation list reloaded", path=str(self.crl_path), revoked=len(serials),
+                     next_update=next_update.isoformat() if next_update else None)
             return True
 
     def is_revoked(self, serial_hex: str) -> bool:
@@ -926,11 +1011,14 @@ def check_own_certificate(
     *,
     expected_role: str | None = None,
     now: dt.datetime | None = None,
+    check_key_mode: bool = True,
 ) -> PeerIdentity:
     """Check a process's own TLS credentials before it connects; return its identity.
 
     Raises :class:`PkiError` (saying what to do) unless: the three files exist and are readable; the key
-    file is not readable or writable by group or others; the key is the certificate's key; the certificate
+    file is not readable or writable by group or others (skipped with ``check_key_mode=False``, for
+    credentials reloaded at run time, e.g. from a Kubernetes Secret mounted 0440); the key is the
+    certificate's key; the certificate
     is signed by the CA in ``ca_path`` (ECDSA or RSA); ``now`` (default: the current time) is within the
     certificate's validity window; it carries a fedclinic identity; and its role is ``expected_role`` when
     given.
@@ -945,7 +1033,7 @@ def check_own_certificate(
         raise PkiError(f"private key {key_path} does not exist; {hint}") from None
     except OSError as exc:
         raise PkiError(f"cannot read private key {key_path}: {exc.strerror}; check its permissions") from None
-    if mode & 0o077:
+    if check_key_mode and mode & 0o077:
         raise PkiError(f"private key {key_path} has mode {mode:04o}, so other users can read it; run "
                        f"`chmod 600 {key_path}` (and consider the key exposed if others had access)")
     key = _load_key(key_path)
@@ -1014,6 +1102,35 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_renew(args: argparse.Namespace) -> int:
+    old = _identity(_load_cert(args.cert, "certificate", "give the certificate file the service uses")).serial_hex
+    res = renew(args.ca_dir, cert_path=args.cert, key_path=args.key, days=args.days, revoke_old=args.revoke_old)
+    print(f"renewed {res.role} certificate {res.name!r}: new serial {res.serial_hex}, valid until "
+          f"{_fmt(res.not_after)}")
+    print(f"  certificate: {res.cert_path}")
+    print(f"  private key: {res.key_path}  (new key, made here, mode 0600)")
+    print("a running aggregator or agent picks the new pair up by itself (or on SIGHUP); open connections keep "
+          "the old certificate until they reconnect" + ("" if args.revoke_old else
+          f". Revoke the old one once the service logged the reload: fedclinic pki revoke --ca-dir {args.ca_dir} "
+          f"--serial {old} --reason superseded"))
+    return 0
+
+
+def _cmd_install(args: argparse.Namespace) -> int:
+    ident = install_credentials(args.cert, args.key, args.ca, to_cert=args.to_cert, to_key=args.to_key,
+                                expected_role=args.role)
+    print(f"installed {ident.role} certificate {ident.name!r} (serial {ident.serial_hex}, valid until "
+          f"{_fmt(ident.not_after)}) as {args.to_cert} with its key {args.to_key}")
+    return 0
+
+
+def _cmd_refresh_crl(args: argparse.Namespace) -> int:
+    path = refresh_crl(args.ca_dir, days=args.days)
+    print(f"re-signed {path} with the same revoked serials, next update in {args.days} days: copy it to the "
+          "aggregator if it does not read it from the CA folder")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     rows = list_certs(args.ca_dir)
     if not rows:
@@ -1040,10 +1157,10 @@ def _guard(handler: Any) -> Any:
 
 
 def add_pki_commands(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Register ``pki`` and its subcommands (init-ca, issue, request, revoke, list) on an argparse
-    ``add_subparsers()`` object. Each subcommand sets ``func`` to a handler ``(args) -> int`` that prints a
+    """Register ``pki`` and its subcommands (init-ca, issue, request, renew, install, revoke, refresh-crl, list) on
+    an argparse ``add_subparsers()`` object. Each subcommand sets ``func`` to a handler ``(args) -> int`` that prints a
     short summary and returns 0, or prints ``error: <message>`` to stderr and returns 2."""
-    pki = subparsers.add_parser("pki", help="certificates: create a CA, issue, request, revoke and list",
+    pki = subparsers.add_parser("pki", help="certificates: create a CA, issue, request, renew, install, revoke, list",
                                 description="Manage the fedclinic certificate authority and certificates.")
     sub = pki.add_subparsers(dest="pki_command", metavar="COMMAND", required=True)
 
@@ -1083,6 +1200,28 @@ def add_pki_commands(subparsers: "argparse._SubParsersAction[argparse.ArgumentPa
     which.add_argument("--cert", type=Path, help="the certificate file")
     p.add_argument("--reason", default="unspecified", help=f"one of: {', '.join(_REASONS)}")
     p.set_defaults(func=_guard(_cmd_revoke))
+
+    p = sub.add_parser("renew", help="renew a certificate in place: new key here, same identity, new certificate")
+    p.add_argument("--ca-dir", required=True, type=Path)
+    p.add_argument("--cert", required=True, type=Path, help="the certificate file the service uses")
+    p.add_argument("--key", type=Path, default=None, help="its key file (default: the certificate path with .key)")
+    p.add_argument("--days", type=int, default=30, help="validity in days (default: %(default)s)")
+    p.add_argument("--revoke-old", action="store_true", help="revoke the old certificate (reason superseded)")
+    p.set_defaults(func=_guard(_cmd_renew))
+
+    p = sub.add_parser("install", help="check a new certificate and key, then put them in place of the live ones")
+    p.add_argument("--cert", required=True, type=Path, help="the new certificate (from `pki issue --csr`)")
+    p.add_argument("--key", required=True, type=Path, help="its key (from `pki request`, made on this machine)")
+    p.add_argument("--ca", required=True, type=Path, help="the CA certificate")
+    p.add_argument("--to-cert", required=True, type=Path, help="the certificate file the service uses")
+    p.add_argument("--to-key", required=True, type=Path, help="the key file the service uses")
+    p.add_argument("--role", choices=ROLES, default=None, help="refuse a certificate for another role")
+    p.set_defaults(func=_guard(_cmd_install))
+
+    p = sub.add_parser("refresh-crl", help="re-sign crl.pem with a new next-update time (run weekly)")
+    p.add_argument("--ca-dir", required=True, type=Path)
+    p.add_argument("--days", type=int, default=CRL_DAYS, help="next update in this many days (default: %(default)s)")
+    p.set_defaults(func=_guard(_cmd_refresh_crl))
 
     p = sub.add_parser("list", help="list issued certificates and their status")
     p.add_argument("--ca-dir", required=True, type=Path)

@@ -56,6 +56,11 @@ def secure_channel(address: str, tls: TlsFiles, *, server_name: str | None = Non
     """An mTLS channel to ``address`` (host:port). ``server_name`` overrides the name checked in the
     server certificate (default: the host part of the address)."""
     cert, key, ca = tls.read()
+    return secure_channel_pem(address, cert, key, ca, server_name=server_name)
+
+
+def secure_channel_pem(address: str, cert: bytes, key: bytes, ca: bytes, *, server_name: str | None = None) -> grpc.Channel:
+    """:func:`secure_channel` from PEM bytes already read (e.g. fedclinic.credentials.WatchedCredentials)."""
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     options = list(CHANNEL_OPTIONS)
     if server_name:
@@ -81,6 +86,15 @@ def explain_rpc_error(exc: grpc.RpcError, address: str) -> FedclinicError:
                 f"the aggregator at {address} closed the connection during the TLS handshake: it most likely "
                 "refused this certificate (issued by another CA, expired, or not yet valid). Check it with "
                 "`fedclinic pki list` / `hospital-agent check-config`; the aggregator log names the reason"
+            )
+        if "hostname verification" in low:
+            host = address.rsplit(":", 1)[0]
+            return FedclinicError(
+                f"the aggregator at {address} answered with a certificate that does not name {host!r} (the "
+                "TLS hostname check failed). Connect with a host name or IP address the certificate lists "
+                "(`openssl x509 -noout -ext subjectAltName -in aggregator.crt`), or have the operator reissue it "
+                f"with this one (`fedclinic pki issue --role aggregator ... --dns NAME --ip IP`). An agent can "
+                "also set server_name in agent.toml to a name the certificate lists"
             )
         if "handshake" in low or "ssl" in low or "certificate" in low or "tls" in low:
             return FedclinicError(

@@ -12,12 +12,23 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
                                                                               (question-answering bundles;
                                                                               "contexts" optional, one per
                                                                               question, "" for none)
+                                 {"images": [base64, ...], "texts": [report, ...]}
+                                                                              (image-text bundles: one image per
+                                                                              report, each the base64 of a PNG,
+                                                                              JPEG or DICOM file's bytes; a
+                                                                              "data:...;base64," prefix is allowed)
                              -> 200 {"predictions": [{"label": ..., "scores": {...}}, ...]}
-                                    NER: [{"entities": [...]}, ...]; question-answering: [{"answer": "..."}, ...]
+                                    multi-label (image-text too): [{"labels": [...], "scores": {...},
+                                    "threshold": t}, ...]; NER: [{"entities": [...]}, ...];
+                                    question-answering: [{"answer": "..."}, ...]
 
-Limits: at most ``MAX_ITEMS`` inputs (``MAX_QUESTIONS`` questions: each answer is generated token by token)
-and ``MAX_BODY`` bytes per request; a question whose prompt exceeds the model's prompt budget gets a 422,
-not a silently shortened question. It binds to 127.0.0.1 by default.
+Limits: at most ``MAX_ITEMS`` inputs (``MAX_QUESTIONS`` questions: each answer is generated token by token;
+``MAX_IMAGES`` image + report pairs) and ``MAX_BODY`` bytes per request (``MAX_IMAGE_BODY`` for image-text
+bundles); a question whose prompt exceeds the model's prompt budget gets a 422, not a silently shortened
+question. For an image-text bundle every input problem is a 400 naming the input: an image missing, not
+base64, empty, not a PNG/JPEG/DICOM file, corrupt, or one the decoder cannot make one grayscale image of
+(several frames, palette colour); an empty report; a count of images that differs from the count of reports.
+It binds to 127.0.0.1 by default.
 The HTTP service has no TLS and no authentication: expose it only behind the hospital's reverse proxy or
 integration engine (see SECURITY.md).
 
@@ -29,6 +40,8 @@ INVALID_ARGUMENT with the same messages as HTTP's 4xx. SIGTERM and SIGINT stop b
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import signal
 import threading
@@ -39,12 +52,16 @@ from typing import Any
 
 import numpy as np
 
-from fedclinic.errors import ConfigError, FedclinicError
+from fedclinic.errors import ConfigError, DatasetError, FedclinicError
 
 MAX_ITEMS = 256
 #: questions per request to a question-answering bundle (generation costs one model step per answer token)
 MAX_QUESTIONS = 32
 MAX_BODY = 1 << 20
+#: image + report pairs per request to an image-text bundle, and its body limit (a DICOM study image is MBs)
+MAX_IMAGES = 16
+MAX_IMAGE_BODY = 64 << 20
+IMAGE_TEXT = "image-text-classification"
 
 
 class _BadRequest(Exception):
@@ -52,7 +69,51 @@ class _BadRequest(Exception):
 
 
 def _item_limit(bundle) -> int:
+    if bundle.family == IMAGE_TEXT:
+        return MAX_IMAGES
     return MAX_QUESTIONS if bundle.family == "question-answering" else MAX_ITEMS
+
+
+def _body_limit(bundle) -> int:
+    return MAX_IMAGE_BODY if bundle.family == IMAGE_TEXT else MAX_BODY
+
+
+def _b64_image(value: Any, index: int) -> bytes:
+    """The bytes of image ``index`` of a JSON request: standard base64 (RFC 4648; whitespace and a
+    ``data:<type>;base64,`` prefix are allowed)."""
+    if not isinstance(value, str) or not value.strip():
+        raise _BadRequest(f"image {index} is missing or not a string; send each image as the base64 of its PNG, "
+                          "JPEG or DICOM file's bytes")
+    text = value.strip()
+    if text.startswith("data:"):
+        head, sep, text = text.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise _BadRequest(f"image {index} is a data URL without ';base64,'; send the file base64-encoded")
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise _BadRequest(f"image {index} is not valid base64 (standard alphabet, '=' padding); send the image "
+                          "file's bytes base64-encoded") from None
+
+
+def _predict_images(bundle, images: list[bytes], texts: Any) -> list[dict]:
+    """An image-text bundle's predictions; every problem with the inputs is a bad request (400 /
+    INVALID_ARGUMENT) that names the input."""
+    if not isinstance(texts, list) or not texts:
+        raise _BadRequest("expected a non-empty list of reports in 'texts', one per image (this model is "
+                          f"{IMAGE_TEXT})")
+    if not images:
+        raise _BadRequest("no images: send one image per report in 'images' (this model is "
+                          f"{IMAGE_TEXT}: it reads an image and its report together)")
+    if len(texts) > MAX_IMAGES or len(images) > MAX_IMAGES:
+        raise _BadRequest(f"{max(len(texts), len(images))} inputs; the limit is {MAX_IMAGES} image + report pairs "
+                          "per call")
+    if len(images) != len(texts):
+        raise _BadRequest(f"{len(images)} images for {len(texts)} reports; send exactly one image per report")
+    try:
+        return bundle.predict_image_text(images, texts)
+    except DatasetError as exc:
+        raise _BadRequest(str(exc)) from None
 
 
 def _contexts(bundle, contexts: Any, count: int) -> list[str] | None:
@@ -71,7 +132,12 @@ def _contexts(bundle, contexts: Any, count: int) -> list[str] | None:
 
 def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
     """An HTTP server answering the API above with ``bundle`` (a :class:`fedclinic.serving.ClassifierBundle`)."""
-    info = {"family": bundle.family, "labels": bundle.labels, "multi_label": bundle.multi_label}
+    info: dict[str, Any] = {"family": bundle.family, "labels": bundle.labels, "multi_label": bundle.multi_label}
+    if bundle.multi_label:
+        info["threshold"] = bundle.threshold
+    if getattr(bundle, "image", None) is not None:
+        info["image"] = {"channels": 1, "size": bundle.image.size, "mean": bundle.image.mean, "std": bundle.image.std,
+                         "formats": ["png", "jpeg", "dicom"]}
     if getattr(bundle, "card", None):
         from fedclinic.model_card import card_summary
 
@@ -115,14 +181,25 @@ def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingH
                 length = int(self.headers.get("Content-Length", ""))
             except ValueError:
                 raise _BadRequest("send a JSON body with a Content-Length header") from None
-            if length > MAX_BODY:
-                raise _BadRequest(f"the body is {length} bytes; the limit is {MAX_BODY}: send fewer inputs per call")
+            if length > _body_limit(bundle):
+                raise _BadRequest(f"the body is {length} bytes; the limit is {_body_limit(bundle)}: send fewer inputs "
+                                  "per call")
             try:
                 body = json.loads(self.rfile.read(length) or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise _BadRequest("the body is not valid JSON") from None
             if not isinstance(body, dict):
                 raise _BadRequest('expected a JSON object like {"texts": ["..."]}')
+            if bundle.family == IMAGE_TEXT:
+                images = body.get("images")
+                if images is not None and not isinstance(images, list):
+                    raise _BadRequest("'images' must be a list of base64 strings, one per report")
+                images = images or []
+                if len(images) > MAX_IMAGES:
+                    raise _BadRequest(f"{len(images)} images; the limit is {MAX_IMAGES} per call")
+                return _predict_images(bundle, [_b64_image(v, i) for i, v in enumerate(images)], body.get("texts"))
+            if body.get("images") is not None:
+                raise _BadRequest(f"'images' are for {IMAGE_TEXT} bundles; this model is {bundle.family}")
             key = "features" if bundle.family == "feature-classification" else "texts"
             items = body.get(key)
             if not isinstance(items, list) or not items:
@@ -146,7 +223,7 @@ def _prediction_message(p: dict):
 
     return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p.get("scores", {}),
                                     entities=[inference_pb2.Entity(**e) for e in p.get("entities", [])],
-                                    answer=p.get("answer", ""))
+                                    answer=p.get("answer", ""), threshold=p.get("threshold", 0.0))
 
 
 def make_grpc_server(bundle, address: str, tls=None):
@@ -171,7 +248,11 @@ def make_grpc_server(bundle, address: str, tls=None):
                     if len({len(r) for r in rows}) != 1:
                         raise _BadRequest("every feature row must have the same length")
                     items = bundle.predict_features(np.asarray(rows, dtype=np.float32))
+                elif bundle.family == IMAGE_TEXT:
+                    items = _predict_images(bundle, list(request.images), list(request.texts))
                 else:
+                    if request.images:
+                        raise _BadRequest(f"images are for {IMAGE_TEXT} bundles; this model is {bundle.family}")
                     if not request.texts:
                         raise _BadRequest(f"send texts (this model is {bundle.family})")
                     if len(request.texts) > _item_limit(bundle):
@@ -184,11 +265,14 @@ def make_grpc_server(bundle, address: str, tls=None):
             return inference_pb2.PredictResponse(predictions=[_prediction_message(p) for p in items])
 
         def DescribeModel(self, request, context):  # noqa: N802 - generated name
+            image = getattr(bundle, "image", None)
             return inference_pb2.ModelDescription(family=bundle.family, labels=bundle.labels,
-                                                  multi_label=bundle.multi_label)
+                                                  multi_label=bundle.multi_label,
+                                                  threshold=bundle.threshold if bundle.multi_label else 0.0,
+                                                  image_size=image.size if image is not None else 0)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                         options=[("grpc.max_receive_message_length", MAX_BODY)])
+                         options=[("grpc.max_receive_message_length", _body_limit(bundle))])
     inference_pb2_grpc.add_InferenceServicer_to_server(Inference(), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -205,6 +289,8 @@ def add_serve_command(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")
     p.add_argument("--int8", action="store_true", help="serve model.int8.onnx")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = its default)")
+    p.add_argument("--threshold", type=float, default=0.5,
+                   help="multi-label models: a label is reported when its probability is >= this (default 0.5)")
     p.add_argument("--port-file", help='write {"http": PORT, "grpc": PORT} here once ready (for supervisors and tests)')
     p.add_argument("--grpc-port", type=int, help="also serve the gRPC Inference service on this port (0 = any)")
     p.add_argument("--cert", help="this server's certificate (fedclinic pki): the gRPC port then requires mTLS")
@@ -219,7 +305,7 @@ def _serve_command(args) -> int:
     tls_args = [args.cert, args.key, args.ca]
     if any(tls_args) and not all(tls_args):
         raise ConfigError("give all of --cert, --key and --ca for mutual TLS, or none of them")
-    bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads)
+    bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads, threshold=args.threshold)
     server = make_server(bundle, args.host, args.port)
     port = server.server_address[1]
     grpc_server = None

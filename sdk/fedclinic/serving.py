@@ -27,11 +27,26 @@ question a context passage::
 
 A question whose prompt would not fit the model's prompt budget (``max_length`` minus the room kept for the
 answer) is refused with a DatasetError rather than cut, as is an empty one.
+
+An image + text bundle (``image-text-classification``) takes one image per report: the bytes of a PNG, JPEG or
+DICOM file (or a path to one), decoded by :func:`fedclinic.data_image.decode_image_bytes` (the code that reads the
+sites' images) and preprocessed as the bundle's ``preprocessing.json`` states (:func:`fedclinic.data_image.preprocess`:
+resize to the graph's fixed size, ``(v - mean) / std``)::
+
+    bundle.predict(["no focal marker"], images=[Path("study.dcm").read_bytes()])
+    # [{"labels": ["ct"], "scores": {"ct": 0.97, "mr": 0.02, "marker": 0.11}, "threshold": 0.5}]
+
+Multi-label predictions carry the ``threshold`` they were decided with. Every bad input (an image missing,
+empty, not PNG/JPEG/DICOM, corrupt, multi-frame or palette-colour; an empty report; counts that differ) is a
+DatasetError naming the input and what to send instead.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,15 +56,28 @@ from fedclinic.errors import ConfigError, DatasetError
 from fedclinic.models.meta import ModelMeta
 
 QA_FAMILY = "question-answering"
-TEXT_FAMILIES = ("text-classification", "token-classification", QA_FAMILY)
+IMAGE_TEXT_FAMILY = "image-text-classification"
+TEXT_FAMILIES = ("text-classification", "token-classification", QA_FAMILY, IMAGE_TEXT_FAMILY)
+#: an image is the bytes of a PNG/JPEG/DICOM file, or the path of one
+ImageInput = bytes | bytearray | memoryview | os.PathLike
+
+
+@dataclass(frozen=True)
+class ImagePreprocessing:
+    """What an image-text bundle's graph expects of its ``image`` input (from ``preprocessing.json``): one
+    grayscale channel of ``size x size`` pixels, normalised as ``(v - mean) / std`` with v in [0, 1]."""
+
+    size: int
+    mean: float
+    std: float
 
 
 class ClassifierBundle(ModelMeta):
     """An exported bundle (any family) loaded for prediction on onnxruntime; see the module docstring.
 
     ``int8`` serves ``model.int8.onnx``; ``threads`` sets onnxruntime's intra-op threads (0: its default);
-    ``threshold`` is the multi-label decision threshold. Raises ConfigError when the folder is not a complete
-    bundle."""
+    ``threshold`` is the multi-label decision threshold (a label is reported when its probability is >= it).
+    Raises ConfigError when the folder is not a complete bundle."""
 
     def __init__(self, folder: str | Path, *, int8: bool = False, threads: int = 0, threshold: float = 0.5) -> None:
         import onnxruntime as ort
@@ -67,6 +95,8 @@ class ClassifierBundle(ModelMeta):
         self.meta = json.loads(meta_path.read_text())
         self.card = _read_card_quietly(root)  # model_card.json when the bundle has one (exports since the card)
         self.max_length = int(self.meta.get("max_length", 128))
+        if not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) < 1.0):
+            raise ConfigError(f"threshold must be a probability in (0, 1), got {threshold!r}")
         self.threshold = float(threshold)
         options = ort.SessionOptions()
         if threads:
@@ -75,6 +105,9 @@ class ClassifierBundle(ModelMeta):
         self._tokenizer = None
         self._pad_id = 0
         self._qa = None
+        self.image: ImagePreprocessing | None = None
+        if self.family == IMAGE_TEXT_FAMILY:
+            self.image = _image_preprocessing(root, self.session)
         if self.family in TEXT_FAMILIES:
             from fedclinic.models.text_classification import load_tokenizer, tokenizer_pad_id
 
@@ -96,9 +129,7 @@ class ClassifierBundle(ModelMeta):
         the longest text (or to ``pad_to``)."""
         if self._tokenizer is None:
             raise ConfigError(f"a {self.family} bundle takes feature vectors, not texts; use predict_features")
-        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
-        if bad:
-            raise DatasetError(f"text {bad[0]} is empty or not a string; every input must be non-empty text")
+        _require_texts(texts)
         from fedclinic.models.text_classification import encode_texts
 
         return encode_texts(self._tokenizer, texts, max_length=self.max_length, pad_id=self._pad_id, pad_to=pad_to)
@@ -106,14 +137,26 @@ class ClassifierBundle(ModelMeta):
     def logits(self, texts: Sequence[str], *, pad_to: int | None = None) -> np.ndarray:
         if self._qa is not None:
             raise ConfigError("a question-answering bundle generates answers; use predict or predict_answers")
+        if self.image is not None:
+            raise ConfigError(f"an {IMAGE_TEXT_FAMILY} bundle reads an image with each text; use "
+                              "predict(texts, images=[...])")
         ids, mask = self.encode(texts, pad_to=pad_to)
         return self.session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
 
     def predict(self, texts: Sequence[str], *, batch_size: int = 32,
-                contexts: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """One prediction per text: ``label`` (or ``labels`` for multi-label) and ``scores`` per label; for an
-        NER bundle, ``entities``; for a question-answering bundle, ``answer`` (``contexts``: one per text, "" for
-        none; only question-answering bundles take them)."""
+                contexts: Sequence[str] | None = None,
+                images: Sequence[ImageInput] | None = None) -> list[dict[str, Any]]:
+        """One prediction per text: ``label`` (or ``labels`` and ``threshold`` for multi-label) and ``scores`` per
+        label; for an NER bundle, ``entities``; for a question-answering bundle, ``answer`` (``contexts``: one per
+        text, "" for none; only question-answering bundles take them); an image-text bundle needs ``images``, one
+        per text (see :meth:`predict_image_text`)."""
+        if self.image is not None:
+            if images is None:
+                raise ConfigError(f"an {IMAGE_TEXT_FAMILY} bundle needs one image per text: predict(texts, "
+                                  "images=[...]) with the bytes of PNG, JPEG or DICOM files")
+            return self.predict_image_text(images, texts, batch_size=min(batch_size, 16))
+        if images is not None:
+            raise ConfigError(f"a {self.family} bundle takes no images; only {IMAGE_TEXT_FAMILY} bundles do")
         if self._qa is not None:
             return self.predict_answers(texts, contexts, batch_size=min(batch_size, 8))
         if contexts is not None:
@@ -131,9 +174,7 @@ class ClassifierBundle(ModelMeta):
             raise ConfigError(f"a {self.family} bundle does not find entities; use predict")
         from fedclinic.models.token_classification import encode_with_offsets, spans_from_tag_ids
 
-        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
-        if bad:
-            raise DatasetError(f"text {bad[0]} is empty or not a string; every input must be non-empty text")
+        _require_texts(texts)
         outputs = {o.name for o in self.session.get_outputs()}
         tags, scheme = list(self.meta["tags"]), str(self.meta.get("scheme", "BIO"))
         out: list[dict[str, Any]] = []
@@ -164,6 +205,50 @@ class ClassifierBundle(ModelMeta):
                                     max_new_tokens=max_new_tokens, batch_size=batch_size, strict=True)
         return [{"answer": a} for a in answers]
 
+    def image_inputs(self, images: Sequence[ImageInput]) -> np.ndarray:
+        """The graph's ``image`` input ``[N, 1, S, S]`` float32: each image (file bytes or a path) decoded by
+        :mod:`fedclinic.data_image` (as the sites' images are) and preprocessed with the bundle's size and
+        normalisation. DatasetError naming the image (0-based) for a missing, unreadable or unsupported one."""
+        from fedclinic.data_image import decode_image, decode_image_bytes, preprocess
+
+        if self.image is None:
+            raise ConfigError(f"a {self.family} bundle takes no images; only {IMAGE_TEXT_FAMILY} bundles do")
+        _require_list_of_images(images)
+        pixels = []
+        for i, image in enumerate(images):
+            if image is None:
+                raise DatasetError(f"image {i} is missing; send one PNG, JPEG or DICOM image per text")
+            if isinstance(image, os.PathLike):
+                gray = decode_image(image, where=f"image {i}")
+            else:
+                gray = decode_image_bytes(image, name=f"image {i}")
+            pixels.append(preprocess(gray, size=self.image.size, mean=self.image.mean, std=self.image.std))
+        if not pixels:
+            return np.zeros((0, 1, self.image.size, self.image.size), np.float32)
+        return np.stack(pixels)
+
+    def predict_image_text(self, images: Sequence[ImageInput], texts: Sequence[str], *,
+                           batch_size: int = 16) -> list[dict[str, Any]]:
+        """``{"labels": [...], "scores": {label: sigmoid}, "threshold": t}`` per (image, report) pair (an image-text
+        bundle). Every input is checked before any is run: DatasetError for a count mismatch, a bad image
+        (:meth:`image_inputs`) or an empty report."""
+        if self.image is None:
+            raise ConfigError(f"a {self.family} bundle takes no images; use predict")
+        if isinstance(texts, str):
+            raise ConfigError("texts must be a list of strings (one report per image), not one string")
+        _require_list_of_images(images)
+        texts, images = list(texts), list(images)
+        if len(images) != len(texts):
+            raise DatasetError(f"{len(images)} images for {len(texts)} texts; send exactly one image per report")
+        _require_texts(texts)  # before any image is decoded
+        pixels = self.image_inputs(images)
+        out: list[dict[str, Any]] = []
+        for start in range(0, len(texts), batch_size):
+            ids, mask = self.encode(texts[start:start + batch_size])
+            feeds = {"image": pixels[start:start + batch_size], "input_ids": ids, "attention_mask": mask}
+            out.extend(self._describe(self.session.run(["logits"], feeds)[0]))
+        return out
+
     def predict_features(self, features: np.ndarray) -> list[dict[str, Any]]:
         if self.family != "feature-classification":
             raise ConfigError(f"a {self.family} bundle takes texts; use predict")
@@ -178,13 +263,26 @@ class ClassifierBundle(ModelMeta):
             probs = 1.0 / (1.0 + np.exp(-logits))
             for p in probs:
                 rows.append({"labels": [lab for lab, v in zip(self.labels, p) if v >= self.threshold],
-                             "scores": {lab: float(v) for lab, v in zip(self.labels, p)}})
+                             "scores": {lab: float(v) for lab, v in zip(self.labels, p)},
+                             "threshold": self.threshold})
             return rows
         z = logits - logits.max(axis=1, keepdims=True)
         probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
         for p in probs:
             rows.append({"label": self.labels[int(p.argmax())], "scores": {lab: float(v) for lab, v in zip(self.labels, p)}})
         return rows
+
+
+def _require_texts(texts: Sequence[Any]) -> None:
+    """DatasetError naming the first input that is not a non-empty string."""
+    bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+    if bad:
+        raise DatasetError(f"text {bad[0]} is empty or not a string; every input must be non-empty text")
+
+
+def _require_list_of_images(images: Any) -> None:
+    if isinstance(images, (str, bytes, bytearray, memoryview, os.PathLike)) or not isinstance(images, Sequence):
+        raise ConfigError("images must be a list (one image per text), not a single image")
 
 
 def _read_card_quietly(root: Path) -> dict[str, Any] | None:
@@ -195,3 +293,31 @@ def _read_card_quietly(root: Path) -> dict[str, Any] | None:
         return read_card(root)
     except ConfigError:
         return None
+
+
+def _image_preprocessing(root: Path, session) -> ImagePreprocessing:
+    """The image input an image-text bundle's graph expects, from its ``preprocessing.json``, checked against the
+    graph's ``image`` input shape ``[batch, 1, S, S]``; ConfigError when the file is missing or disagrees."""
+    from fedclinic.models.image_text import PREPROCESSING_FILE
+
+    path = root / PREPROCESSING_FILE
+    redo = "re-run `fedclinic export onnx` into a fresh folder"
+    if not path.is_file():
+        raise ConfigError(f"{root} has no {PREPROCESSING_FILE}, which an {IMAGE_TEXT_FAMILY} bundle needs (image size "
+                          f"and normalisation); {redo}")
+    try:
+        image = json.loads(path.read_text(encoding="utf-8"))["image"]
+        size, mean, std = image["height"], float(image["mean"]), float(image["std"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+        raise ConfigError(f"{path} is not a valid image preprocessing file (needs image.height, image.width, "
+                          f"image.mean, image.std); {redo}") from None
+    if (not isinstance(size, int) or isinstance(size, bool) or size < 1 or image.get("width") != size
+            or not (math.isfinite(mean) and math.isfinite(std) and std > 0)):
+        raise ConfigError(f"{path}: image size {size!r} x {image.get('width')!r}, mean {mean!r}, std {std!r} are "
+                          f"not a square size and a finite mean with std > 0; {redo}")
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    shape = inputs.get("image")
+    if shape is None or list(shape[1:]) != [1, size, size]:
+        raise ConfigError(f"{root}: the graph's image input is {shape}, but {PREPROCESSING_FILE} says 1 x {size} x "
+                          f"{size}; the files come from different exports, {redo}")
+    return ImagePreprocessing(size=size, mean=mean, std=std)

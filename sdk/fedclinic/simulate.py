@@ -4,7 +4,8 @@ Per round ``r``::
 
     S_r   = the participating sites (all, or a seeded sample of ceil(participation * K), at least 1)
     for i in S_r:                       # sequentially, one warm model shared by the simulated sites
-        load the global tensors -> train_local(seed_{r,i}) -> d_i = local - global on the trainable tensors
+        load the global tensors -> [SAFL: choose site i's top-k layers, fedclinic.safl.select_layers]
+        -> train_local(seed_{r,i}) -> d_i = local - global on the trainable (SAFL: selected + head) tensors
         w_i = strategy.weight_for(n_i, metrics_i)   # n_i, or a metric the site reports (train_loss, ...)
         strategy.accept(d_i, weight=w_i, site=f"site-{i}")
     global.update(strategy.finalize())  # e.g. FedAvg: w <- w + eta * sum n_i d_i / sum n_i
@@ -28,6 +29,7 @@ from fedclinic.data import Example
 from fedclinic.errors import ConfigError
 from fedclinic.models import build_model, load_tensors, module_tensors
 from fedclinic.package import ModelPackage
+from fedclinic import safl as safl_layers
 from fedclinic.strategies import make_strategy
 from fedclinic.selection import compile_patterns, select_names
 from fedclinic.training import (
@@ -47,6 +49,9 @@ class RoundRecord:
     num_samples: int                 # examples over the participating sites
     metrics: dict[str, float] = field(default_factory=dict)  # global model on eval_data after the round
     seconds: float = 0.0             # wall time of the round (training + aggregation + evaluation)
+    #: SAFL: site index -> the layers it trained and sent this round (ascending), and its score A_l per layer
+    selected_layers: dict[int, list[int]] = field(default_factory=dict)
+    layer_scores: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +86,7 @@ def simulate(
     participation: float = 1.0,
     seed: int = 0,
     progress: Callable[[RoundRecord], None] | None = None,
+    safl: "safl_layers.SaflConfig | None" = None,
 ) -> SimulationResult:
     """Run ``rounds`` federated rounds over ``site_data`` starting from ``package``; returns the history.
 
@@ -96,6 +102,11 @@ def simulate(
     values. ``site_eval_data`` (one set per site) evaluates, after every round, each site's model (the
     global shared tensors plus that site's private ones): metrics ``site-{i}/accuracy``, ... and their
     sample-weighted mean ``sites/accuracy``, ....
+
+    ``safl`` (:class:`fedclinic.safl.SaflConfig`): every round each site profiles the global model's attention
+    on a seeded sample of its rows (``fedclinic.safl.profile_seed(train.seed, round, "site-{i}")``, as an agent
+    named ``site-{i}`` would), trains and sends its top-k layers and the head; the strategy averages each tensor
+    over the sites that sent it. ``RoundRecord.selected_layers`` / ``layer_scores`` record the choices.
     """
     if not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
@@ -116,6 +127,14 @@ def simulate(
         raise ConfigError(f"private patterns {list(private_patterns)} match no tensor of the model")
     if site_eval_data is not None and len(site_eval_data) != len(site_data):
         raise ConfigError(f"site_eval_data has {len(site_eval_data)} sets for {len(site_data)} sites")
+    if safl is not None:
+        problems = safl_layers.config_problems(safl_layers.SAFL, safl.top_k, safl.profile_samples, safl.token,
+                                               loaded.family, loaded.architecture)
+        problems += [] if problems else (safl_layers.composition_problems(strat, False)
+                                         + safl_layers.model_problems(names, loaded.family, safl.top_k))
+        if problems:
+            raise ConfigError("SAFL cannot run: " + "; ".join(problems))
+        names = safl_layers.sendable(names, loaded.family)
 
     def prepared(rows):
         return rows if hasattr(rows, "batch") else encode(list(rows), loaded, max_length=train.max_length)
@@ -169,17 +188,26 @@ def simulate(
         before = {n: global_tensors[n] for n in names}
         loss_sum = 0.0
         n_sum = 0
+        selected: dict[int, list[int]] = {}
+        scores: dict[int, dict[int, float]] = {}
         for i in chosen:
             load_tensors(loaded.module, {**global_tensors, **private.get(i, {})})
             cfg = replace(train, seed=site_seed(seed, train.seed, r, i))
-            result = train_local(loaded, encoded[i], cfg, trainable=names + private_names,
+            sent = names
+            metrics_i: dict[str, float] = {}
+            if safl is not None:
+                choice = safl_layers.select_layers(loaded, encoded[i], safl, names,
+                                                   seed=safl_layers.profile_seed(train.seed, r, f"site-{i}"))
+                sent, selected[i], scores[i] = choice.tensors, choice.layers, choice.scores
+                metrics_i = choice.metrics()
+            result = train_local(loaded, encoded[i], cfg, trainable=sent + private_names,
                                  optimizer_state=optimizer_states.get(i))
             if private_names:
                 private[i] = module_tensors(loaded.module, private_names)
             if result.optimizer_state is not None:
                 optimizer_states[i] = result.optimizer_state
-            delta = compute_delta(before, module_tensors(loaded.module, names), names)
-            strat.accept(delta, weight=strat.weight_for(result.num_samples, result.reported_metrics()),
+            delta = compute_delta(before, module_tensors(loaded.module, sent), sent)
+            strat.accept(delta, weight=strat.weight_for(result.num_samples, {**result.reported_metrics(), **metrics_i}),
                          site=f"site-{i}")
             loss_sum += result.loss * result.num_samples
             n_sum += result.num_samples
@@ -191,7 +219,8 @@ def simulate(
             metrics = evaluate_all()
         metrics.update(evaluate_sites())
         record = RoundRecord(round=r, sites=chosen, train_loss=loss_sum / n_sum, num_samples=n_sum,
-                             metrics=metrics, seconds=time.perf_counter() - started)
+                             metrics=metrics, seconds=time.perf_counter() - started, selected_layers=selected,
+                             layer_scores=scores)
         history.append(record)
         if progress is not None:
             progress(record)

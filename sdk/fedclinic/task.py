@@ -25,6 +25,10 @@ set, the base model (a local pretrained folder) and the training/round settings.
     [update]
     trainable = ['classifier\\..*', 'bert\\.encoder\\.layer\\.[45]\\..*']
     codec = "topk:0.01+int8"          # how deltas travel: raw (fp32, default), fp16, bf16, int8, int4, topk:...
+    selection = "safl"                # optional: attention-selected layers on top of the patterns (fedclinic.safl)
+    safl_top_k = 2                    # layers each site trains and sends per round (the head always)
+    safl_profile_samples = 64         # rows each site profiles per round (0 = 64)
+    safl_token = "cls"                # task-relevant tokens: cls | last | entities ("" = the family's default)
 """
 
 from __future__ import annotations
@@ -96,6 +100,14 @@ class Task:
     #: "fp16", "bf16", "int8", "int4" (blockwise, stochastic rounding), "topk:0.01" (with error feedback at
     #: the sites) or "topk:0.01+int8"; sites must announce the codec at Hello to be assigned the task
     codec: str = "raw"
+    #: ``[update] selection``: "static" (the patterns alone) or "safl": each round every site profiles attention on
+    #: ``safl_profile_samples`` of its rows (0 = 64) and trains and sends only its ``safl_top_k`` layers whose
+    #: attention flows most to ``safl_token`` ("cls", "last" or "entities"; "" = the family's default), plus the
+    #: task head; see fedclinic.safl
+    selection: str = "static"
+    safl_top_k: int = 0
+    safl_profile_samples: int = 0
+    safl_token: str = ""
     #: architecture settings applied when the initial model is packaged from ``model`` (``[model_config]``):
     #: e.g. the FedNER tagger's sizes, LSTM sizes, or HF config fields that keep shapes (dropout)
     model_config: dict[str, Any] = field(default_factory=dict)
@@ -149,6 +161,7 @@ class Task:
         from fedclinic.codec_wire import spec_problems as codec_problems
 
         p.extend(codec_problems(self.codec, secure_aggregation=bool(self.secure_aggregation.get("enabled"))))
+        p.extend(self._selection_problems())
         for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
                          ("max_length", 8)):
             if getattr(self, name) < lo:
@@ -182,6 +195,21 @@ class Task:
         if p:
             raise ConfigError(f"task {self.name!r} is invalid: " + "; ".join(p))
 
+    def _selection_problems(self) -> list[str]:
+        from fedclinic import safl
+
+        p = safl.config_problems(self.selection, self.safl_top_k, self.safl_profile_samples, self.safl_token,
+                                 self.family, self.architecture)
+        if self.selection != safl.SAFL or p:
+            return p
+        from fedclinic.strategies import make_strategy
+
+        try:
+            strategy = make_strategy(self.strategy, self.strategy_params)
+        except ConfigError:
+            return p  # reported with the strategy's own checks
+        return safl.composition_problems(strategy, bool(self.secure_aggregation.get("enabled")))
+
     def _secure_aggregation_problems(self) -> list[str]:
         from fedclinic.secagg import task_config
 
@@ -211,7 +239,10 @@ class Task:
             strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
             strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
             update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=canonical_codec(self.codec),
-                                         trainable_patterns=self.trainable, frozen_patterns=self.frozen),
+                                         trainable_patterns=self.trainable, frozen_patterns=self.frozen,
+                                         selection="" if self.selection == "static" else self.selection,
+                                         select_top_k_layers=self.safl_top_k,
+                                         safl_profile_samples=self.safl_profile_samples, safl_token=self.safl_token),
             privacy=privacy_config(self.privacy),
             secure_aggregation=_secure_aggregation_config(self.secure_aggregation),
             tokenizer_sha256=tokenizer_sha256)
@@ -227,7 +258,8 @@ class Task:
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
-                flat.update(_section(value, ("trainable", "frozen", "codec"), "update"))
+                flat.update(_section(value, ("trainable", "frozen", "codec", "selection", "safl_top_k",
+                                             "safl_profile_samples", "safl_token"), "update"))
             elif key == "strategy" and isinstance(value, dict):
                 flat["strategy"] = value.get("name", "fedavg")
                 flat["strategy_params"] = {k: v for k, v in value.items() if k != "name"}

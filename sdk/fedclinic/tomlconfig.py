@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from fedclinic.errors import ConfigError
 
@@ -57,3 +57,16 @@ def require(doc: dict[str, Any], dotted: str, kind: type, source: str) -> Any:
     if not isinstance(node, kind):
         raise ConfigError(f"{source}: setting {dotted!r} must be a {kind.__name__}, got {type(node).__name__}")
     return node
+
+
+def refuse_unknown(section: Any, known: Iterable[str], where: str, env_prefix: str = "") -> None:
+    """Raise :class:`ConfigError` if ``section`` (a TOML table) has keys outside ``known``: a misspelt key
+    (``aproval``, ``crl_path``) would otherwise be ignored and its default used without a word. ``env_prefix``
+    names the environment overrides (:func:`env_overrides`) the key may also have come from."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where} must be a table, got {type(section).__name__}")
+    known = sorted(known)
+    unknown = sorted(set(section) - set(known))
+    if unknown:
+        env = f" (in the file or from a {env_prefix}_* environment variable)" if env_prefix else ""
+        raise ConfigError(f"{where}: unknown setting(s) {unknown}{env}; known: {', '.join(known)}")

@@ -4,6 +4,7 @@ processes: the approval CLI is a separate process that shares the agent's work_d
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fedclinic.client import state_name
+from fedclinic.client import state_name, waiting_sites
 from fedclinic.localfed import wait_until
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.rpc import TlsFiles, secure_channel
@@ -32,6 +33,15 @@ def _task(**kw) -> Task:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+
+
+def _owner_cli(fed, *args: str) -> subprocess.CompletedProcess:
+    """`fedclinic ARGS` as the task's owner (the scientist certificate, settings from the environment)."""
+    c = fed.creds("scientist")
+    env = {**os.environ, "FEDCLINIC_ADDRESS": fed.address, "FEDCLINIC_CERT": c["cert"], "FEDCLINIC_KEY": c["key"],
+           "FEDCLINIC_CA": c["ca"]}
+    return subprocess.run([sys.executable, "-m", "fedclinic.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
 
 
 def _tasks(fed, site: str, *args: str) -> subprocess.CompletedProcess:
@@ -88,12 +98,19 @@ def test_manual_approval_holds_the_task_until_approved_and_a_rejection_reaches_t
         assert state_name(status.state) == "running"
         assert status.rounds[0].downlink_bytes == 0 and not status.rounds[0].reports
         assert _cached_files(work) == []
+        # the task's owner sees which site the round waits for (and that approval may be why)
+        assert waiting_sites(status) == ["site-a"]
+        shown = _owner_cli(fed, "task", "status", held.task_id)
+        assert shown.returncode == 0, shown.stderr
+        assert "waiting for: site-a (no update or refusal yet" in shown.stdout and "approval" in shown.stdout
 
         approve = _tasks(fed, "site-a", "approve", held.task_id)
         assert approve.returncode == 0, approve.stderr
         final = client.wait(held.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
         assert [len(r.reports) for r in final.rounds] == [1, 1] and final.rounds[0].downlink_bytes > 0
+        assert waiting_sites(final) == []
+        assert "waiting for" not in _owner_cli(fed, "task", "status", held.task_id).stdout
 
         # a second task, rejected: declined for good, the reason reaches its owner, nothing is fetched
         rejected = client.submit(_task(name="rejected-it"), package=tiny_package("logreg", seed=1))

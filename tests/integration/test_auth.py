@@ -106,3 +106,24 @@ def test_connection_without_client_certificate_is_refused(running):
         with pytest.raises(grpc.RpcError) as exc:
             control_pb2_grpc.ControlStub(ch).ListTasks(control_pb2.ListTasksRequest(), timeout=15)
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _revoke(fed, site: str) -> None:
+    cli = subprocess.run([sys.executable, "-m", "fedclinic.cli", "pki", "revoke", "--ca-dir", str(fed.ca_dir),
+                          "--cert", fed.creds(site)["cert"]], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+
+
+def test_an_open_work_stream_ends_when_its_certificate_is_revoked(running):
+    a = running.creds("site-a")
+    with secure_channel(running.address, TlsFiles(a["cert"], a["key"], a["ca"]), server_name="localhost") as ch:
+        stream = agent_pb2_grpc.AgentServiceStub(ch).WatchWork(agent_pb2.WatchWorkRequest(protocol_version=1),
+                                                                 timeout=120)
+        assert next(stream).WhichOneof("item") == "heartbeat"  # open and served
+        _revoke(running, "site-a")
+        with pytest.raises(grpc.RpcError) as exc:
+            for _item in stream:  # heartbeats (every 2 s here) until the check before the next one ends it
+                pass
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "was revoked while this call was open" in exc.value.details()
+

@@ -40,7 +40,9 @@ def _stream(a: agent_pb2.Assignment, arrays: dict[str, np.ndarray], *, key: str,
 
 
 def test_bad_updates_are_refused_and_the_round_completes(federation_factory):
-    fed = federation_factory(3, start=False)
+    from tests.integration.test_metrics import scrape, value
+
+    fed = federation_factory(3, start=False, metrics_address="127.0.0.1:0")
     fed.make_pki()
     fed.start_aggregator()
     c = fed.creds("site-c")
@@ -100,6 +102,12 @@ def test_bad_updates_are_refused_and_the_round_completes(federation_factory):
     for blob in (state / "blobs").glob("??/*"):  # every stored blob is intact
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.parent.name + blob.name
     assert not [p for p in (state / "updates").rglob("*") if p.is_file()]  # no spill left behind
+    samples = scrape(fed.metrics_url())  # each refusal counted by its status code; no label from a bad task id
+    refused = {dict(labels)["reason"]: v for (name, labels), v in samples.items()
+               if name == "fedclinic_aggregator_updates_refused_total"}
+    assert refused == {"invalid_argument": 3, "not_found": 1, "failed_precondition": 1}
+    assert value(samples, "fedclinic_aggregator_site_declines_total", task_id=st.task_id) == 2
+    assert not [k for k in samples if ("task_id", "t-doesnotexist") in k[1]]
 
 
 def _encoded_stream(a: agent_pb2.Assignment, payloads: dict[str, tuple[bytes, dict]], *, key: str, codec: str):

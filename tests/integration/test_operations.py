@@ -116,6 +116,8 @@ on_quorum_miss = "fail"
     assert "completed" in run.stdout and "round 1: 2/2 sites" in run.stdout
     run = cli("task", "download", task_id, str(tmp_path / "out"))
     assert run.returncode == 0 and (tmp_path / "out" / "model.safetensors").exists()
+    run = cli("task", "list")  # nothing running: said in words, not an empty screen
+    assert run.returncode == 0 and run.stdout.strip() == "no queued or running tasks (--all lists finished ones too)"
     run = cli("task", "status", "t-missing")
     assert run.returncode == 2 and "no task 't-missing'" in run.stderr
     run = cli("task", "cancel", task_id)
@@ -123,3 +125,37 @@ on_quorum_miss = "fail"
     run = subprocess.run([sys.executable, "-m", "fedclinic.cli", "task", "list"], capture_output=True, text=True,
                          env={k: v for k, v in env.items() if not k.startswith("FEDCLINIC_")})
     assert run.returncode == 2 and "missing connection setting" in run.stderr
+
+
+def test_an_aggregator_certificate_without_the_dialled_host_is_explained(federation_factory):
+    """The first thing a new operator hits: the aggregator's certificate names only its public DNS name, and
+    a client dials 127.0.0.1. The error says it is the name, and how to fix it, not "is it running?"."""
+    from fedclinic import pki
+    from fedclinic.client import connect
+    from fedclinic.errors import FedclinicError
+
+    fed = federation_factory(0, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    c = fed.creds("scientist")
+    with connect(fed.address, cert=c["cert"], key=c["key"], ca=c["ca"]) as client:
+        assert client.list() == []  # the default aggregator certificate names 127.0.0.1 (and localhost)
+    # reissued naming only its public name, as `pki issue --dns aggregator.example.org` does; the running
+    # aggregator follows its files and presents it at the next handshake
+    pki.issue(fed.ca_dir, role="aggregator", name="aggregator", out_dir=fed.pki_dir / "aggregator",
+              dns=["aggregator.example.org"], days=7)
+    host = fed.address.rsplit(":", 1)[0]
+    with connect(fed.address, cert=c["cert"], key=c["key"], ca=c["ca"]) as client:
+        def refused() -> str:
+            try:
+                client.list()
+            except FedclinicError as exc:
+                return str(exc)
+            return ""  # still the old certificate on a connection made before
+
+        wait_until(lambda: "does not name" in refused(), 30, "the renamed certificate to be presented")
+        message = refused()
+    assert f"does not name {host!r}" in message and "--dns NAME --ip IP" in message
+    assert "is it running" not in message
+    with connect(fed.address, cert=c["cert"], key=c["key"], ca=c["ca"], server_name="aggregator.example.org") as ok:
+        assert ok.list() == []  # the name it lists works

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.localfed import LocalFederation, SiteSetup
+from fedclinic.localfed import LocalFederation, SiteSetup, wait_until
 from fedclinic.task import Task
 from hospital_agent.privacy_ledger import PrivacyLedger
 
@@ -56,6 +56,8 @@ def test_private_task_charges_every_site_before_sending(tmp_path):
         for site in ("site-a", "site-b"):
             [spend] = PrivacyLedger(tmp_path / "fed" / f"agent-{site}" / "privacy-ledger.sqlite").status()
             assert spend.budget.epsilon == 10.0 and spend.tasks[0].rounds_charged == 2
+            # the last round is charged: the task is finished there, nothing of it stays reserved beyond its spend
+            assert spend.tasks[0].finished and spend.committed_epsilon == pytest.approx(spend.spent_epsilon)
             spends[site] = spend.spent_epsilon
             # what the site reported equals what its ledger charged
             reported = next(r.metrics["dp_epsilon"] for r in final.rounds[1].reports if r.site_id == site)
@@ -95,3 +97,41 @@ def test_privacy_status_command_shows_budget_and_spend(tmp_path):
     row = next(line for line in out.stdout.splitlines() if line.startswith("notes"))
     assert row.split()[1:] == ["6.000", "1.0e-04", "1.500", "4.000", "2.000"]
     assert "task t-123: planned 4.000, spent 1.500 (delta 1.0e-05) over 1 round(s), running" in out.stdout
+    # the admin finishes a task the agent was never told had ended: its unspent 2.5 goes back to the budget
+    cli = [sys.executable, "-m", "hospital_agent.cli", "privacy"]
+    finish = cli + ["finish", "t-123", "--config", str(config)]
+    out = subprocess.run(finish, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "task t-123 finished on notes" in out.stdout
+    [spend] = ledger.status()
+    assert spend.committed_epsilon == 1.5 and spend.tasks[0].finished
+    out = subprocess.run(finish, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "holds no running reservation" in out.stderr
+    audit = (tmp_path / "fed" / "agent-site-a" / "audit.jsonl").read_text()
+    assert "privacy.reservation_released" in audit and "t-123" in audit
+
+
+def test_a_cancelled_task_gives_its_unspent_reservation_back(tmp_path):
+    """One site trains round 1 of a 3-round private task (charged), the round waits for a second site; the owner
+    cancels; the agent hears it on its work stream and releases the rest of the task's reservation."""
+    sites = _sites(tmp_path, {"site-a": 10.0})
+    ledger = PrivacyLedger(tmp_path / "fed" / "agent-site-a" / "privacy-ledger.sqlite")
+    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            st = client.submit(_task(num_rounds=3, min_sites=2, round_timeout_s=600),
+                               package=tiny_package("transformer"))
+
+            def charged() -> bool:
+                rows = ledger.status() if ledger.path.exists() else []
+                return bool(rows and rows[0].tasks and rows[0].tasks[0].rounds_charged == 1)
+
+            wait_until(charged, 180, "site-a to train and charge round 1")
+            client.cancel(st.task_id, reason="wrong cohort")
+            wait_until(lambda: ledger.status()[0].tasks[0].finished, 60, "the agent to release the reservation")
+    [spend] = ledger.status()
+    task = spend.tasks[0]
+    assert 0 < task.spent_epsilon < task.planned_epsilon
+    assert spend.committed_epsilon == pytest.approx(task.spent_epsilon)
+    audit = (tmp_path / "fed" / "agent-site-a" / "audit.jsonl").read_text()
+    assert "privacy.reservation_released" in audit and "wrong cohort" in audit

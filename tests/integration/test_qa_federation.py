@@ -13,11 +13,11 @@ from fedclinic.data_qa import QAExample
 from fedclinic.localfed import SiteSetup
 from fedclinic.task import Task
 
-from tests.unit.test_causal_lm import one_thread, package, toy_examples  # noqa: F401 (one_thread: a fixture)
+from tests.unit.test_causal_lm import package, toy_examples
 
 from tests.integration.conftest import replay_site_delta, run_task
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("torch_one_thread")]
 
 QA_POLICY = {"allowed_families": ["question-answering"], "allowed_datasets": ["qa"]}
 

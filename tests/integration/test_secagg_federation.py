@@ -56,7 +56,9 @@ class _Unchecked(Task):
 
 def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_survivors(federation_factory,
                                                                                    monkeypatch):
-    fed = federation_factory(5, samples=SAMPLES, start=False)
+    from tests.integration.test_metrics import scrape, value
+
+    fed = federation_factory(5, samples=SAMPLES, start=False, metrics_address="127.0.0.1:0")
     fed.make_pki()
     fed.start_aggregator()
     for site in ("site-a", "site-b", "site-c", "site-d"):
@@ -81,6 +83,10 @@ def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_surviv
     assert list(rnd.reports) == []  # no per-site update, sample count or metric was stored or shown
     assert any("dropped after sharing keys: site-e" in e for e in events), events
     assert any(e.startswith("secagg-result") and "site-a, site-b, site-c, site-d" in e for e in events), events
+    samples = scrape(fed.metrics_url())  # the survivors' masked inputs, and the round's bytes as it reports them
+    assert value(samples, "fedclinic_aggregator_updates_received_total", task_id=st.task_id) == 4
+    assert value(samples, "fedclinic_aggregator_uplink_payload_bytes_total", task_id=st.task_id) == rnd.uplink_bytes
+    assert value(samples, "fedclinic_aggregator_downlink_bytes_total", task_id=st.task_id) == rnd.downlink_bytes
 
     survivors = [_replay_site(start, make_examples(n, seed=i), final.spec) for i, n in enumerate(SAMPLES[:4])]
     deltas = [d for d, _ in survivors]

@@ -1,4 +1,5 @@
-"""`fedclinic serve` as real processes on 127.0.0.1, over HTTP and gRPC: classifiers, NER, question answering."""
+"""`fedclinic serve` as real processes on 127.0.0.1, over HTTP and gRPC: classifiers, NER, question answering,
+image + report classification."""
 
 from __future__ import annotations
 
@@ -252,3 +253,81 @@ def test_contexts_are_refused_by_a_classifier(tmp_path, serve):
     _, port = serve(tmp_path / "bundle")
     code, err = _call(port, "/v1/predict", {"texts": ["fever"], "contexts": ["x"]})
     assert code == 400 and "'contexts' are for question-answering bundles" in err["error"]
+    code, err = _call(port, "/v1/predict", {"texts": ["fever"], "images": ["aGk="]})
+    assert code == 400 and "'images' are for image-text-classification bundles" in err["error"]
+
+
+def _trained_image_text_bundle(tmp_path):
+    """A tiny ResNet + BiLSTM model trained briefly on stand-in images (tests/unit/test_export_image_text.py),
+    exported to ONNX, and the PyTorch model it came from."""
+    import torch
+
+    from fedclinic.models import build_model
+    from fedclinic.package import ModelPackage
+
+    from tests.unit.test_export_image_text import trained_package
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: a second thread only adds contention
+    try:
+        trained_package(tmp_path / "it-train").save(tmp_path / "it-pkg")
+        export_onnx(tmp_path / "it-pkg", tmp_path / "it-bundle")
+    finally:
+        torch.set_num_threads(before)
+    return tmp_path / "it-bundle", build_model(ModelPackage.load(tmp_path / "it-pkg"))
+
+
+def test_image_text_bundle_over_http_and_grpc(tmp_path, serve):
+    import base64
+
+    import grpc
+    import numpy as np
+
+    from fedclinic.datasets.imaging_standin import write_standin
+    from fedclinic.proto import inference_pb2, inference_pb2_grpc
+
+    bundle, model = _trained_image_text_bundle(tmp_path)
+    data = tmp_path / "studies"
+    rows = [json.loads(line) for manifest in (write_standin(data, n=3, seed=21, manifest_format="jsonl", name="png"),
+                                              write_standin(data, n=3, seed=22, image_format="dicom",
+                                                            manifest_format="jsonl", name="dcm"))
+            for line in manifest.read_text().splitlines()]
+    paths = [data / r["image"] for r in rows]
+    texts = [r["text"] for r in rows]
+    want = model.predict_proba(paths, texts)  # PyTorch, from the same files
+    proc, ports = serve(bundle, "--grpc-port", "0", "--threshold", "0.4")
+    status, ready = _call(ports["http"], "/readyz")
+    assert status == 200 and ready["model"]["family"] == "image-text-classification"
+    assert ready["model"]["image"]["size"] == 32 and ready["model"]["threshold"] == 0.4
+    images = [base64.b64encode(p.read_bytes()).decode() for p in paths]  # PNG and DICOM files
+    status, out = _call(ports["http"], "/v1/predict", {"images": images, "texts": texts})
+    assert status == 200 and len(out["predictions"]) == len(rows)
+    labels = model.labels
+    for p, w in zip(out["predictions"], want):
+        np.testing.assert_allclose([p["scores"][lab] for lab in labels], w, atol=1e-5)
+        assert p["labels"] == [lab for lab, v in zip(labels, w) if v >= 0.4] and p["threshold"] == 0.4
+    # bad requests: a clear 400 naming the input, and the server keeps answering
+    code, err = _call(ports["http"], "/v1/predict", {"texts": texts[:1]})
+    assert code == 400 and "no images" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"images": images[:1]})
+    assert code == 400 and "non-empty list of reports in 'texts'" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"images": [base64.b64encode(b"GIF89a...").decode()],
+                                                     "texts": texts[:1]})
+    assert code == 400 and "image 0 is not a PNG, JPEG or DICOM file" in err["error"]
+    code, err = _call(ports["http"], "/v1/predict", {"images": images[:2], "texts": [texts[0], " "]})
+    assert code == 400 and "text 1 is empty" in err["error"]
+    with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        assert stub.DescribeModel(inference_pb2.DescribeModelRequest(), timeout=30).image_size == 32
+        got = stub.Predict(inference_pb2.PredictRequest(texts=texts, images=[p.read_bytes() for p in paths]),
+                           timeout=60)
+        assert [list(p.labels) for p in got.predictions] == [p["labels"] for p in out["predictions"]]
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Predict(inference_pb2.PredictRequest(texts=texts[:1], images=[paths[0].read_bytes()[:50]]), timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "corrupt or unreadable" in bad.value.details()
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Predict(inference_pb2.PredictRequest(texts=texts[:1]), timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no images" in bad.value.details()
+    assert _call(ports["http"], "/v1/predict", {"images": images[:1], "texts": texts[:1]})[0] == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

@@ -66,20 +66,11 @@ def train(model, examples, *, epochs: int = 200, lr: float = 5e-3, seed: int = 0
     return training.train_local(model, data, cfg, trainable=[n for n, _ in model.module.named_parameters()])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: per-op overhead dominates and a second thread only adds contention (a busy core can make
-    every step 100x slower), so this module trains on one thread, as the agents of the integration tests do."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
-def learned(one_thread):
+def learned(torch_one_thread):
     """A tiny GPT-2 trained to answer the toy questions (about 1 s on one core)."""
     model = build_model(package())
     train(model, toy_examples())

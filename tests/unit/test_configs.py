@@ -130,3 +130,31 @@ def test_aggregator_refuses_a_spec_whose_tokenizer_hash_is_not_the_models():
 def test_a_folder_or_unreadable_file_given_as_config_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="is a folder; give the configuration file inside it"):
         AgentConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t + '[policy]\naproval = "manual"\n', r"\[policy\]: unknown setting\(s\) \['aproval'\].*known: "
+                                                     r"allowed_datasets, allowed_families, approval"),
+    (lambda t: t.replace('path = "notes.jsonl"', 'path = "notes.jsonl"\neval_pth = "val.jsonl"'),
+     r"\[datasets.notes\]: unknown setting\(s\) \['eval_pth'\]"),
+    (lambda t: t.replace('ca = "ca.crt"', 'ca = "ca.crt"\ncrl = "crl.pem"'),
+     r"\[tls\]: unknown setting\(s\) \['crl'\]"),
+])
+def test_agent_refuses_misspelt_keys_instead_of_using_defaults(tmp_path, edit, message):
+    """A misspelt key must not silently fall back to its default: `aproval = "manual"` would mean auto approval."""
+    (tmp_path / "agent.toml").write_text(edit(AGENT))
+    with pytest.raises(ConfigError, match=message):
+        AgentConfig.load(tmp_path / "agent.toml")
+
+
+def test_aggregator_refuses_misspelt_keys_from_the_file_and_the_environment(tmp_path, monkeypatch):
+    body = 'listen = "127.0.0.1:0"\nstate_dir = "state"\n[tls]\ncert = "a"\nkey = "b"\nca = "c"\ncrl = "crl.pem"\n'
+    (tmp_path / "agg.toml").write_text(body)
+    assert AggregatorConfig.load(tmp_path / "agg.toml").crl == tmp_path / "crl.pem"
+    (tmp_path / "typo.toml").write_text(body.replace("crl =", "crl_path ="))  # would turn revocation checks off
+    with pytest.raises(ConfigError, match=r"\[tls\]: unknown setting\(s\) \['crl_path'\].*known: ca, cert, crl, key"):
+        AggregatorConfig.load(tmp_path / "typo.toml")
+    monkeypatch.setenv("FEDCLINIC_AGGREGATOR_METRICS_ADRESS", "127.0.0.1:9464")
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['metrics_adress'\] \(in the file or from a "
+                                          r"FEDCLINIC_AGGREGATOR_\* environment variable\)"):
+        AggregatorConfig.load(tmp_path / "agg.toml")

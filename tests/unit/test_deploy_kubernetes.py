@@ -88,6 +88,7 @@ def test_configs_load_with_the_real_loaders_and_match_the_mounts():
     agg = AggregatorConfig.load(K8S / "base" / "aggregator" / "aggregator.toml")
     assert str(agg.state_dir) == "/var/lib/fedclinic-aggregator"
     assert agg.listen.endswith(":7443") and agg.crl is not None
+    assert agg.metrics_address is not None and agg.metrics_address.port == 9464
     agent = AgentConfig.load(K8S / "base" / "agent" / "agent.toml")
     assert str(agent.work_dir) == "/var/lib/hospital-agent"
     assert all(str(d.path).startswith("/data/fl/") for d in agent.datasets.values())
@@ -144,7 +145,7 @@ def test_each_kustomization_renders(folder):
 @needs_kubectl
 def test_rendered_objects_pass_per_kind_checks(rendered):
     kinds = sorted(o["kind"] for o in rendered)
-    assert kinds.count("NetworkPolicy") == 2 and "StatefulSet" in kinds and "Deployment" in kinds
+    assert kinds.count("NetworkPolicy") == 3 and "StatefulSet" in kinds and "Deployment" in kinds
     by_name = {(o["kind"], o["metadata"]["name"]): o for o in rendered}
     checked = set()
     for obj in rendered:
@@ -241,6 +242,29 @@ def test_agent_deployment_gpu_data_and_outbound_only(rendered):
     agg_pol = next(o for o in rendered if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "fedclinic-aggregator")
     assert agg_pol["spec"]["egress"] == []                       # the aggregator dials no one
     assert [p["port"] for rule in agg_pol["spec"]["ingress"] for p in rule["ports"]] == [7443]
+
+
+@needs_kubectl
+def test_aggregator_metrics_port_is_cluster_internal_and_open_to_the_monitoring_namespace_only(rendered):
+    sts = next(o for o in rendered if o["kind"] == "StatefulSet")
+    ports = {p["name"]: p["containerPort"] for p in _pod_spec(sts)["containers"][0]["ports"]}
+    cm = next(o for o in rendered if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("fedclinic-aggregator"))
+    assert ports["metrics"] == int(tomllib.loads(cm["data"]["aggregator.toml"])["metrics_address"].rsplit(":", 1)[1])
+    svc = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "Service"}
+    metrics = svc["fedclinic-aggregator-metrics"]
+    assert metrics["spec"]["type"] == "ClusterIP" and [p["targetPort"] for p in metrics["spec"]["ports"]] == ["metrics"]
+    notes = metrics["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/port"] == str(ports["metrics"])
+    for name in ("fedclinic-aggregator", "fedclinic-aggregator-headless"):  # never on a published Service
+        assert ports["metrics"] not in [p["port"] for p in svc[name]["spec"]["ports"]], name
+    pol = next(o for o in rendered if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "fedclinic-aggregator-metrics")
+    assert pol["spec"]["egress"] == []
+    (rule,) = pol["spec"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [ports["metrics"]]
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"} and peer["namespaceSelector"]["matchLabels"]
+    others = [o for o in rendered if o["kind"] == "NetworkPolicy" and o is not pol]
+    assert all(p["port"] != ports["metrics"] for o in others for r in o["spec"]["ingress"] for p in r.get("ports", []))
 
 
 @needs_kubectl

@@ -113,8 +113,9 @@ def test_poisson_steps_and_progress():
     assert not loaded.module._forward_pre_hooks  # the id hook is gone
 
 
-@pytest.mark.parametrize("family, arch", [("text-classification", "lstm"), ("text-classification", "logreg"), ("token-classification", "transformer-crf"),
-                                          ("question-answering", "causal-lm")])
+@pytest.mark.parametrize("family, arch", [("text-classification", "lstm"), ("text-classification", "logreg"),
+                                          ("token-classification", "cnn-bilstm-crf"),
+                                          ("image-text-classification", "resnet-bilstm")])
 def test_unsupported_models_are_refused_with_the_alternative(family, arch):
     with pytest.raises(ConfigError, match="use client-level DP"):
         check_supported(family, arch)

@@ -38,6 +38,30 @@ def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, arch
     padded = session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
     alone = session.run(["logits"], {"input_ids": ids[1:, :3], "attention_mask": mask[1:, :3]})[0]
     np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
+    if architecture == "transformer":  # BERT: one fused Attention op per layer, int8-quantized as a whole
+        import onnx
+
+        ops = {name: {n.op_type for n in onnx.load(str(tmp_path / "out" / name)).graph.node}
+               for name in ("model.onnx", "model.int8.onnx")}
+        assert report.fused_attention_layers == loaded.module.config.num_hidden_layers == saved["fused_attention_layers"]
+        assert "Attention" in ops["model.onnx"] and "Softmax" not in ops["model.onnx"]
+        assert "QAttention" in ops["model.int8.onnx"]
+
+
+def test_an_encoder_whose_attention_does_not_fuse_keeps_the_plain_graph(tmp_path, monkeypatch):
+    """When onnxruntime's patterns match fewer layers than the model has, the unfused graph is kept, and it
+    still matches PyTorch."""
+    import onnx
+
+    from fedclinic import onnx_encoder_fusion
+
+    monkeypatch.setattr(onnx_encoder_fusion, "_scale_by_division", lambda model: None)  # the matcher then fails
+    tiny_package("transformer", seed=3).save(tmp_path / "pkg")
+    messages: list[str] = []
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True, log=messages.append)
+    assert report.fused_attention_layers == 0 and report.fp32.max_abs_diff <= 1e-4
+    assert any("attention fused in 0 of 1 layers: keeping the unfused graph" in m for m in messages)
+    assert "Attention" not in {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.node}
 
 
 def test_feature_model_exports(tmp_path):
@@ -320,14 +344,4 @@ def test_a_mislabelled_question_answering_package_is_refused_before_any_export(t
     ModelPackage(pkg.tensors, {**pkg.files, META_FILE: json.dumps(meta).encode()}).save(tmp_path / "pkg")
     with pytest.raises(ConfigError, match="unknown architecture 'logreg' for family 'question-answering'"):
         export_onnx(tmp_path / "pkg", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_image_text_models_are_refused_with_the_reason(tmp_path):
-    from tests.unit.test_image_text import package as image_text_package
-
-    src = tmp_path / "pkg"
-    image_text_package().save(src)
-    with pytest.raises(ConfigError, match="image-text-classification models cannot be exported to ONNX yet"):
-        export_onnx(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -26,15 +26,7 @@ CONFIGS = {"gpt2": TINY, "llama": TINY_LLAMA}
 UNTRAINED = {"gpt2": (7, 0.2), "llama": (8, 0.02)}  # (seed, initializer_range)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second thread only adds contention (see tests/unit/test_causal_lm.py)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def trained_package(config, seed: int = 0) -> ModelPackage:

@@ -746,3 +746,81 @@ def test_grpc_mutual_tls(mtls_server, ca: Path, other_ca: Path, tmp_path: Path) 
         _call(address, server_ca, good)
     assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert good.serial_hex in exc.value.details()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rotation: renew and install
+
+
+def test_renew_in_place_keeps_identity_and_names_with_a_new_key(ca: Path, tmp_path: Path) -> None:
+    old = pki.issue(ca, role="aggregator", name="agg", out_dir=tmp_path / "live", dns=["agg.example.org"],
+                    ips=["10.0.0.5"])
+    old_key = old.key_path.read_bytes()
+    new = pki.renew(ca, cert_path=old.cert_path, days=10)
+    assert (new.cert_path, new.key_path) == (old.cert_path, old.key_path)
+    assert new.serial_hex != old.serial_hex and old.key_path.read_bytes() != old_key
+    assert mode(old.key_path) == 0o600
+    ident = pki.check_own_certificate(old.cert_path, old.key_path, ca / "ca.crt", expected_role="aggregator")
+    assert (ident.name, ident.serial_hex) == ("agg", new.serial_hex)
+    san = ext(load_cert(old.cert_path), x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["agg.example.org"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5")]
+    assert sorted(p.name for p in (tmp_path / "live").iterdir()) == ["agg.crt", "agg.key", "ca.crt"]  # no staging left
+    statuses = {r["serial"]: r["status"] for r in pki.list_certs(ca)}
+    assert statuses == {old.serial_hex: "valid", new.serial_hex: "valid"}
+    pki.renew(ca, cert_path=old.cert_path, revoke_old=True)
+    assert {r["serial"]: r["status"] for r in pki.list_certs(ca)}[new.serial_hex] == "revoked"
+
+
+def test_renew_refuses_a_certificate_of_another_ca(ca: Path, other_ca: Path, tmp_path: Path) -> None:
+    foreign = pki.issue(other_ca, role="agent", name="site-x", out_dir=tmp_path / "x")
+    before = foreign.cert_path.read_bytes()
+    with pytest.raises(PkiError, match="was not issued by the CA in"):
+        pki.renew(ca, cert_path=foreign.cert_path)
+    assert foreign.cert_path.read_bytes() == before
+
+
+def test_install_checks_the_new_pair_before_replacing_anything(ca: Path, site: pki.IssuedCert, tmp_path: Path) -> None:
+    key_path, csr_path = pki.make_csr(role="agent", name="site-a", out_dir=tmp_path / "staging")
+    new = pki.issue(ca, role="agent", name="site-a", out_dir=tmp_path / "signed", csr_path=csr_path)
+    live_cert, live_key = site.cert_path.read_bytes(), site.key_path.read_bytes()
+    with pytest.raises(PkiError, match="does not belong to certificate"):  # the old key with the new certificate
+        pki.install_credentials(new.cert_path, site.key_path, site.ca_path, to_cert=site.cert_path,
+                                to_key=tmp_path / "elsewhere.key")
+    with pytest.raises(PkiError, match="needs role 'scientist'"):
+        pki.install_credentials(new.cert_path, key_path, site.ca_path, to_cert=site.cert_path, to_key=site.key_path,
+                                expected_role="scientist")
+    assert (site.cert_path.read_bytes(), site.key_path.read_bytes()) == (live_cert, live_key)
+    ident = pki.install_credentials(new.cert_path, key_path, site.ca_path, to_cert=site.cert_path,
+                                    to_key=site.key_path, expected_role="agent")
+    assert ident.serial_hex == new.serial_hex and site.key_path.read_bytes() == key_path.read_bytes()
+    assert mode(site.key_path) == 0o600
+    pki.check_own_certificate(site.cert_path, site.key_path, site.ca_path, expected_role="agent")
+
+
+def test_cli_renew_and_install(ca: Path, site: pki.IssuedCert, tmp_path: Path, capsys) -> None:
+    rc, out, err = cli(capsys, "pki", "renew", "--ca-dir", str(ca), "--cert", str(site.cert_path))
+    assert rc == 0, err
+    assert "renewed agent certificate 'site-a'" in out and "--reason superseded" in out
+    assert pki.identity_from_pem(site.cert_path.read_bytes()).serial_hex != site.serial_hex
+    rc, out, err = cli(capsys, "pki", "install", "--cert", str(site.cert_path), "--key", str(tmp_path / "missing.key"),
+                       "--ca", str(site.ca_path), "--to-cert", str(tmp_path / "a.crt"), "--to-key", str(tmp_path / "a.key"))
+    assert rc == 2 and "missing.key does not exist" in err
+
+
+def test_check_own_certificate_can_skip_the_key_mode_for_reloads(site: pki.IssuedCert) -> None:
+    os.chmod(site.key_path, 0o440)
+    with pytest.raises(PkiError, match="chmod 600"):
+        pki.check_own_certificate(site.cert_path, site.key_path, site.ca_path)
+    pki.check_own_certificate(site.cert_path, site.key_path, site.ca_path, check_key_mode=False)
+
+
+def test_cli_refresh_crl_keeps_the_revoked_serials(ca: Path, site: pki.IssuedCert, capsys) -> None:
+    pki.revoke(ca, serial_hex=site.serial_hex)
+    before = x509.load_pem_x509_crl((ca / "crl.pem").read_bytes())
+    rc, out, err = cli(capsys, "pki", "refresh-crl", "--ca-dir", str(ca), "--days", "3")
+    assert rc == 0, err
+    after = x509.load_pem_x509_crl((ca / "crl.pem").read_bytes())
+    assert [r.serial_number for r in after] == [r.serial_number for r in before]
+    assert after.next_update_utc - after.last_update_utc <= dt.timedelta(days=3, minutes=5)
+    assert RevocationList(ca / "crl.pem", ca / "ca.crt").is_revoked(site.serial_hex)

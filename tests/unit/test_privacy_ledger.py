@@ -145,3 +145,82 @@ def test_a_crash_between_charge_and_send_keeps_the_spend(tmp_path):
     assert spend.spent_epsilon == 1.75 and spend.tasks[0].rounds_charged == 1
     reopened.charge("notes", "t1", 3, 1.75)  # the resend after restart charges the same round again: no change
     assert reopened.status()[0].spent_epsilon == 1.75
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a task that ended gives its unspent reservation back
+
+
+def test_finishing_a_task_releases_what_it_did_not_spend(tmp_path):
+    ledger = _ledger(tmp_path, eps=8.0)
+    ledger.admit("notes", "t1", 6.0, 1e-5)
+    ledger.charge("notes", "t1", 1, 2.0)
+    with pytest.raises(BudgetExceeded, match="only epsilon 2 .* is left"):
+        ledger.admit("notes", "t2", 4.0, 1e-5)  # t1's unspent 4 is still reserved while it runs
+    assert ledger.finish("notes", "t1") is True
+    [spend] = ledger.status()
+    assert spend.committed_epsilon == 2.0 and spend.spent_epsilon == 2.0 and spend.tasks[0].finished
+    ledger.admit("notes", "t2", 4.0, 1e-5)  # fits now
+    assert ledger.finish("notes", "t1") is False and ledger.finish("notes", "unknown") is False
+    with pytest.raises(BudgetExceeded, match="finished"):
+        ledger.charge("notes", "t1", 2, 3.0)  # an ended task is charged no more
+    [spend] = ledger.status()
+    assert spend.spent_epsilon == 2.0 and spend.committed_epsilon == 6.0
+
+
+def test_a_cancellation_finishes_the_task_on_every_dataset_it_used(tmp_path):
+    ledger = _ledger(tmp_path, eps=5.0, delta=2e-5)
+    ledger.set_budget("labs", 5.0, 2e-5)
+    ledger.admit("notes", "t1", 3.0, 1e-5)
+    ledger.admit("labs", "t1", 3.0, 1e-5)
+    ledger.admit("labs", "t2", 2.0, 1e-5)
+    ledger.charge("labs", "t1", 1, 0.5)
+    assert ledger.finish_task("t1") == ["labs", "notes"]
+    assert ledger.finish_task("t1") == []
+    spend = {d.dataset: d for d in ledger.status()}
+    assert spend["labs"].committed_epsilon == 2.5 and spend["labs"].committed_delta == pytest.approx(2e-5)
+    # nothing spent on notes: its epsilon and delta are all back
+    assert spend["notes"].committed_epsilon == 0.0 and spend["notes"].committed_delta == 0.0
+    assert not next(t for t in spend["labs"].tasks if t.task_id == "t2").finished
+
+
+def _private_spec(rounds: int):
+    from fedclinic.proto import task_pb2
+
+    return task_pb2.TaskSpec(family="text-classification", architecture="transformer", dataset="notes",
+                             rounds=task_pb2.RoundConfig(num_rounds=rounds),
+                             privacy=task_pb2.PrivacyConfig(level="sample", target_epsilon=3.0, target_delta=1e-5,
+                                                            max_grad_norm=1.0, accountant="rdp"))
+
+
+def test_the_site_finishes_a_task_after_charging_its_last_round(tmp_path):
+    from hospital_agent.site_privacy import SitePrivacy
+
+    site = SitePrivacy(tmp_path / "ledger.sqlite", {})
+    site.ledger.set_budget("notes", 10.0, 1e-4)
+    spec = _private_spec(rounds=3)
+    private = site.admit("t1", spec, 200, batch_size=10, local_epochs=1)
+    site.charge("t1", spec, 1, private)
+    assert not site.ledger.status()[0].tasks[0].finished
+    site.charge("t1", spec, 3, private)  # the last round (this site sat out round 2)
+    [spend] = site.ledger.status()
+    task = spend.tasks[0]
+    assert task.finished and task.spent_epsilon < task.planned_epsilon
+    assert spend.committed_epsilon == pytest.approx(task.spent_epsilon)
+
+
+def test_a_task_that_ended_elsewhere_gives_its_reservation_back(tmp_path):
+    from hospital_agent.site_privacy import SitePrivacy
+
+    site = SitePrivacy(tmp_path / "ledger.sqlite", {})
+    site.ledger.set_budget("notes", 10.0, 1e-4)
+    spec = _private_spec(rounds=5)
+    private = site.admit("t1", spec, 200, batch_size=10, local_epochs=1)
+    report = site.charge("t1", spec, 1, private)
+    assert site.task_ended("t1") == ["notes"]
+    [spend] = site.ledger.status()
+    assert spend.committed_epsilon == pytest.approx(report.epsilon)
+    assert report.epsilon < private.plan.planned_epsilon
+    with pytest.raises(BudgetExceeded, match="finished"):
+        site.charge("t1", spec, 2, private)
+    assert site.task_ended("t1") == []

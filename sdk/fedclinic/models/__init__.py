@@ -65,7 +65,16 @@ def build_model(package: ModelPackage) -> Any:
     builder = FAMILIES.get(family)
     if builder is None:
         raise ConfigError(f"unknown model family {family!r}; supported families: {', '.join(sorted(FAMILIES))}")
-    return builder(package)
+    from fedclinic import lora
+
+    spec = lora.spec_of(meta)
+    if spec is None:
+        return builder(package)
+    base, adapters = lora.split(package)  # the base model loads strictly, then its adapters attach
+    loaded = builder(base)
+    lora.attach(loaded.module, spec, adapters)
+    loaded.meta = meta
+    return loaded
 
 
 __all__ = [

@@ -43,26 +43,43 @@ class CRF(nn.Module):
             raise ValueError("every sequence needs at least one position (mask[:, 0] must be 1)")
         return mask
 
-    def nll(self, emissions: torch.Tensor, tags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Negative log-likelihood per sequence, ``[batch]``. Tags at masked positions are ignored."""
+    def nll(self, emissions: torch.Tensor, tags: torch.Tensor, mask: torch.Tensor,
+            per_example: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Negative log-likelihood per sequence, ``[batch]``. Tags at masked positions are ignored.
+
+        ``per_example``: ``(transitions [B, T, T], start [B, T], end [B, T])``, one copy of the parameters per
+        sequence, used instead of the module's own (sequence ``b`` reads only copy ``b``, so the gradient of
+        the copies is the per-sequence gradient that DP-SGD clips). Default: the module's parameters, shared.
+        """
         mask = self._check(emissions, mask)
         em = emissions.float()
+        batch, _, num_tags = em.shape
+        if per_example is None:
+            trans = self.transitions.expand(batch, num_tags, num_tags)
+            start = self.start_transitions.expand(batch, num_tags)
+            end = self.end_transitions.expand(batch, num_tags)
+        else:
+            trans, start, end = per_example
+            if (trans.shape != (batch, num_tags, num_tags) or start.shape != (batch, num_tags)
+                    or end.shape != (batch, num_tags)):
+                raise ValueError(f"per-example CRF parameters must be [{batch}, {num_tags}, {num_tags}], "
+                                 f"[{batch}, {num_tags}] and [{batch}, {num_tags}]")
         tags = tags.clamp(min=0)  # padding may carry an ignore id; its positions are masked out
-        b_idx = torch.arange(em.shape[0], device=em.device)
+        b_idx = torch.arange(batch, device=em.device)
         # score of the given path
-        score = self.start_transitions[tags[:, 0]] + em[b_idx, 0, tags[:, 0]]
+        score = start[b_idx, tags[:, 0]] + em[b_idx, 0, tags[:, 0]]
         last = tags[:, 0]
         # partition function (forward algorithm)
-        alpha = self.start_transitions.unsqueeze(0) + em[:, 0]  # [B, T]
+        alpha = start + em[:, 0]  # [B, T]
         for t in range(1, em.shape[1]):
             on = mask[:, t]
-            step = self.transitions[last, tags[:, t]] + em[b_idx, t, tags[:, t]]
+            step = trans[b_idx, last, tags[:, t]] + em[b_idx, t, tags[:, t]]
             score = score + step * on
             last = torch.where(on, tags[:, t], last)
-            nxt = torch.logsumexp(alpha.unsqueeze(2) + self.transitions.unsqueeze(0), dim=1) + em[:, t]
+            nxt = torch.logsumexp(alpha.unsqueeze(2) + trans, dim=1) + em[:, t]
             alpha = torch.where(on.unsqueeze(1), nxt, alpha)
-        score = score + self.end_transitions[last]
-        log_z = torch.logsumexp(alpha + self.end_transitions.unsqueeze(0), dim=1)
+        score = score + end[b_idx, last]
+        log_z = torch.logsumexp(alpha + end, dim=1)
         return log_z - score
 
     @torch.no_grad()

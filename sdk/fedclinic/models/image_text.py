@@ -40,6 +40,11 @@ training: it normalises with its running statistics and does not update them (Ke
 layers). Otherwise statistics would drift at every site while the weights stay global. Select a layer's
 running statistics together with its weight (the default, all tensors, does).
 
+ONNX export (:mod:`fedclinic.export`): inputs ``image`` ``[B, 1, S, S]`` (S fixed), ``input_ids`` and
+``attention_mask`` ``[B, L]`` (B and L dynamic) -> ``logits`` ``[B, C]``; the report branch is traced through
+:func:`~fedclinic.models.text_classification.lstm_final_states_unpacked`, and the bundle's ``preprocessing.json``
+(:func:`preprocessing_spec`) says how to make the inputs in any language.
+
 Pretrained image encoder: :func:`package_image_text_pretrained` reads a local Hugging Face ResNet folder
 (``config.json`` with ``model_type = "resnet"`` + ``model.safetensors``; nothing is downloaded). Its first
 convolution is made single-channel by summing its filters over the input channels, which is exact for a
@@ -71,6 +76,7 @@ from fedclinic.models.text_classification import (
     load_strict,
     load_tensors,
     load_tokenizer,
+    lstm_final_states_unpacked,
     module_tensors,
     tokenizer_pad_id,
 )
@@ -163,7 +169,13 @@ def _net_class():
             return self.image_encoder(pixel_values).pooler_output.flatten(1)
 
         def text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            """``[B, L]`` ids and mask -> the last LSTM layer's final hidden state(s) ``[B, H_txt]``."""
+            """``[B, L]`` ids and mask -> the last LSTM layer's final hidden state(s) ``[B, H_txt]``.
+
+            Exported to ONNX through :func:`~fedclinic.models.text_classification.lstm_final_states_unpacked`
+            (the same states without packing; the export's parity check compares the two)."""
+            if torch.compiler.is_exporting():
+                return lstm_final_states_unpacked(self.text_embedding(input_ids), attention_mask, self.text_lstm,
+                                                  self.bidirectional)
             lengths = attention_mask.sum(dim=1).clamp(min=1).to("cpu", torch.int64)
             packed = pack_padded_sequence(self.text_embedding(input_ids), lengths, batch_first=True,
                                           enforce_sorted=False)
@@ -564,6 +576,54 @@ def build(package: ModelPackage) -> ImageTextModel:
     return ImageTextModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
 
 
-__all__ = ["ARCHITECTURE", "ARCHITECTURES", "FAMILY", "IMAGE_TEXT_DEFAULTS", "ImageTextData", "ImageTextModel",
-           "PRETRAINED_IMAGE_MEAN", "PRETRAINED_IMAGE_STD", "build", "encode_image_text", "evaluate_image_text",
-           "image_text_arch_config", "package_image_text_from_config", "package_image_text_pretrained"]
+# ------------------------------------------------------------------------------------------------------------
+# ONNX export
+
+
+#: the file of an exported bundle that says how to make the graph's inputs (:func:`preprocessing_spec`)
+PREPROCESSING_FILE = "preprocessing.json"
+#: decision threshold on each label's sigmoid probability (logit > 0), as the family's metrics use it
+DEFAULT_THRESHOLD = 0.5
+
+
+def preprocessing_spec(loaded: ImageTextModel) -> dict[str, Any]:
+    """``preprocessing.json`` of an exported bundle: how to make the ONNX graph's inputs from an image file and its
+    report in any language with an ONNX Runtime binding, and how to read its output. The exact image steps are
+    :mod:`fedclinic.data_image`'s (its module doc states them; ``fedclinic.serving`` runs that very code)."""
+    size = loaded.image_size
+    return {
+        "format": 1,
+        "family": FAMILY,
+        "image": {
+            "input": "image", "dtype": "float32", "layout": "NCHW", "shape": ["batch", 1, size, size],
+            "channels": 1, "height": size, "width": size, "mean": loaded.image_mean, "std": loaded.image_std,
+            "formats": ["png", "jpeg", "dicom"],
+            "steps": [
+                "decode to grayscale v in [0, 1]: PNG/JPEG 8-bit: ITU-R 601-2 luma (299 R + 587 G + 114 B) / 1000 / "
+                "255; 16-bit: v / 65535; DICOM: modality LUT, then the first VOI window (LINEAR, LINEAR_EXACT or "
+                "SIGMOID) or min-max scaling without one, inverted for MONOCHROME1",
+                f"resize to {size} x {size} with a bilinear filter (Pillow's, on float pixels; antialiased when "
+                "shrinking); the aspect ratio is not kept",
+                f"normalise: (v - {loaded.image_mean}) / {loaded.image_std}",
+            ],
+            "reference": "fedclinic.data_image (decode_image / decode_image_bytes, preprocess)",
+        },
+        "text": {
+            "inputs": ["input_ids", "attention_mask"], "dtype": "int64", "shape": ["batch", "seq"],
+            "tokenizer": TOKENIZER_FILE, "max_length": loaded.max_length, "pad_id": loaded.pad_id,
+            "steps": [f"tokenize with {TOKENIZER_FILE} (special tokens added as it defines them)",
+                      f"truncate to {loaded.max_length} tokens",
+                      f"right-pad every row to the batch's longest with id {loaded.pad_id}; attention_mask is 1 on "
+                      "real tokens, 0 on padding"],
+        },
+        "output": {"name": "logits", "shape": ["batch", len(loaded.labels)], "labels": META_FILE,
+                   "activation": "sigmoid (one independent probability per label)",
+                   "threshold": DEFAULT_THRESHOLD,
+                   "decision": "a label is present when its probability >= threshold"},
+    }
+
+
+__all__ = ["ARCHITECTURE", "ARCHITECTURES", "DEFAULT_THRESHOLD", "FAMILY", "IMAGE_TEXT_DEFAULTS", "ImageTextData",
+           "ImageTextModel", "PREPROCESSING_FILE", "PRETRAINED_IMAGE_MEAN", "PRETRAINED_IMAGE_STD", "build",
+           "encode_image_text", "evaluate_image_text", "image_text_arch_config",
+           "package_image_text_from_config", "package_image_text_pretrained", "preprocessing_spec"]

@@ -142,44 +142,52 @@ def _lstm_class():
             return self.classifier(self.dropout(feat))
 
         def _features_unpacked(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            """The same final hidden states without packing (inference only; for ONNX export, where packed
-            sequences of dynamic lengths cannot be traced).
-
-            Each direction runs as a one-layer LSTM over the padded batch. The reverse direction runs forward
-            over each sequence reversed *within its length* (positions past the length stay in place), so a
-            valid position never sees padding; the export's parity check compares this with the packed path.
-            """
-            lengths = attention_mask.sum(dim=1).clamp(min=1)
-            steps = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            inside = steps < lengths.unsqueeze(1)
-            rev = torch.where(inside, lengths.unsqueeze(1) - 1 - steps, steps)  # an involution on each row
-            x = self.embedding(input_ids)
-            hidden = self.lstm.hidden_size
-
-            def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-                return torch.gather(t, 1, index.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-
-            def run(inp: torch.Tensor, layer: int, suffix: str) -> torch.Tensor:
-                weights = [getattr(self.lstm, f"{kind}_l{layer}{suffix}")
-                           for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-                zeros = inp.new_zeros(1, inp.shape[0], hidden)
-                out, _, _ = torch.lstm(inp, (zeros, zeros), weights, True, 1, 0.0, False, False, True)
-                return out
-
-            for layer in range(self.lstm.num_layers):
-                forward_out = run(x, layer, "")
-                if self.bidirectional:
-                    backward_out = gather(run(gather(x, rev), layer, "_reverse"), rev)
-                    x = torch.cat([forward_out, backward_out], dim=-1)
-                else:
-                    x = forward_out
-            last = (lengths - 1).unsqueeze(1)
-            h_forward = gather(forward_out, last).squeeze(1)
-            if not self.bidirectional:
-                return h_forward
-            return torch.cat([h_forward, backward_out[:, 0]], dim=-1)
+            """The same final hidden states without packing (for ONNX export): :func:`lstm_final_states_unpacked`."""
+            return lstm_final_states_unpacked(self.embedding(input_ids), attention_mask, self.lstm, self.bidirectional)
 
     return LSTMClassifier
+
+
+def lstm_final_states_unpacked(x: "torch.Tensor", attention_mask: "torch.Tensor", lstm: "torch.nn.LSTM",
+                               bidirectional: bool) -> "torch.Tensor":
+    """The last layer's final hidden state(s) of a batch-first ``lstm`` over embedded ``x`` ``[B, L, E]``, without
+    packing: what ``lstm(pack_padded_sequence(x, lengths))`` gives in ``h_n`` (both directions concatenated when
+    ``bidirectional``), for ONNX export, where packed sequences of dynamic lengths cannot be traced (inference
+    only: no inter-layer dropout).
+
+    Each direction runs as a one-layer LSTM over the padded batch. The reverse direction runs forward over each
+    sequence reversed *within its length* (positions past the length stay in place), so a valid position never
+    sees padding; the forward state is read at position ``length - 1``. Exports check this against the packed
+    path.
+    """
+    torch = _torch()
+    lengths = attention_mask.sum(dim=1).clamp(min=1)
+    steps = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    inside = steps < lengths.unsqueeze(1)
+    rev = torch.where(inside, lengths.unsqueeze(1) - 1 - steps, steps)  # an involution on each row
+    hidden = lstm.hidden_size
+
+    def gather(t: "torch.Tensor", index: "torch.Tensor") -> "torch.Tensor":
+        return torch.gather(t, 1, index.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+    def run(inp: "torch.Tensor", layer: int, suffix: str) -> "torch.Tensor":
+        weights = [getattr(lstm, f"{kind}_l{layer}{suffix}") for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+        zeros = inp.new_zeros(1, inp.shape[0], hidden)
+        out, _, _ = torch.lstm(inp, (zeros, zeros), weights, True, 1, 0.0, False, False, True)
+        return out
+
+    for layer in range(lstm.num_layers):
+        forward_out = run(x, layer, "")
+        if bidirectional:
+            backward_out = gather(run(gather(x, rev), layer, "_reverse"), rev)
+            x = torch.cat([forward_out, backward_out], dim=-1)
+        else:
+            x = forward_out
+    last = (lengths - 1).unsqueeze(1)
+    h_forward = gather(forward_out, last).squeeze(1)
+    if not bidirectional:
+        return h_forward
+    return torch.cat([h_forward, backward_out[:, 0]], dim=-1)
 
 
 def _logreg_class():

@@ -62,7 +62,7 @@ class SubmitTaskChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitTaskHeader, _Mapping]] = ..., file: _Optional[_Union[_tensors_pb2.FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[_tensors_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[SubmitTaskCommit, _Mapping]] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics", "uplink_fp32_bytes", "uplink_wire_bytes")
+    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics", "uplink_fp32_bytes", "uplink_wire_bytes", "selected_layers")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class SiteReport(_message.Message):
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
     UPLINK_FP32_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLINK_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     num_samples: int
     uplink_bytes: int
@@ -91,7 +92,8 @@ class SiteReport(_message.Message):
     eval_metrics: _containers.ScalarMap[str, float]
     uplink_fp32_bytes: int
     uplink_wire_bytes: int
-    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ...) -> None: ...
+    selected_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ..., selected_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
     __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined")

@@ -13,14 +13,16 @@ class FeatureRow(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("texts", "features", "contexts")
+    __slots__ = ("texts", "features", "contexts", "images")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     features: _containers.RepeatedCompositeFieldContainer[FeatureRow]
     contexts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ..., contexts: _Optional[_Iterable[str]] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ..., contexts: _Optional[_Iterable[str]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Entity(_message.Message):
     __slots__ = ("start", "end", "label", "text")
@@ -35,7 +37,7 @@ class Entity(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., label: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
-    __slots__ = ("label", "labels", "scores", "entities", "answer")
+    __slots__ = ("label", "labels", "scores", "entities", "answer", "threshold")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,12 +50,14 @@ class Prediction(_message.Message):
     SCORES_FIELD_NUMBER: _ClassVar[int]
     ENTITIES_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     label: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     scores: _containers.ScalarMap[str, float]
     entities: _containers.RepeatedCompositeFieldContainer[Entity]
     answer: str
-    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ..., answer: _Optional[str] = ...) -> None: ...
+    threshold: float
+    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ..., answer: _Optional[str] = ..., threshold: _Optional[float] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("predictions",)
@@ -66,11 +70,15 @@ class DescribeModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("family", "labels", "multi_label")
+    __slots__ = ("family", "labels", "multi_label", "threshold", "image_size")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MULTI_LABEL_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     family: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     multi_label: bool
-    def __init__(self, family: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ...) -> None: ...
+    threshold: float
+    image_size: int
+    def __init__(self, family: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., threshold: _Optional[float] = ..., image_size: _Optional[int] = ...) -> None: ...

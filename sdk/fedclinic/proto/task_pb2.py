@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64\x63linic/v1/task.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\xae\x02\n\x0eTrainingConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\x12\x17\n\x0fmixed_precision\x18\x08 \x01(\x08\x12\x13\n\x0bproximal_mu\x18\t \x01(\x01\x12\x12\n\nmax_length\x18\n \x01(\x05\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x17\n\x0foptimizer_state\x18\x0c \x01(\t\x12\x1f\n\x17measure_gradient_change\x18\r \x01(\x08\"\xbc\x01\n\x0bRoundConfig\x12\x12\n\nnum_rounds\x18\x01 \x01(\x05\x12\x11\n\tmin_sites\x18\x02 \x01(\x05\x12\x1e\n\x16participation_fraction\x18\x03 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\x04 \x01(\x01\x12\x32\n\x0eon_quorum_miss\x18\x05 \x01(\x0e\x32\x1a.fedclinic.v1.QuorumPolicy\x12\x19\n\x11max_round_retries\x18\x06 \x01(\x05\"\xb1\x01\n\x0cUpdateConfig\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.fedclinic.v1.UpdateKind\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1a\n\x12trainable_patterns\x18\x03 \x03(\t\x12\x17\n\x0f\x66rozen_patterns\x18\x04 \x03(\t\x12\x18\n\x10private_patterns\x18\x05 \x03(\t\x12\x1b\n\x13select_top_k_layers\x18\x06 \x01(\x05\"\x91\x01\n\rPrivacyConfig\x12\r\n\x05level\x18\x01 \x01(\t\x12\x16\n\x0etarget_epsilon\x18\x02 \x01(\x01\x12\x14\n\x0ctarget_delta\x18\x03 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x04 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x05 \x01(\x01\x12\x12\n\naccountant\x18\x06 \x01(\t\"\x8f\x01\n\x17SecureAggregationConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tthreshold\x18\x02 \x01(\x05\x12\x12\n\nmin_cohort\x18\x03 \x01(\x05\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x0c\n\x04\x62its\x18\x05 \x01(\x05\x12\x10\n\x08rounding\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65gree\x18\x07 \x01(\x05\"\xb7\x05\n\x08TaskSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x13\n\x0bmulti_label\x18\x06 \x01(\x08\x12.\n\x08training\x18\x07 \x01(\x0b\x32\x1c.fedclinic.v1.TrainingConfig\x12)\n\x06rounds\x18\x08 \x01(\x0b\x32\x19.fedclinic.v1.RoundConfig\x12\x10\n\x08strategy\x18\t \x01(\t\x12\x43\n\x0fstrategy_params\x18\n \x03(\x0b\x32*.fedclinic.v1.TaskSpec.StrategyParamsEntry\x12*\n\x06update\x18\x0b \x01(\x0b\x32\x1a.fedclinic.v1.UpdateConfig\x12,\n\x07privacy\x18\x0c \x01(\x0b\x32\x1b.fedclinic.v1.PrivacyConfig\x12\x41\n\x12secure_aggregation\x18\r \x01(\x0b\x32%.fedclinic.v1.SecureAggregationConfig\x12\r\n\x05sites\x18\x0e \x03(\t\x12\x18\n\x10tokenizer_sha256\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x10 \x01(\t\x12\x45\n\x10strategy_options\x18\x11 \x03(\x0b\x32+.fedclinic.v1.TaskSpec.StrategyOptionsEntry\x1a\x35\n\x13StrategyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x36\n\x14StrategyOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*^\n\x0cQuorumPolicy\x12\x1d\n\x19QUORUM_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13QUORUM_POLICY_RETRY\x10\x01\x12\x16\n\x12QUORUM_POLICY_FAIL\x10\x02*@\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64\x63linic/v1/task.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\xae\x02\n\x0eTrainingConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\x12\x17\n\x0fmixed_precision\x18\x08 \x01(\x08\x12\x13\n\x0bproximal_mu\x18\t \x01(\x01\x12\x12\n\nmax_length\x18\n \x01(\x05\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x17\n\x0foptimizer_state\x18\x0c \x01(\t\x12\x1f\n\x17measure_gradient_change\x18\r \x01(\x08\"\xbc\x01\n\x0bRoundConfig\x12\x12\n\nnum_rounds\x18\x01 \x01(\x05\x12\x11\n\tmin_sites\x18\x02 \x01(\x05\x12\x1e\n\x16participation_fraction\x18\x03 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\x04 \x01(\x01\x12\x32\n\x0eon_quorum_miss\x18\x05 \x01(\x0e\x32\x1a.fedclinic.v1.QuorumPolicy\x12\x19\n\x11max_round_retries\x18\x06 \x01(\x05\"\xf6\x01\n\x0cUpdateConfig\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.fedclinic.v1.UpdateKind\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1a\n\x12trainable_patterns\x18\x03 \x03(\t\x12\x17\n\x0f\x66rozen_patterns\x18\x04 \x03(\t\x12\x18\n\x10private_patterns\x18\x05 \x03(\t\x12\x1b\n\x13select_top_k_layers\x18\x06 \x01(\x05\x12\x11\n\tselection\x18\x07 \x01(\t\x12\x1c\n\x14safl_profile_samples\x18\x08 \x01(\x05\x12\x12\n\nsafl_token\x18\t \x01(\t\"\x91\x01\n\rPrivacyConfig\x12\r\n\x05level\x18\x01 \x01(\t\x12\x16\n\x0etarget_epsilon\x18\x02 \x01(\x01\x12\x14\n\x0ctarget_delta\x18\x03 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x04 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x05 \x01(\x01\x12\x12\n\naccountant\x18\x06 \x01(\t\"\x8f\x01\n\x17SecureAggregationConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tthreshold\x18\x02 \x01(\x05\x12\x12\n\nmin_cohort\x18\x03 \x01(\x05\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x0c\n\x04\x62its\x18\x05 \x01(\x05\x12\x10\n\x08rounding\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65gree\x18\x07 \x01(\x05\"\xb7\x05\n\x08TaskSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x13\n\x0bmulti_label\x18\x06 \x01(\x08\x12.\n\x08training\x18\x07 \x01(\x0b\x32\x1c.fedclinic.v1.TrainingConfig\x12)\n\x06rounds\x18\x08 \x01(\x0b\x32\x19.fedclinic.v1.RoundConfig\x12\x10\n\x08strategy\x18\t \x01(\t\x12\x43\n\x0fstrategy_params\x18\n \x03(\x0b\x32*.fedclinic.v1.TaskSpec.StrategyParamsEntry\x12*\n\x06update\x18\x0b \x01(\x0b\x32\x1a.fedclinic.v1.UpdateConfig\x12,\n\x07privacy\x18\x0c \x01(\x0b\x32\x1b.fedclinic.v1.PrivacyConfig\x12\x41\n\x12secure_aggregation\x18\r \x01(\x0b\x32%.fedclinic.v1.SecureAggregationConfig\x12\r\n\x05sites\x18\x0e \x03(\t\x12\x18\n\x10tokenizer_sha256\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x10 \x01(\t\x12\x45\n\x10strategy_options\x18\x11 \x03(\x0b\x32+.fedclinic.v1.TaskSpec.StrategyOptionsEntry\x1a\x35\n\x13StrategyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x36\n\x14StrategyOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*^\n\x0cQuorumPolicy\x12\x1d\n\x19QUORUM_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13QUORUM_POLICY_RETRY\x10\x01\x12\x16\n\x12QUORUM_POLICY_FAIL\x10\x02*@\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,24 +36,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_options = b'8\001'
   _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._loaded_options = None
   _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_QUORUMPOLICY']._serialized_start=1709
-  _globals['_QUORUMPOLICY']._serialized_end=1803
-  _globals['_UPDATEKIND']._serialized_start=1805
-  _globals['_UPDATEKIND']._serialized_end=1869
+  _globals['_QUORUMPOLICY']._serialized_start=1778
+  _globals['_QUORUMPOLICY']._serialized_end=1872
+  _globals['_UPDATEKIND']._serialized_start=1874
+  _globals['_UPDATEKIND']._serialized_end=1938
   _globals['_TRAININGCONFIG']._serialized_start=42
   _globals['_TRAININGCONFIG']._serialized_end=344
   _globals['_ROUNDCONFIG']._serialized_start=347
   _globals['_ROUNDCONFIG']._serialized_end=535
   _globals['_UPDATECONFIG']._serialized_start=538
-  _globals['_UPDATECONFIG']._serialized_end=715
-  _globals['_PRIVACYCONFIG']._serialized_start=718
-  _globals['_PRIVACYCONFIG']._serialized_end=863
-  _globals['_SECUREAGGREGATIONCONFIG']._serialized_start=866
-  _globals['_SECUREAGGREGATIONCONFIG']._serialized_end=1009
-  _globals['_TASKSPEC']._serialized_start=1012
-  _globals['_TASKSPEC']._serialized_end=1707
-  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_start=1598
-  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_end=1651
-  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_start=1653
-  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_end=1707
+  _globals['_UPDATECONFIG']._serialized_end=784
+  _globals['_PRIVACYCONFIG']._serialized_start=787
+  _globals['_PRIVACYCONFIG']._serialized_end=932
+  _globals['_SECUREAGGREGATIONCONFIG']._serialized_start=935
+  _globals['_SECUREAGGREGATIONCONFIG']._serialized_end=1078
+  _globals['_TASKSPEC']._serialized_start=1081
+  _globals['_TASKSPEC']._serialized_end=1776
+  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_start=1667
+  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_end=1720
+  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_start=1722
+  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_end=1776
 # @@protoc_insertion_point(module_scope)

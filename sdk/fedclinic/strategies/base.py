@@ -51,6 +51,12 @@ class Strategy(ABC):
         """Metrics every site must report with its update for this strategy (checked when a task is submitted)."""
         return ()
 
+    def partial_updates_problem(self) -> str:
+        """Why this strategy cannot aggregate a round whose sites sent different subsets of the tensors (SAFL's
+        attention-selected layers), or "" when it can: then a tensor is aggregated over the sites that sent it,
+        and a tensor nobody sent keeps its global value. Checked when a SAFL task is submitted."""
+        return f"strategy {self.name!r} has not been checked with updates that carry different tensors"
+
     def min_updates(self) -> int:
         """Fewest updates a round needs for this strategy to produce a model (checked against min_sites)."""
         return 1

@@ -99,6 +99,10 @@ class ClientDP(FedAvg):
         self._count += 1
         self._unclipped += int(norm <= self.clip_norm)
 
+    def partial_updates_problem(self) -> str:
+        return ("dp-fedavg divides every tensor by the number m of updates (its noise is calibrated to that sum), "
+                "so a layer few sites sent would shrink towards zero")
+
     def count_sigma(self, m: int) -> float:
         return self.count_noise or m / 20.0
 

@@ -60,6 +60,10 @@ class DynamicWeighting(FedAvg):
     def site_metrics(self) -> tuple[str, ...]:
         return (RATE_METRIC,) if self.definition == "code" else ()
 
+    def partial_updates_problem(self) -> str:
+        return ("dynamic-weighting weighs a site by the summed norms of all the tensors it sent, so sites sending "
+                "different layers would be weighted by which layers they picked")
+
     def weight_for(self, num_samples: int, metrics: Mapping[str, float]) -> float:
         if self.definition == "report":
             return float(num_samples)  # unused: accept() measures the update itself

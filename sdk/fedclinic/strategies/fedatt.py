@@ -68,6 +68,12 @@ class FedAtt(Strategy):
         self._global = global_tensors
         self._acc, self._max, self._denominator, self._scores = {}, {}, {}, {}
 
+    def partial_updates_problem(self) -> str:
+        if self.granularity == "per_layer":
+            return ""  # the softmax of each tensor runs over the sites that sent it
+        return ("fedatt with granularity 'whole_model' scores a site by the norm of everything it sent, so sites "
+                "sending different layers are not comparable (use granularity 'per_layer')")
+
     def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None:
         check_update(self._global, update, site)
         scores = self._site_scores(update)

@@ -56,6 +56,9 @@ class FedAvg(Strategy):
             weighted_add(acc, delta, weight * scale, self._scratch)
             self._weight[name] = self._weight.get(name, 0.0) + weight
 
+    def partial_updates_problem(self) -> str:
+        return ""  # each tensor has its own weight total: the mean over the sites that sent it
+
     def finalize(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for name, acc in self._acc.items():

@@ -49,6 +49,9 @@ class _CoordinateWise(Strategy):
         check_update(self._global, update, site)
         self._updates.append(dict(update))
 
+    def partial_updates_problem(self) -> str:
+        return ""  # per coordinate over the sites that sent the tensor
+
     def _combine(self, stack: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -135,6 +138,9 @@ class MultiKrum(_CoordinateWise):
 
     def min_updates(self) -> int:
         return 2 * self.byzantine + 3
+
+    def partial_updates_problem(self) -> str:
+        return "multi-krum compares whole updates by their distances, which needs every site to send the same tensors"
 
     def begin(self, global_tensors: Mapping[str, TensorLike]) -> None:
         super().begin(global_tensors)

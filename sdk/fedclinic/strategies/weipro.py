@@ -78,6 +78,9 @@ class WeiPro(Strategy):
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
         self._participation = {key.split("/", 1)[1]: int(np.asarray(v).reshape(-1)[0]) for key, v in state.items()}
 
+    def partial_updates_problem(self) -> str:
+        return "weipro projects whole updates on a reference direction, which needs every site to send the same tensors"
+
     def site_metrics(self) -> tuple[str, ...]:
         return ("train_loss", "steps") if self.loss_reduction == "sum" else ("train_loss",)
 

@@ -1,0 +1,99 @@
+"""Uplink bytes vs accuracy: the drug-review MiniLM classification demo, federated over real services, per
+update setting (issue #6).
+
+Every setting runs ``fedclinic demo`` (3 sites, real aggregator and agent processes on loopback, same data
+split, seeds and rounds) in its own process, with every encoder layer, the pooler and the head trainable
+(``--layers all``; the word embeddings stay frozen in every setting), and differs only in what a site sends:
+
+- ``fp32``: raw float32 deltas of every trainable tensor (the baseline, measured in the same run);
+- ``fp16``, ``int8``: dense deltas in 16 / 8 bits (stochastic rounding for int8);
+- ``top1%+EF``: the largest 1 % of each delta, fp32 values, error feedback carries the rest to the next round;
+- ``top1%+int8+EF``: the same with int8 values;
+- ``SAFL top-2``: each site profiles attention every round and trains and sends its 2 best of the 6 layers
+  (plus pooler and head);
+- ``LoRA r=8``: rank-8 adapters on query/value of every layer (plus pooler and head); the encoder is frozen.
+
+Per setting the table gives the mean uplink payload bytes per round (all sites, tensors as sent), the
+reduction against fp32 (payload bytes), and the final global model's accuracy on the 89-review test split
+(one review is 1.1 points, so "<= 1 point" means at most no review lost against fp32).
+
+Targets: >= 100x uplink reduction at <= 1 point accuracy loss for at least one setting; SAFL >= 66 % reduction
+(3x) at <= 1 point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS: dict[str, list[str]] = {
+    "fp32": ["--codec", "raw"],
+    "fp16": ["--codec", "fp16"],
+    "int8": ["--codec", "int8"],
+    "top1%+EF": ["--codec", "topk:0.01"],
+    "top1%+int8+EF": ["--codec", "topk:0.01+int8"],
+    "SAFL top-2": ["--safl-top-k", "2"],
+    "LoRA r=8": ["--lora-rank", "8"],
+}
+
+
+def run_setting(name: str, extra: list[str], args, folder: Path) -> dict:
+    report = folder / f"{len(list(folder.iterdir()))}.json"
+    cmd = [sys.executable, "-m", "fedclinic.cli", "demo", "--no-baselines", "--no-export", "--layers", "all",
+           "--rounds", str(args.rounds), "--seed", str(args.seed), "--learning-rate", str(args.learning_rate),
+           "--out", str(folder / "demo"), "--report", str(report), *extra]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"setting {name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
+    data = json.loads(report.read_text())
+    rounds = data["rounds"]
+    return {"setting": name, "seconds": time.monotonic() - t0,
+            "payload_per_round": sum(r["uplink_payload_bytes"] for r in rounds) / len(rounds),
+            "wire_per_round": sum(r.get("uplink_wire_bytes", 0) for r in rounds) / len(rounds),
+            "accuracy": rounds[-1]["global_accuracy"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--learning-rate", type=float, default=2e-4)
+    ap.add_argument("--only", nargs="*", help="run only these settings (fp32 always runs: it is the baseline)")
+    args = ap.parse_args()
+    names = [n for n in SETTINGS if not args.only or n in args.only or n == "fp32"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedclinic-communication-") as tmp:
+        for name in names:
+            rows.append(run_setting(name, SETTINGS[name], args, Path(tmp)))
+            r = rows[-1]
+            print(f"  {name}: {r['payload_per_round']:,.0f} B/round, accuracy {r['accuracy']:.4f} "
+                  f"({r['seconds']:.0f} s)", flush=True)
+    base = rows[0]
+    print(f"\n{'setting':<15} {'uplink B/round':>15} {'wire B/round':>14} {'reduction':>10} {'accuracy':>9} "
+          f"{'Δ points':>9}")
+    for r in rows:
+        r["reduction"] = base["payload_per_round"] / r["payload_per_round"]
+        r["loss_points"] = 100 * (base["accuracy"] - r["accuracy"])
+        print(f"{r['setting']:<15} {r['payload_per_round']:>15,.0f} {r['wire_per_round']:>14,.0f} "
+              f"{r['reduction']:>9.1f}x {r['accuracy']:>9.4f} {-r['loss_points']:>+9.1f}")
+    best = max((r for r in rows if r["loss_points"] <= 1.0), key=lambda r: r["reduction"])
+    safl = next((r for r in rows if r["setting"] == "SAFL top-2"), None)
+    safl_ok = safl is not None and safl["reduction"] >= 3.0 and safl["loss_points"] <= 1.0
+    met = best["reduction"] >= 100 and safl_ok
+    safl_figures = (f"safl_reduction={safl['reduction']:.2f} safl_loss_points={safl['loss_points']:.1f} "
+                    if safl else "")
+    print(f"RESULT communication best_reduction_within_1pt={best['reduction']:.1f} best_setting={best['setting'].replace(' ', '_')} "
+          f"{safl_figures}fp32_accuracy={base['accuracy']:.4f} "
+          f"target=>=100x_at<=1pt_for_one_setting,SAFL>=3x_at<=1pt met={'yes' if met else 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The agent's channel to the aggregator, rebuilt when the site's certificate or key is renewed on disk.
+
+Every call takes its stub from :meth:`AgentChannel.stub` (or the raw upload callable from
+:meth:`AgentChannel.submit_update`), which first looks at the certificate, key and CA files
+(fedclinic.credentials.WatchedCredentials: three ``stat`` calls). When a renewed, valid pair is in place
+the next call goes out on a new channel with it; calls already running on the old channel (an upload, a
+model download, a secure-aggregation answer) finish on it. The old channel is closed when the channel after
+it replaces it, or when the agent stops. ``on_change`` callbacks run after each switch: the worker restarts
+its WatchWork stream on the new channel and sends what its outbox holds. Nothing the agent keeps on disk
+depends on the channel.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import grpc
+
+from fedclinic.credentials import WatchedCredentials
+from fedclinic.proto import agent_pb2, agent_pb2_grpc
+from fedclinic.rpc import TlsFiles, secure_channel_pem
+
+
+class AgentChannel:
+    def __init__(self, address: str, tls: TlsFiles, *, server_name: str | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.address = address
+        self.server_name = server_name
+        self.credentials = WatchedCredentials(tls, role="agent")
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._retired: grpc.Channel | None = None
+        self._build()
+
+    def _build(self) -> None:
+        c = self.credentials.current
+        self.channel = secure_channel_pem(self.address, c.cert, c.key, c.ca, server_name=self.server_name)
+        self._stub = agent_pb2_grpc.AgentServiceStub(self.channel)
+        self._submit_update = self.channel.stream_unary(  # takes pre-serialized UpdateChunk bytes
+            "/fedclinic.v1.AgentService/SubmitUpdate", request_serializer=None,
+            response_deserializer=agent_pb2.UpdateReceipt.FromString)
+        self.generation = self.credentials.generation
+
+    def refresh(self, *, force: bool = False) -> bool:
+        """Switch to a new channel if renewed credentials are in place (``force``: re-read the files even if
+        they look unchanged, e.g. on SIGHUP). True if it switched."""
+        self.credentials.poll(force=force)
+        with self._lock:
+            if self.credentials.generation == self.generation:
+                return False
+            if self._retired is not None:
+                self._retired.close()
+            self._retired = self.channel
+            self._build()
+        if self._on_change is not None:
+            self._on_change()
+        return True
+
+    def stub(self) -> agent_pb2_grpc.AgentServiceStub:
+        self.refresh()
+        return self._stub
+
+    def submit_update(self):
+        """The SubmitUpdate stream-unary callable taking serialized ``UpdateChunk`` messages."""
+        self.refresh()
+        return self._submit_update
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in (self._retired, self.channel):
+                if channel is not None:
+                    channel.close()
+            self._retired = None

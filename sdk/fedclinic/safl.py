@@ -1,0 +1,322 @@
+"""SAFL: attention-selected transformer layers (Li & Zhang, "Selective Attention Federated Learning", 2025).
+
+Each round every site profiles the global model's attention on a seeded sample of its own training rows, keeps
+the ``top_k`` layers that attend most to task-relevant tokens, trains those layers and the task head, freezes
+everything else and sends only what it trained. The aggregator averages each tensor over the sites that sent it.
+
+Score of layer l (the paper's Eq. 1, normalised per example as the spec suggests). For one example x with N real
+(non-padding) tokens, H heads and post-softmax attention alpha^l_{h,i,j} from query i to key j::
+
+    A_l(x) = 1/(H N) * sum_h sum_{i real} sum_{j in T(x)} alpha^l_{h,i,j}        in [0, 1]
+    A_l    = mean of A_l(x) over the profiled rows P (|P| = min(profile_samples, rows at the site))
+
+T(x), the task-relevant key tokens (``token``):
+
+- ``"cls"``: position 0 ([CLS] of an encoder, BOS of a decoder that has one); the encoder default;
+- ``"last"``: the last real token (the pooled token of a causal LM, whose rows see it only from itself); the
+  question-answering default;
+- ``"entities"``: the tokens inside gold entity spans (token-classification only; the spec's default for
+  concept extraction, where every token is classified and [CLS] means little).
+
+Selection: ``S = top_k`` of the *candidate* layers (layers with at least one tensor the task's static patterns
+train and send) by A_l, ties to the lower index. The site trains and sends the candidate tensors of the layers in
+S plus the task head (:data:`HEAD_PATTERNS`: classifier, pooler, CRF; the final norm of a causal LM). Other
+tensors (embeddings, embedding norms) stay frozen, as the spec suggests. The static patterns still apply first:
+a frozen tensor never trains, a private one never leaves.
+
+Layer names come from tensor names alone (:func:`layer_of`, no torch), so the aggregator checks updates with the
+same code: an update may carry tensors of at most ``top_k`` layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import numpy as np
+
+from fedclinic.errors import ConfigError, IntegrityError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+SAFL = "safl"
+#: ``[update] selection`` values: the static patterns alone ("" or "static"), or SAFL on top of them
+SELECTIONS = ("", "static", SAFL)
+TOKENS = ("cls", "last", "entities")
+DEFAULT_PROFILE_SAMPLES = 64
+#: families and architectures with attention layers SAFL can profile (Hugging Face modules)
+ATTENTION_ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "text-classification": ("transformer",),
+    "token-classification": ("transformer", "transformer-crf"),
+    "question-answering": ("causal-lm",),
+}
+#: the task head of each family: always trained and sent under SAFL (when the static patterns allow it)
+HEAD_PATTERNS: dict[str, tuple[str, ...]] = {
+    "text-classification": (r"classifier\..*", r"pre_classifier\..*", r"[A-Za-z_]\w*\.pooler\..*"),
+    "token-classification": (r"classifier\..*", r"crf\..*"),
+    "question-answering": (r"model\.norm\..*", r"transformer\.ln_f\..*"),
+}
+#: ``<prefix>.<block list>.<index>.``: BERT/RoBERTa/ELECTRA ``encoder.layer``, DistilBERT ``transformer.layer``,
+#: GPT-2 ``transformer.h``, Llama-style ``model.layers``
+_LAYER = re.compile(r"^(?:[A-Za-z_]\w*\.)?(?:encoder\.layer|transformer\.layer|transformer\.h|h|layers)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class SaflConfig:
+    """A task's SAFL settings (``[update] selection = "safl"``)."""
+
+    top_k: int
+    profile_samples: int = DEFAULT_PROFILE_SAMPLES
+    token: str = "cls"
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> "SaflConfig | None":
+        """From a ``TaskSpec`` proto: None unless its update selection is "safl"; defaults filled in."""
+        u = spec.update
+        if u.selection != SAFL:
+            return None
+        return cls(top_k=int(u.select_top_k_layers), profile_samples=int(u.safl_profile_samples or
+                                                                        DEFAULT_PROFILE_SAMPLES),
+                   token=u.safl_token or default_token(spec.family))
+
+
+def default_token(family: str) -> str:
+    """"last" for causal LMs (no [CLS]; the last token is the pooled one), "cls" for encoders."""
+    return "last" if family == "question-answering" else "cls"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation (no torch: the SDK and the aggregator both call these)
+
+
+def config_problems(selection: str, top_k: int, profile_samples: int, token: str, family: str,
+                    architecture: str) -> list[str]:
+    """What is wrong with a task's selection settings, each with what to do (empty when nothing)."""
+    if selection not in SELECTIONS:
+        return [f"update selection {selection!r} is unknown; use \"static\" (the trainable/frozen patterns) or "
+                "\"safl\" (attention-selected layers)"]
+    if selection != SAFL:
+        if top_k or profile_samples or token:
+            return ["safl_top_k / safl_profile_samples / safl_token apply only with [update] selection = \"safl\""]
+        return []
+    p = []
+    if architecture not in ATTENTION_ARCHITECTURES.get(family, ()):
+        usable = "; ".join(f"{f}: {', '.join(a)}" for f, a in ATTENTION_ARCHITECTURES.items())
+        p.append(f"SAFL selects transformer layers by their attention, and {family} / {architecture} has no attention "
+                 f"layers to profile; use static trainable/frozen patterns instead, or an architecture with "
+                 f"attention ({usable})")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        p.append(f"safl_top_k must be an integer >= 1 (the layers each site trains per round), got {top_k!r}")
+    if isinstance(profile_samples, bool) or not isinstance(profile_samples, int) or profile_samples < 0:
+        p.append(f"safl_profile_samples must be an integer >= 1 (0 = {DEFAULT_PROFILE_SAMPLES}), got "
+                 f"{profile_samples!r}")
+    if token and token not in TOKENS:
+        p.append(f"safl_token {token!r} is unknown; use one of {', '.join(TOKENS)}")
+    elif token == "entities" and family != "token-classification":
+        p.append("safl_token \"entities\" needs gold entity spans: it applies to token-classification only; use "
+                 "\"cls\" or \"last\"")
+    return p
+
+
+def composition_problems(strategy: Any, secure_aggregation: bool) -> list[str]:
+    """Why SAFL cannot run with this strategy object or with secure aggregation (empty when it can)."""
+    p = []
+    if secure_aggregation:
+        p.append("SAFL cannot run under secure aggregation: every site of a SecAgg session must send the same "
+                 "tensors, and SAFL sites send the layers they selected; turn off one of the two")
+    reason = strategy.partial_updates_problem()
+    if reason:
+        p.append(f"SAFL sites send different layers, and {reason}; use fedavg (or fedavgm, fedadam, fedyogi, "
+                 "fedadagrad, median, trimmed-mean, norm-bounded, fedatt per_layer)")
+    return p
+
+
+def model_problems(names: Sequence[str], family: str, top_k: int) -> list[str]:
+    """Problems of SAFL with a concrete model whose statically selected (trained and sent) tensors are ``names``."""
+    layers = candidate_layers(names)
+    if not layers:
+        return ["SAFL found no transformer layer among the tensors the task trains and sends (names like "
+                "'bert.encoder.layer.0.…' or 'model.layers.0.…'); check the trainable/frozen patterns"]
+    if top_k > len(layers):
+        return [f"safl_top_k is {top_k} but only {len(layers)} layer(s) can be trained ({_fmt_layers(layers)}); "
+                f"choose 1..{len(layers)}"]
+    return []
+
+
+def _fmt_layers(layers: Iterable[int]) -> str:
+    return "layers " + ", ".join(str(i) for i in sorted(layers))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# names
+
+
+def layer_of(name: str) -> int | None:
+    """The transformer block index a tensor belongs to, or None (embeddings, head, final norm)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def candidate_layers(names: Iterable[str]) -> dict[int, list[str]]:
+    """Layer index -> its tensors among ``names`` (in the given order)."""
+    out: dict[int, list[str]] = {}
+    for n in names:
+        idx = layer_of(n)
+        if idx is not None:
+            out.setdefault(idx, []).append(n)
+    return dict(sorted(out.items()))
+
+
+def is_head(name: str, family: str) -> bool:
+    return any(re.fullmatch(p, name) for p in HEAD_PATTERNS.get(family, ()))
+
+
+def sendable(names: Sequence[str], family: str) -> list[str]:
+    """The tensors a SAFL site may train and send, from the statically selected ``names``: layer tensors and
+    the head (what an Assignment offers; each round a site sends the head and its selected layers' tensors)."""
+    return [n for n in names if layer_of(n) is not None or is_head(n, family)]
+
+
+def selected_tensors(names: Sequence[str], family: str, layers: Iterable[int]) -> list[str]:
+    """The tensors of ``layers`` plus the head, among ``names`` (order kept)."""
+    chosen = set(layers)
+    return [n for n in names if layer_of(n) in chosen or is_head(n, family)]
+
+
+def layers_in_update(names: Iterable[str]) -> list[int]:
+    """The layers an update's tensor names touch (ascending)."""
+    return sorted({i for i in (layer_of(n) for n in names) if i is not None})
+
+
+def check_update_layers(names: Iterable[str], top_k: int) -> None:
+    """IntegrityError when an update carries tensors of more than ``top_k`` layers."""
+    layers = layers_in_update(names)
+    if len(layers) > top_k:
+        raise IntegrityError(f"the update carries tensors of {len(layers)} layers ({_fmt_layers(layers)}), but the "
+                             f"task's SAFL selection sends at most {top_k} per site and round")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# profiling
+
+
+def profile_seed(train_seed: int, round_: int, site: str) -> int:
+    """The seed of a site's profiling sample in a round (the agent and the simulator derive it alike)."""
+    site_key = int.from_bytes(hashlib.sha256(site.encode()).digest()[:4], "big")
+    return int(np.random.SeedSequence([int(train_seed) & 0xFFFFFFFF, int(round_), site_key]).generate_state(1)[0])
+
+
+def profile_indices(n: int, samples: int, seed: int) -> np.ndarray:
+    """Rows profiled: all of them when ``samples >= n``, else a seeded sample without replacement (ascending)."""
+    if samples >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=samples, replace=False))
+
+
+def _relevant_keys(token: str, mask: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
+    """``[B, N]`` float indicator of the task-relevant key positions T(x)."""
+    import torch
+
+    rel = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if token == "cls":
+        rel[:, 0] = 1.0
+    elif token == "last":
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        last = (mask.long() * positions).argmax(dim=1)
+        rel[torch.arange(mask.shape[0], device=mask.device), last] = 1.0
+    elif token == "entities":
+        if targets.dim() != 2 or targets.shape != mask.shape:
+            raise ConfigError("safl_token \"entities\" needs per-token tags (a token-classification dataset)")
+        rel = ((targets > 0) & (mask > 0)).float()  # tag 0 is "O"; padding is ignored
+    else:
+        raise ConfigError(f"safl_token {token!r} is unknown; use one of {', '.join(TOKENS)}")
+    return rel * mask.float()
+
+
+def attention_scores(loaded: Any, data: Any, indices: Sequence[int], token: str, *, batch_size: int = 16) -> np.ndarray:
+    """A_l for every transformer layer of ``loaded.module`` (see the module docstring), float64 ``[L]``.
+
+    The module runs in eval mode under eager attention (SDPA returns no weights) without gradients; its attention
+    implementation and training mode are restored afterwards.
+    """
+    import torch
+
+    module = loaded.module
+    if not hasattr(module, "set_attn_implementation"):
+        raise ConfigError(f"SAFL needs a transformer with attention; {type(module).__name__} has none")
+    if len(indices) == 0:
+        raise ConfigError("SAFL has no rows to profile; the site's dataset is empty")
+    device = next(module.parameters()).device
+    previous = module.config._attn_implementation
+    was_training = module.training
+    totals: "torch.Tensor | None" = None
+    module.eval()
+    module.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            order = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+            for start in range(0, len(order), batch_size):
+                (ids, mask, *_), targets = data.batch(order[start:start + batch_size], device)
+                att = module(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+                if not att:
+                    raise ConfigError(f"{type(module).__name__} returned no attention weights; SAFL cannot profile it")
+                keys = _relevant_keys(token, mask, targets)
+                queries = mask.float()
+                n_real = queries.sum(dim=1).clamp(min=1.0)
+                per = torch.stack([torch.einsum("bhij,bi,bj->b", a.float(), queries, keys) / (a.shape[1] * n_real)
+                                   for a in att])                     # [L, B]
+                batch_sum = per.sum(dim=1).double()
+                totals = batch_sum if totals is None else totals + batch_sum
+    finally:
+        module.set_attn_implementation(previous)
+        module.train(was_training)
+    assert totals is not None
+    return (totals / len(indices)).cpu().numpy()
+
+
+@dataclass
+class LayerSelection:
+    """One site's SAFL choice in one round."""
+
+    layers: list[int]                                   # selected layer indices, ascending
+    scores: dict[int, float]                            # A_l of every candidate layer
+    tensors: list[str] = field(default_factory=list)    # trained and sent this round: selected layers + head
+
+    def metrics(self) -> dict[str, float]:
+        """What the site reports with its update: ``safl_score_<l>`` per candidate layer."""
+        return {f"safl_score_{layer}": float(s) for layer, s in self.scores.items()}
+
+
+def top_layers(scores: dict[int, float], k: int) -> list[int]:
+    """The ``k`` layers with the highest score, ties to the lower index; returned ascending."""
+    if not 1 <= k <= len(scores):
+        raise ConfigError(f"safl_top_k must be in 1..{len(scores)} (the candidate layers), got {k}")
+    return sorted(sorted(scores, key=lambda layer: (-scores[layer], layer))[:k])
+
+
+def select_layers(loaded: Any, data: Any, config: SaflConfig, names: Sequence[str], *, seed: int) -> LayerSelection:
+    """Profile ``loaded`` (the round's global model) on a seeded sample of ``data`` and choose the layers.
+
+    ``names``: the tensors the task may train and send (the static selection, or an Assignment's send list).
+    """
+    family = loaded.family
+    layers = candidate_layers(names)
+    problems = model_problems(names, family, config.top_k)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    scores = attention_scores(loaded, data, profile_indices(len(data), config.profile_samples, seed), config.token)
+    if max(layers) >= len(scores):
+        raise IntegrityError(f"the model returned attention for {len(scores)} layers but its tensors name layer "
+                             f"{max(layers)}")
+    candidate = {layer: float(scores[layer]) for layer in layers}
+    chosen = top_layers(candidate, config.top_k)
+    return LayerSelection(layers=chosen, scores=candidate, tensors=selected_tensors(names, family, chosen))
+
+
+__all__ = ["ATTENTION_ARCHITECTURES", "HEAD_PATTERNS", "LayerSelection", "SAFL", "SELECTIONS", "SaflConfig", "TOKENS",
+           "attention_scores", "candidate_layers", "check_update_layers", "composition_problems", "config_problems",
+           "default_token", "is_head", "layer_of", "layers_in_update", "model_problems", "profile_indices",
+           "profile_seed", "select_layers", "selected_tensors", "sendable", "top_layers"]
