@@ -101,7 +101,10 @@ class ClassifierBundle(ModelMeta):
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = int(threads)
-        self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        from fedclinic.onnx_encoder_fusion import SESSION_DISABLED_OPTIMIZERS
+
+        self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"],
+                                            disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
         self._tokenizer = None
         self._pad_id = 0
         self._qa = None
