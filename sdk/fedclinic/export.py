@@ -326,7 +326,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     # failed (re-)export leaves an existing bundle exactly as it was
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
-        report = run(stage)
+        with _quiet_third_party_logs():
+            report = run(stage)
         for name in report.files + ["export_report.json"]:
             (stage / name).replace(out / name)
         if not int8:
@@ -424,6 +425,37 @@ def _write_image_preprocessing(out: Path, loaded, report: ExportReport) -> list[
             "batch and report length are dynamic",
             f"outputs are logits, one per label; sigmoid gives each label's probability, and a label is reported "
             f"at probability >= {spec['output']['threshold']} (fedclinic serve --threshold changes it)"]
+
+
+@contextlib.contextmanager
+def _quiet_third_party_logs():
+    """Silence messages that say nothing about the user's export: torch's exporter announcing each torchvision
+    op it skips (torchvision is not a dependency) and warning about its own internals, and onnxruntime's
+    quantizer suggesting its pre-processing script (fedclinic already hands it a graph without stale shapes)."""
+    import logging
+
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+
+    class _DropPreprocessingHint(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "consider to run pre-processing before quantization" not in record.getMessage()
+
+    hint = _DropPreprocessingHint()
+    root = logging.getLogger()
+    registration.setLevel(logging.ERROR)
+    root.addFilter(hint)
+    for handler in root.handlers:
+        handler.addFilter(hint)
+    try:
+        with warnings.catch_warnings():  # torch's own deprecation inside its exporter (torch 2.13)
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
+        root.removeFilter(hint)
+        for handler in root.handlers:
+            handler.removeFilter(hint)
 
 
 def _fuse_encoder_attention(path: Path, config, log) -> int:
