@@ -12,7 +12,8 @@ split, seeds and rounds) in its own process, with every encoder layer, the poole
 - ``SAFL top-2``: each site profiles attention every round and trains and sends its 2 best of the 6 layers
   (plus pooler and head);
 - ``LoRA r=8``: rank-8 adapters on query/value of every layer (plus pooler and head); the encoder is frozen;
-  learning rate 1e-3 instead of 2e-4 (adapters start at zero).
+  learning rate 1e-3 instead of 2e-4 (adapters start at zero);
+- ``LoRA r=8+int8``: the same adapters' deltas sent as int8.
 
 Per setting the table gives the mean uplink payload bytes per round (all sites, tensors as sent), the
 reduction against fp32 (payload bytes), and the final global model's accuracy on the 89-review test split
@@ -41,6 +42,7 @@ SETTINGS: dict[str, list[str]] = {
     "SAFL top-2": ["--safl-top-k", "2"],
     # adapters start at zero and have few parameters: LoRA is trained at 5x the rate (the usual practice)
     "LoRA r=8": ["--lora-rank", "8", "--learning-rate", "1e-3"],
+    "LoRA r=8+int8": ["--lora-rank", "8", "--learning-rate", "1e-3", "--codec", "int8"],
 }
 
 
