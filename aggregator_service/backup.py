@@ -37,7 +37,8 @@ from typing import Any
 import structlog
 
 from fedclinic.durable_file import fsync_dir, write_atomically
-from fedclinic.errors import FedclinicError
+from fedclinic.blobstore import blob_relpath
+from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.proto import control_pb2
 
 from aggregator_service.store import SCHEMA_VERSION, manifest_from_json, read_schema_version
@@ -139,9 +140,11 @@ def _publish(tmp: Path, dest: Path) -> None:
 
 
 def _blob_rel(sha256: str) -> str:
-    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-        raise BackupError(f"the database references {sha256!r}, which is not a blob id; the state folder is damaged")
-    return f"blobs/{sha256[:2]}/{sha256[2:]}"
+    try:
+        return f"blobs/{blob_relpath(sha256)}"
+    except IntegrityError:
+        raise BackupError(f"the database references {sha256!r}, which is not a blob id; the state folder is "
+                          "damaged") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

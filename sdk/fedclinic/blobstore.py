@@ -70,6 +70,13 @@ class BlobWriter:
         self._tmp.unlink(missing_ok=True)
 
 
+def blob_relpath(sha256: str) -> str:
+    """Where a blob lives under the store's root: ``ab/cdef...`` (IntegrityError for a non-digest)."""
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise IntegrityError(f"{sha256!r} is not a sha256 hex digest")
+    return f"{sha256[:2]}/{sha256[2:]}"
+
+
 class BlobStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -79,9 +86,7 @@ class BlobStore:
             stale.unlink(missing_ok=True)
 
     def path(self, sha256: str) -> Path:
-        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-            raise IntegrityError(f"{sha256!r} is not a sha256 hex digest")
-        return self.root / sha256[:2] / sha256[2:]
+        return self.root / blob_relpath(sha256)
 
     def has(self, sha256: str) -> bool:
         return self.path(sha256).is_file()

@@ -24,7 +24,6 @@ linear's own weight and bias only); adapter dropout (adapters are trained withou
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.package import META_FILE, ModelPackage, meta_bytes
 
 META_KEY = "lora"
 A_SUFFIX, B_SUFFIX = ".lora_A", ".lora_B"
@@ -212,5 +211,5 @@ def _kaiming_uniform_(tensor: Any, generator: Any) -> None:
 
 def _with_meta(package: ModelPackage, tensors: dict[str, np.ndarray], meta: Mapping[str, Any]) -> ModelPackage:
     files = dict(package.files)
-    files[META_FILE] = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+    files[META_FILE] = meta_bytes(meta)
     return ModelPackage(tensors=tensors, files=files)

@@ -155,6 +155,6 @@ def _scale_by_division(model) -> None:
             inverse = mul.input[1] + "_inverse"
             if inverse not in values:
                 graph.initializer.append(numpy_helper.from_array((1.0 / scale).astype(np.float32), inverse))
-                values[inverse] = scale
+                values[inverse] = 1.0 / scale
             mul.op_type = "Div"
             mul.input[1] = inverse

@@ -32,6 +32,11 @@ CARD_FILE = "model_card.json"
 CARD_MARKDOWN_FILE = "MODEL_CARD.md"
 
 
+def meta_bytes(meta: Mapping[str, Any]) -> bytes:
+    """``fedclinic_model.json`` as stored in a package: sorted keys, 2-space indent, trailing newline."""
+    return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
 def tensor_sha256(array: np.ndarray) -> str:
     """Hex sha256 of the array's raw little-endian C-order bytes (the tensor's content id)."""
     return hashlib.sha256(raw_bytes(array)).hexdigest()

@@ -23,7 +23,7 @@ import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models.meta import ModelMeta
-from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.package import META_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -94,8 +94,6 @@ def _linear_module(num_features: int, num_labels: int):
 def package_feature_model(*, num_features: int, labels: Sequence[str], architecture: str = "logreg",
                           multi_label: bool = False) -> ModelPackage:
     """A fresh (zero-initialised) model over ``num_features`` inputs predicting ``labels``."""
-    import json
-
     from fedclinic.models.text_classification import module_tensors
 
     if architecture not in ARCHITECTURES:
@@ -109,7 +107,7 @@ def package_feature_model(*, num_features: int, labels: Sequence[str], architect
     meta: dict[str, Any] = {"format": FORMAT, "family": FAMILY, "architecture": architecture, "labels": labels,
                             "multi_label": bool(multi_label), "arch_config": {"num_features": num_features}}
     module = _linear_module(num_features, len(labels))
-    files = {META_FILE: (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8")}
+    files = {META_FILE: meta_bytes(meta)}
     return ModelPackage(tensors=module_tensors(module), files=files)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models.meta import ModelMeta
-from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage
+from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -404,8 +404,7 @@ def _check_max_length(max_length: int) -> int:
     return max_length
 
 
-def _meta_bytes(meta: Mapping[str, Any]) -> bytes:
-    return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8")
+_meta_bytes = meta_bytes  # the family modules import it from here
 
 
 @contextlib.contextmanager
