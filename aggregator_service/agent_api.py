@@ -17,7 +17,7 @@ from fedclinic.wire import ChunkAssembler, PipelinedAssembler
 
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
-from aggregator_service.engine import Engine, Refused
+from aggregator_service.engine import Engine, Refused, latest_model_hash
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
 from aggregator_service.transfer import SpillWriter, send_model
 
@@ -77,11 +77,15 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
 
     def FetchModel(self, request: agent_pb2.FetchModelRequest, context) -> Iterator[tensors_pb2.ModelChunk]:
         site = peer_identity(context).name
-        manifest = self.engine.store.model(request.model_hash)
         task = self.engine.store.one("SELECT 1 FROM assignments WHERE task_id=? AND site=?", (request.task_id, site))
+        model_hash = latest_model_hash(self.engine.store, request.task_id) if request.latest else request.model_hash
+        if task is not None and request.latest and not model_hash:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"task {request.task_id} has finished no round yet; there is no model to fetch")
+        manifest = self.engine.store.model(model_hash)
         if manifest is None or task is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"model {request.model_hash[:12]} of task {request.task_id} is not available to {site}; "
+                          f"model {model_hash[:12] or '(latest)'} of task {request.task_id} is not available to {site}; "
                           "models are served only to sites assigned to the task")
         counter = [0]
         complete = False
@@ -91,7 +95,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             complete = True
         finally:
             self.engine.add_downlink(request.task_id, counter[0])
-            self.audit.record("model.downloaded", actor=site, task_id=request.task_id, model_hash=request.model_hash,
+            self.audit.record("model.downloaded", actor=site, task_id=request.task_id, model_hash=model_hash,
                               bytes=counter[0], complete=complete)
 
     def SubmitUpdate(self, request_iterator, context) -> agent_pb2.UpdateReceipt:

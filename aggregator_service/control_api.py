@@ -16,7 +16,7 @@ from fedclinic.wire import manifest_from_proto
 
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
-from aggregator_service.engine import TERMINAL, Engine, Refused, status_of, validate_spec
+from aggregator_service.engine import TERMINAL, Engine, Refused, latest_model_hash, status_of, validate_spec
 from aggregator_service.transfer import receive_model, send_model
 
 log = structlog.get_logger("fedclinic.aggregator.control")
@@ -116,9 +116,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         elif request.round < 0:
             model_hash = task.initial_model
         else:
-            row = self.engine.store.one("SELECT model_hash FROM rounds WHERE task_id=? AND model_hash!='' "
-                                        "ORDER BY round DESC LIMIT 1", (request.task_id,))
-            model_hash = task.final_model or (row.model_hash if row else "")
+            model_hash = latest_model_hash(self.engine.store, request.task_id)
             if not model_hash:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"task {request.task_id} has finished no round yet; nothing to download")

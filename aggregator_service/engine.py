@@ -36,7 +36,7 @@ from fedclinic.secagg.task_config import spec_problems as secure_aggregation_pro
 from fedclinic.selection import select_names
 from fedclinic.strategies import ClientDP, Strategy, make_strategy
 from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor, dense_blocks
-from fedclinic import codec_wire, safl
+from fedclinic import codec_wire, private_modules, safl
 from fedclinic.codecs import open_payload
 from fedclinic.durable_file import DurableFile
 from fedclinic.wire import manifest_to_proto
@@ -866,11 +866,23 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
                             f"raise rounds.min_sites (now {rc.min_sites}) or change the strategy's parameters")
         names = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
                              spec.update.frozen_patterns, spec.update.private_patterns)
+        private_modules.private_names([t.name for t in manifest.tensors], spec.update.private_patterns,
+                                      frozen=spec.update.frozen_patterns)  # each pattern must name some tensor
         problems.extend(selection_problems(spec, strategy, names))
     except ConfigError as exc:
         problems.append(str(exc))
     if problems:
         raise Refused("INVALID_ARGUMENT", "task spec rejected: " + "; ".join(problems))
+
+
+def latest_model_hash(store: Store, task_id: str) -> str:
+    """The task's final model, else its newest aggregated round's; "" when no round has finished."""
+    task = store.one("SELECT final_model FROM tasks WHERE task_id=?", (task_id,))
+    if task is None:
+        return ""
+    row = store.one("SELECT model_hash FROM rounds WHERE task_id=? AND model_hash!='' ORDER BY round DESC LIMIT 1",
+                    (task_id,))
+    return task.final_model or (row.model_hash if row else "")
 
 
 def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:

@@ -136,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                                               "it ended); it is charged no more")
     pfin.add_argument("task_id")
     pfin.add_argument("--config", required=True)
+    model = sub.add_parser("model", help="this site's own model of a task (global model + its private modules)")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    mexp = model_sub.add_parser("export", help="fetch the task's final (or newest) global model, put this site's "
+                                               "private modules in it and write a package folder for "
+                                               "`fedclinic export onnx` or serving")
+    mexp.add_argument("task_id")
+    mexp.add_argument("out_dir", help="a new (or empty) folder")
+    mexp.add_argument("--config", required=True)
     from hospital_agent.tasks_cli import add_commands as add_task_commands
 
     add_task_commands(sub)
@@ -161,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.privacy_command == "finish":
             return privacy_finish(args.config, args.task_id)
         return privacy_status(args.config)
+
+    if args.command == "model":
+        from hospital_agent.site_model import export_site_model
+
+        return export_site_model(args.config, args.task_id, args.out_dir)
 
     if args.command == "tasks":
         from hospital_agent.tasks_cli import run as run_tasks

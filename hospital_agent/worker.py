@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 import numpy as np
@@ -42,6 +42,8 @@ from fedclinic.codecs import CodecInputError, ErrorFeedback, available_codecs
 from fedclinic.failpoints import failpoint
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError
 from fedclinic.package import Manifest, ModelPackage, tensor_sha256
+from fedclinic import private_modules
+from fedclinic.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.rpc import explain_rpc_error
 from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_tensor_chunk_in, header_of,
@@ -54,7 +56,11 @@ from hospital_agent.metrics import AgentMetrics, count_wire_bytes
 from hospital_agent.outbox import Outbox, OutboxEntry
 from hospital_agent.privacy_ledger import BudgetExceeded
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
+from hospital_agent.site_model import private_store_folder
 from hospital_agent.site_privacy import PrivatePlan, SitePrivacy
+
+if TYPE_CHECKING:
+    from fedclinic.training import TrainConfig
 
 log = structlog.get_logger("fedclinic.agent")
 _UPDATE_TENSOR_FIELD = agent_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["tensor"].number
@@ -79,6 +85,20 @@ class _TaskState:
     optimizer_state: dict | None = None
     #: the task's DP-SGD plan (sample-level privacy), admitted to the ledger once
     private: "PrivatePlan | None" = None
+    #: the site's own values of the task's private tensors (private_patterns), as trained in its last round;
+    #: None until read from the private store (or taken from the global model on a site's first round)
+    private_values: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class _Trained:
+    """One round's local result, as handle() sends it."""
+
+    delta: dict[str, np.ndarray]
+    send: list[str]
+    result: object                              # fedclinic.training.TrainResult
+    metrics: dict[str, float]
+    eval_metrics: dict[str, float]
 
 
 def _certificate_name(config: AgentConfig) -> str:
@@ -97,6 +117,8 @@ class Agent:
         self.cache = BlobStore(config.work_dir / "cache")
         self.outbox = Outbox(config.work_dir / "outbox")
         self.privacy = SitePrivacy(config.work_dir / "privacy-ledger.sqlite", config.datasets)
+        #: each task's private tensors (FedNER private modules), kept here between rounds and restarts
+        self.private_store = PrivateStore(private_store_folder(config.work_dir))
         #: tasks seen and their approval (hospital_agent.approvals; shared with `hospital-agent tasks`)
         self.approvals = ApprovalStore(config.work_dir / "approvals.sqlite")
         #: the site's audit trail (fedclinic.audit); the `hospital-agent tasks` CLI appends to it too
@@ -383,6 +405,21 @@ class Agent:
         if a.spec.tokenizer_sha256 and declared != a.spec.tokenizer_sha256:
             raise IntegrityError("the model's tokenizer.json is not the tokenizer the task declares "
                                  "(tokenizer_sha256); refusing to train with it")
+        try:
+            private = private_modules.private_names([t.name for t in manifest.tensors], a.spec.update.private_patterns,
+                                                    frozen=a.spec.update.frozen_patterns)
+        except ConfigError as exc:
+            self._decline(a, str(exc), permanent=True)
+            return
+        asked = private_modules.outgoing_problems(a.send_tensors, private)
+        if asked:  # the aggregator's send list must never name a private tensor: refuse the task, send nothing
+            reason = (f"the aggregator asked this site to send {len(asked)} private tensor(s): {asked[0]}; this site "
+                      "keeps private modules to itself, so it refuses the task")
+            log.error("assignment refused: private tensors requested", reason=reason)
+            self.metrics.assignment_refused("policy")
+            self._decline(a, reason, permanent=True)
+            self.audit("task.refused_private_requested", a.task_id, round=a.round, reason=reason)
+            return
         state = self._tasks.setdefault(a.task_id, _TaskState())
         self._prepare_data(a, state)  # data contract first: nothing is downloaded for a site that cannot train
         cfg = training.TrainConfig.from_proto(a.spec.training)
@@ -399,47 +436,11 @@ class Agent:
                 self.metrics.assignment_refused("privacy_budget")
                 return
         self._sync_model(a, manifest, state)
-        loaded = state.loaded
-        eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
-        send = list(a.send_tensors)
-        from fedclinic import safl
-        from fedclinic.models import module_tensors
-
-        safl_config = safl.SaflConfig.from_spec(a.spec)
-        selection = None
-        if safl_config is not None:  # attention-selected layers: profile the global model, train the top-k + head
-            selection = safl.select_layers(loaded, state.train_data, safl_config, send,
-                                           seed=safl.profile_seed(cfg.seed, a.round, self.site_id))
-            send = selection.tensors
-            log.info("layers selected", layers=selection.layers, tensors=len(send))
-        before = module_tensors(loaded.module, send)
-        started = time.monotonic()
-
-        def progress(step: int, total: int, loss: float) -> None:
-            if self.stop_event.is_set():
-                raise Stopped("agent is stopping")
-            if a.task_id in self._cancelled:
-                raise Stopped("task cancelled")
-            if step == total or step % 10 == 0:
-                log.info("training", step=step, steps=total, loss=round(loss, 4))
-
-        if state.private is not None:
-            from fedclinic.privacy.dp_sgd import train_local_private
-
-            result = train_local_private(loaded, state.train_data, cfg, state.private.dp_sgd, trainable=send,
-                                         progress=progress)
-        else:
-            result = training.train_local(loaded, state.train_data, cfg, trainable=send, progress=progress,
-                                          optimizer_state=state.optimizer_state)
-        state.optimizer_state = result.optimizer_state
-        self.metrics.trained(a.task_id, time.monotonic() - started)
-        after = module_tensors(loaded.module, send)
-        delta = training.compute_delta(before, after, send)
-        # the module now holds local weights; remember that so the next round reloads the global ones
-        for name in send:
-            state.tensor_sha[name] = ""
-        metrics = {**result.reported_metrics(), "train_seconds": time.monotonic() - started,
-                   **(selection.metrics() if selection is not None else {})}
+        if private:
+            self._restore_private(a.task_id, state, private)
+        trained = self._train_round(a, state, cfg, private)
+        delta, send, result, metrics = trained.delta, trained.send, trained.result, trained.metrics
+        eval_metrics = trained.eval_metrics
         if secure:
             # no sample count, metrics or DP report travel beside a masked vector; privacy is charged first
             if state.private is not None and self._charge_privacy(a, state) is None:
@@ -469,6 +470,61 @@ class Agent:
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self._upload(entry)
+
+    def _train_round(self, a: agent_pb2.Assignment, state: _TaskState, cfg: "TrainConfig",
+                     private: list[str]) -> _Trained:
+        """Evaluate the synced model (global shared tensors + this site's private ones) on the site's held-out
+        split, train one round (SAFL's layers when the task selects them, and the private tensors), keep the
+        private tensors (memory and the private store) and return the delta of the tensors to send. The last
+        gate before anything is written: IntegrityError if a private tensor is among them."""
+        from fedclinic import safl, training
+        from fedclinic.models import module_tensors
+
+        loaded = state.loaded
+        eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
+        send = list(a.send_tensors)
+        safl_config = safl.SaflConfig.from_spec(a.spec)
+        selection = None
+        if safl_config is not None:  # attention-selected layers: profile the global model, train the top-k + head
+            selection = safl.select_layers(loaded, state.train_data, safl_config, send,
+                                           seed=safl.profile_seed(cfg.seed, a.round, self.site_id))
+            send = selection.tensors
+            log.info("layers selected", layers=selection.layers, tensors=len(send))
+        before = module_tensors(loaded.module, send)
+        started = time.monotonic()
+
+        def progress(step: int, total: int, loss: float) -> None:
+            if self.stop_event.is_set():
+                raise Stopped("agent is stopping")
+            if a.task_id in self._cancelled:
+                raise Stopped("task cancelled")
+            if step == total or step % 10 == 0:
+                log.info("training", step=step, steps=total, loss=round(loss, 4))
+
+        if state.private is not None:
+            from fedclinic.privacy.dp_sgd import train_local_private
+
+            result = train_local_private(loaded, state.train_data, cfg, state.private.dp_sgd, trainable=send + private,
+                                         progress=progress)
+        else:
+            result = training.train_local(loaded, state.train_data, cfg, trainable=send + private, progress=progress,
+                                          optimizer_state=state.optimizer_state)
+        state.optimizer_state = result.optimizer_state
+        self.metrics.trained(a.task_id, time.monotonic() - started)
+        after = module_tensors(loaded.module, send)
+        delta = training.compute_delta(before, after, send)
+        # the module now holds local weights; remember that so the next round reloads the global ones
+        for name in send:
+            state.tensor_sha[name] = ""
+        if private:  # kept before the update exists: a restart trains the next round from these values
+            state.private_values = module_tensors(loaded.module, private)
+            self.private_store.save(a.task_id, a.round, state.private_values)
+        leaking = private_modules.outgoing_problems(send, private)
+        if leaking:  # unreachable while the checks above hold; the last gate before anything is written or sent
+            raise IntegrityError("refusing to send: " + "; ".join(leaking))
+        metrics = {**result.reported_metrics(), "train_seconds": time.monotonic() - started,
+                   **(selection.metrics() if selection is not None else {})}
+        return _Trained(delta, send, result, metrics, eval_metrics)
 
     # update codecs (fedclinic.codec_wire) -------------------------------------------------------------------
     def _feedback_path(self, task_id: str) -> Path:
@@ -553,6 +609,21 @@ class Agent:
         if state.raw_train is None:
             state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
             state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
+
+    def _restore_private(self, task_id: str, state: _TaskState, private: list[str]) -> None:
+        """Put the site's own private tensors into the warm model (after each sync to the global weights): from
+        memory, else from the private store (a restarted agent), else the global model's initial values (the
+        site's first round). IntegrityError (the assignment is declined for now) when the stored file does not
+        fit the model."""
+        from fedclinic.models import load_tensors, module_tensors
+
+        if state.private_values is None:
+            current = module_tensors(state.loaded.module, private)
+            stored = self.private_store.load(task_id, {n: (a.shape, a.dtype) for n, a in current.items()})
+            state.private_values = stored[0] if stored is not None else current
+            if stored is not None:
+                log.info("private modules restored", tensors=len(private), from_round=stored[1])
+        load_tensors(state.loaded.module, state.private_values)
 
     def _sync_model(self, a: agent_pb2.Assignment, manifest: Manifest, state: _TaskState) -> None:
         """Bring the warm model to the assignment's global weights, fetching only unknown tensors."""

@@ -24,8 +24,7 @@ from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.task import Task, package_for_task
 from fedclinic.package import raw_bytes
-from fedclinic.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, encoded_tensor_chunks,
-                            file_chunks, header_of, manifest_to_proto)
+from fedclinic.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto, receive_package
 
 _SUBMIT_TENSOR_FIELD = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
 TERMINAL = (control_pb2.TASK_STATE_COMPLETED, control_pb2.TASK_STATE_FAILED, control_pb2.TASK_STATE_CANCELLED)
@@ -156,36 +155,11 @@ class Client:
 
     def _fetch(self, task_id: str, round: int) -> tuple[ModelPackage, str]:
         """The package and its verified model hash."""
-        writers: dict[str, MemoryWriter] = {}
-
-        def begin(h):
-            writers[h.name] = MemoryWriter()
-            return writers[h.name]
-
-        tensors = ChunkAssembler(begin)
-        files = FileAssembler()
         stream = self._stub.FetchModel(control_pb2.ControlFetchModelRequest(task_id=task_id, round=round))
-        manifest = None
         try:
-            for chunk in stream:
-                kind = chunk.WhichOneof("item")
-                if kind == "manifest":
-                    manifest = chunk.manifest
-                elif kind == "tensor":
-                    tensors.add(chunk.tensor)
-                else:
-                    files.add(chunk.file)
-            tensors.finish()
-            files.finish()
+            return receive_package(stream)
         except grpc.RpcError as exc:
             raise explain_rpc_error(exc, self.address) from None
-        if manifest is None:
-            raise FedclinicError("the aggregator sent no model manifest")
-        arrays = {name: array_from_bytes(tensors.done[name], w.data) for name, w in writers.items()}
-        package = ModelPackage(arrays, files.files)
-        if package.manifest().model_hash != manifest.model_hash:
-            raise FedclinicError("the downloaded model does not match its manifest hash; download it again")
-        return package, manifest.model_hash
 
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
                  status: control_pb2.TaskStatus | None = None) -> Path:

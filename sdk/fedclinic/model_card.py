@@ -127,6 +127,8 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
                             "max_round_retries": rc.max_round_retries}
     card["update"] = {"trainable": list(spec.update.trainable_patterns), "frozen": list(spec.update.frozen_patterns),
                       "private": list(spec.update.private_patterns), "codec": spec.update.codec or "raw"}
+    if spec.update.private_patterns:
+        card["notes"].append(PRIVATE_NOTE)
     if spec.update.selection == "safl":
         from fedclinic.safl import SaflConfig
 
@@ -242,6 +244,12 @@ def write_card(folder: str | os.PathLike[str], card: Mapping[str, Any]) -> Path:
     _atomic_write(root / CARD_FILE, json.dumps(_clean(card), indent=2, allow_nan=False) + "\n")
     _atomic_write(root / CARD_MARKDOWN_FILE, render_markdown(card))
     return root / CARD_FILE
+
+
+#: why the global model of a task with private modules is not a site's model
+PRIVATE_NOTE = ("the task kept private modules at the sites (update.private): in this global model those tensors hold "
+                "their initial values; each site's own model is this one with its private tensors "
+                "(`hospital-agent model export TASK OUT_DIR` at the site)")
 
 
 def render_markdown(card: Mapping[str, Any]) -> str:

@@ -37,6 +37,16 @@ def meta_bytes(meta: Mapping[str, Any]) -> bytes:
     return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
+def safetensors_with_metadata(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The tensors of a safetensors file's bytes and its ``__metadata__`` ({} when absent). Malformed bytes
+    raise whatever safetensors or json raises: callers turn that into their own IntegrityError."""
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load(data)
+    header_len = int.from_bytes(data[:8], "little")
+    return tensors, json.loads(data[8:8 + header_len]).get("__metadata__") or {}
+
+
 def tensor_sha256(array: np.ndarray) -> str:
     """Hex sha256 of the array's raw little-endian C-order bytes (the tensor's content id)."""
     return hashlib.sha256(raw_bytes(array)).hexdigest()

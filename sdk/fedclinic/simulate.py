@@ -31,7 +31,8 @@ from fedclinic.models import build_model, load_tensors, module_tensors
 from fedclinic.package import ModelPackage
 from fedclinic import safl as safl_layers
 from fedclinic.strategies import make_strategy
-from fedclinic.selection import compile_patterns, select_names
+from fedclinic import private_modules
+from fedclinic.selection import select_names
 from fedclinic.training import (
     TrainConfig,
     compute_delta,
@@ -119,12 +120,7 @@ def simulate(
 
     loaded = build_model(package)
     names = select_names(list(package.tensors), trainable_patterns, frozen_patterns, private_patterns)
-    private_re = compile_patterns(private_patterns, "private")
-    frozen_re = compile_patterns(frozen_patterns, "frozen")
-    private_names = [n for n in package.tensors if any(p.fullmatch(n) for p in private_re)
-                     and not any(p.fullmatch(n) for p in frozen_re)]
-    if private_patterns and not private_names:
-        raise ConfigError(f"private patterns {list(private_patterns)} match no tensor of the model")
+    private_names = private_modules.private_names(package.tensors, private_patterns, frozen=frozen_patterns)
     if site_eval_data is not None and len(site_eval_data) != len(site_data):
         raise ConfigError(f"site_eval_data has {len(site_eval_data)} sets for {len(site_data)} sites")
     if safl is not None:

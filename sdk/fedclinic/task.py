@@ -24,6 +24,7 @@ set, the base model (a local pretrained folder) and the training/round settings.
 
     [update]
     trainable = ['classifier\\..*', 'bert\\.encoder\\.layer\\.[45]\\..*']
+    private = []                      # tensors each site trains and keeps, never sent (FedNER's private modules)
     codec = "topk:0.01+int8"          # how deltas travel: raw (fp32, default), fp16, bf16, int8, int4, topk:...
     selection = "safl"                # optional: attention-selected layers on top of the patterns (fedclinic.safl)
     safl_top_k = 2                    # layers each site trains and sends per round (the head always)
@@ -96,6 +97,9 @@ class Task:
     strategy_params: dict[str, float | str] = field(default_factory=dict)  # numbers and names (e.g. granularity)
     trainable: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
+    #: ``[update] private``: FedNER's private modules (fedclinic.private_modules): tensors each site trains and
+    #: keeps between rounds but never sends; e.g. fedclinic.models.fedner.PAPER_PRIVATE_PATTERNS
+    private: list[str] = field(default_factory=list)
     #: ``[update] codec``: how each site encodes its delta tensors (fedclinic.codecs spec): "raw" (float32),
     #: "fp16", "bf16", "int8", "int4" (blockwise, stochastic rounding), "topk:0.01" (with error feedback at
     #: the sites) or "topk:0.01+int8"; sites must announce the codec at Hello to be assigned the task
@@ -187,7 +191,7 @@ class Task:
                 p.append(str(exc))
         if not isinstance(self.model_config, dict) or not all(isinstance(k, str) for k in self.model_config):
             p.append("model_config must be a table of settings (e.g. [model_config] lstm_hidden = 100)")
-        for pat in [*self.trainable, *self.frozen]:
+        for pat in [*self.trainable, *self.frozen, *self.private]:
             try:
                 re.compile(pat)
             except re.error as exc:
@@ -240,6 +244,7 @@ class Task:
             strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
             update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=canonical_codec(self.codec),
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen,
+                                         private_patterns=self.private,
                                          selection="" if self.selection == "static" else self.selection,
                                          select_top_k_layers=self.safl_top_k,
                                          safl_profile_samples=self.safl_profile_samples, safl_token=self.safl_token),
@@ -258,7 +263,7 @@ class Task:
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
-                flat.update(_section(value, ("trainable", "frozen", "codec", "selection", "safl_top_k",
+                flat.update(_section(value, ("trainable", "frozen", "private", "codec", "selection", "safl_top_k",
                                              "safl_profile_samples", "safl_token"), "update"))
             elif key == "strategy" and isinstance(value, dict):
                 flat["strategy"] = value.get("name", "fedavg")

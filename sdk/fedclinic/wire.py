@@ -295,6 +295,39 @@ class MemoryWriter:
         self.buf = bytearray()
 
 
+def receive_package(chunks: Iterable[pb.ModelChunk]) -> tuple[ModelPackage, str]:
+    """Assemble a FetchModel stream (manifest, files, tensors) in memory: the package and its model hash.
+
+    IntegrityError when the stream has no manifest or the assembled package does not hash to it (every tensor
+    is also checked against its own sha256 as it completes). Transport errors propagate as they are."""
+    writers: dict[str, MemoryWriter] = {}
+
+    def begin(h: pb.TensorHeader) -> MemoryWriter:
+        writers[h.name] = MemoryWriter()
+        return writers[h.name]
+
+    tensors = ChunkAssembler(begin)
+    files = FileAssembler()
+    manifest = None
+    for chunk in chunks:
+        kind = chunk.WhichOneof("item")
+        if kind == "manifest":
+            manifest = chunk.manifest
+        elif kind == "tensor":
+            tensors.add(chunk.tensor)
+        else:
+            files.add(chunk.file)
+    tensors.finish()
+    files.finish()
+    if manifest is None:
+        raise IntegrityError("the aggregator sent no model manifest")
+    arrays = {name: array_from_bytes(tensors.done[name], w.data) for name, w in writers.items()}
+    package = ModelPackage(arrays, files.files)
+    if package.manifest().model_hash != manifest.model_hash:
+        raise IntegrityError("the downloaded model does not match its manifest hash; download it again")
+    return package, manifest.model_hash
+
+
 def array_from_bytes(header: pb.TensorHeader, data: bytes | memoryview) -> np.ndarray:
     arr = np.frombuffer(data, dtype=dtype_of(header.dtype)).reshape(tuple(header.shape))
     if header.dtype == "bfloat16":

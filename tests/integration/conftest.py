@@ -53,6 +53,18 @@ def make_examples(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def stored_update_tensors(fed: LocalFederation, task_id: str) -> dict[tuple[str, int], set[str]]:
+    """(site, round) -> the tensor names of the update the aggregator stored (its state database, read-only)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{fed.root / 'aggregator-state' / 'aggregator.sqlite'}?mode=ro", uri=True)
+    try:
+        return {(site, rnd): {t[0] for t in json.loads(layout)} for site, rnd, layout in db.execute(
+            "SELECT site, round, layout FROM updates WHERE task_id=?", (task_id,))}
+    finally:
+        db.close()
+
+
 def write_site_data(folder: Path, n: int, seed: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "train.jsonl"

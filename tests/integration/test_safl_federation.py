@@ -4,7 +4,6 @@ aggregator averages each tensor over the sites that sent it and records who sent
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from fedclinic.client import state_name
 from fedclinic.localfed import LocalFederation, SiteSetup
 from fedclinic.task import Task
 
+from tests.integration.conftest import stored_update_tensors
 from tests.unit.test_safl import FLIP_CLS, FLIP_SEP, LABELS, constructed_package, length_examples
 
 pytestmark = pytest.mark.integration
@@ -70,10 +70,7 @@ def test_safl_two_rounds_send_selected_layers_only_and_equal_a_replay(tmp_path):
             final = client.wait(st.task_id, timeout=300, progress=False)
             assert state_name(final.state) == "completed", final.error
             models = {r: client.fetch_package(st.task_id, round=r) for r in (-1, 1, 2)}
-        db = sqlite3.connect(f"file:{fed.root / 'aggregator-state' / 'aggregator.sqlite'}?mode=ro", uri=True)
-        stored = {(site, rnd): {t[0] for t in json.loads(layout)} for site, rnd, layout in db.execute(
-            "SELECT site, round, layout FROM updates WHERE task_id=?", (st.task_id,))}
-        db.close()
+        stored = stored_update_tensors(fed, st.task_id)
 
     spec = final.spec
     assert (spec.update.selection, spec.update.select_top_k_layers) == ("safl", 1)

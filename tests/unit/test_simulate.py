@@ -156,7 +156,7 @@ def test_private_tensors_stay_at_their_site_and_each_site_is_evaluated_with_its_
     want = evaluate(loaded, encode(sites[1], loaded, max_length=16))["accuracy"]
     assert res.rounds[-1].metrics["site-1/accuracy"] == pytest.approx(want)
     assert 0 <= res.rounds[-1].metrics["sites/accuracy"] <= 1
-    with pytest.raises(ConfigError, match="match no tensor"):
+    with pytest.raises(ConfigError, match="matches no tensor"):
         simulate(start, sites, rounds=1, train=cfg, private_patterns=["nothing.*"])
     with pytest.raises(ConfigError, match="site_eval_data has 1 sets"):
         simulate(start, sites, rounds=1, train=cfg, site_eval_data=[sites[0]])

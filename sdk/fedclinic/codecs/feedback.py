@@ -35,7 +35,6 @@ keep them on the site.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from fedclinic.codecs.base import Codec, Encoded, as_finite_f32
 from fedclinic.codecs.errors import CodecInputError, IntegrityError
 from fedclinic.codecs.spec import parse_codec
 from fedclinic.durable_file import write_atomically
+from fedclinic.package import safetensors_with_metadata
 
 FORMAT = "fedclinic-error-feedback/1"
 _COMMITTED, _PENDING = "committed/", "pending/"
@@ -134,9 +134,7 @@ class ErrorFeedback:
         what = (f"error-feedback state {str(path)!r} is unreadable ({{}}); restore it from backup, or delete it to "
                 f"restart with zero residuals (what was not yet sent is then lost)")
         try:
-            tensors = safetensors.numpy.load(data)
-            header_len = int.from_bytes(data[:8], "little")
-            meta = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
+            tensors, meta = safetensors_with_metadata(data)
         except Exception as e:  # safetensors raises its own error types for malformed files
             raise IntegrityError(what.format(f"{type(e).__name__}: {e}")) from None
         if meta.get("format") != FORMAT:

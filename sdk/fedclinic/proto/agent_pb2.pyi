@@ -257,16 +257,18 @@ class WorkItem(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., cancel: _Optional[_Union[CancelWork, _Mapping]] = ..., secagg: _Optional[_Union[SecAggPhase, _Mapping]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("task_id", "model_hash", "have_sha256", "include_files")
+    __slots__ = ("task_id", "model_hash", "have_sha256", "include_files", "latest")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_FILES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     model_hash: str
     have_sha256: _containers.RepeatedScalarFieldContainer[str]
     include_files: bool
-    def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ...) -> None: ...
+    latest: bool
+    def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class DpReport(_message.Message):
     __slots__ = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "accountant")
