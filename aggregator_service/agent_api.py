@@ -87,11 +87,18 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"model {model_hash[:12] or '(latest)'} of task {request.task_id} is not available to {site}; "
                           "models are served only to sites assigned to the task")
+        deltas = self.engine.store.model_deltas(model_hash) if request.delta_names else {}
+        unknown = sorted(set(request.delta_names) - set(deltas))
+        if unknown:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model {model_hash[:12]} has no encoded change for {unknown[:3]}; ask only for the tensors "
+                          "the assignment's downlink_deltas list")
         counter = [0]
         complete = False
         try:
             yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256),
-                                  include_files=request.include_files, counter=counter)
+                                  include_files=request.include_files, counter=counter,
+                                  deltas={n: deltas[n] for n in request.delta_names})
             complete = True
         finally:
             self.engine.add_downlink(request.task_id, counter[0])

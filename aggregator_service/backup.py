@@ -185,6 +185,8 @@ def _references(db_copy: Path) -> tuple[int, str, set[str], list[str]]:
             blobs.update(f.sha256 for f in m.files)
         for (text,) in db.execute("SELECT strategy_state FROM rounds"):
             blobs.update(sha for sha, _dtype, _shape in json.loads(text or "{}").values())
+        if version >= 4:  # the encoded changes of the compressed downlink
+            blobs.update(json.loads(text)["sha256"] for (text,) in db.execute("SELECT header FROM model_deltas"))
         spills = [p for (p,) in db.execute(
             "SELECT u.spill_path FROM updates u JOIN rounds r ON r.task_id=u.task_id AND r.round=u.round "
             "JOIN tasks t ON t.task_id=u.task_id WHERE r.state=? AND t.state=? ORDER BY u.spill_path",

@@ -31,12 +31,12 @@ from fedclinic.blobstore import BlobStore, fsync_dir
 from fedclinic.audit import update_digest
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.package import Manifest, TensorEntry, raw_bytes
-from fedclinic.proto import agent_pb2, control_pb2, task_pb2
+from fedclinic.proto import agent_pb2, control_pb2, task_pb2, tensors_pb2
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.selection import select_names
 from fedclinic.strategies import ClientDP, Strategy, make_strategy
 from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor, dense_blocks
-from fedclinic import codec_wire, private_modules, safl
+from fedclinic import codec_wire, downlink, private_modules, safl
 from fedclinic.codecs import open_payload
 from fedclinic.durable_file import DurableFile
 from fedclinic.wire import manifest_to_proto
@@ -374,7 +374,8 @@ class Engine:
                 send = sent_tensors(spec, manifest)
                 items.append(agent_pb2.WorkItem(assignment=agent_pb2.Assignment(
                     task_id=task.task_id, round=rnd.round, attempt=rnd.attempt, spec=spec,
-                    model=manifest_to_proto(manifest), deadline_unix_ms=rnd.deadline_ms, send_tensors=send)))
+                    model=manifest_to_proto(manifest), deadline_unix_ms=rnd.deadline_ms, send_tensors=send,
+                    downlink_deltas=self.store.model_deltas(rnd.base_model).values())))
                 delivered[(task.task_id, rnd.round, rnd.attempt)] = True
         return items
 
@@ -680,14 +681,20 @@ class Engine:
             return
         base = self.store.model(rnd.base_model)
         assert base is not None
-        entries = []
+        entries, deltas = [], []
+        codec = downlink.downlink_codec(spec.update.downlink_codec)
         for t in base.tensors:
             arr = new_arrays.get(t.name)
             if arr is None:
                 entries.append(t)
                 continue
+            delta = None
+            if codec is not None and t.dtype == "float32" and arr.size:  # the broadcast model is the global one
+                arr, delta = self._broadcast_delta(task_id, rnd.round, t, arr, codec)
             sha = self.blobs.put(raw_bytes(arr))
             entries.append(TensorEntry(t.name, t.dtype, t.shape, sha, t.nbytes))
+            if delta is not None and sha != t.sha256:
+                deltas.append(delta)
         manifest = Manifest(tuple(entries), base.files)
         saved_state = {key: [self.blobs.put(raw_bytes(arr)), str(arr.dtype), list(arr.shape)]
                        for key, arr in acc.strategy.state().items()}
@@ -704,6 +711,7 @@ class Engine:
         metrics.update(extra_metrics or {})
         with self.store.tx() as c:
             model_hash = self.store.put_model(c, manifest)
+            self.store.put_model_deltas(c, model_hash, deltas)
             c.execute("UPDATE rounds SET state=?, closed_ms=?, model_hash=?, metrics=?, strategy_state=? "
                       "WHERE task_id=? AND round=?", (S.ROUND_STATE_CLOSED, now_ms(), model_hash, json.dumps(metrics),
                                                       json.dumps(saved_state), task_id, rnd.round))
@@ -721,6 +729,18 @@ class Engine:
         log.info("round closed", task_id=task_id, round=rnd.round, updates=len(reports), model=model_hash[:12])
         self._acc.pop(task_id, None)
         shutil.rmtree(self.spill_root / task_id / str(rnd.round), ignore_errors=True)
+
+    def _broadcast_delta(self, task_id: str, rnd: int, base: TensorEntry, new: np.ndarray, codec
+                         ) -> tuple[np.ndarray, tensors_pb2.DownlinkDelta]:
+        """Round ``rnd``'s global tensor under the task's downlink codec (fedclinic.downlink): the base tensor plus
+        the decoded change, and that change as agents fetch it (its payload stored as a blob)."""
+        broadcast, enc = downlink.compress(self.blobs.array(base.sha256, base.dtype, base.shape), new, codec,
+                                           downlink.tensor_rng(task_id, rnd, base.name))
+        payload_sha = self.blobs.put(enc.payload)
+        header = tensors_pb2.TensorHeader(name=base.name, dtype="float32", shape=list(base.shape), codec=codec.spec,
+                                          sha256=payload_sha, encoded_nbytes=len(enc.payload),
+                                          codec_params=codec_wire.header_params(enc))
+        return broadcast, tensors_pb2.DownlinkDelta(name=base.name, base_sha256=base.sha256, header=header)
 
     def _fail(self, c, task_id: str, message: str) -> None:
         c.execute("UPDATE tasks SET state=?, error=?, updated_ms=? WHERE task_id=?",
@@ -856,6 +876,7 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
             problems.append("tokenizer_sha256 does not match the model's tokenizer.json (data contract: every site "
                             "tokenizes with the tokenizer the task declares); submit the model with its own tokenizer")
     problems.extend(codec_wire.spec_problems(spec.update.codec, secure_aggregation=spec.secure_aggregation.enabled))
+    problems.extend(downlink.spec_problems(spec.update.downlink_codec))
     try:
         strategy = strategy_of(spec)
         if "gradient_change_rate" in strategy.site_metrics() and not spec.training.measure_gradient_change:

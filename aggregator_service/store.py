@@ -20,13 +20,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import structlog
+from google.protobuf import json_format
 
 import fedclinic
 from fedclinic.errors import FedclinicError
 from fedclinic.package import FileEntry, Manifest, TensorEntry
+from fedclinic.proto import tensors_pb2
 
 log = structlog.get_logger("fedclinic.aggregator.store")
 
@@ -92,6 +94,12 @@ def _to_v3(c: sqlite3.Connection, store: "Store") -> None:
     c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('state_dir', ?)", (str(store.state_dir),))
 
 
+def _to_v4(c: sqlite3.Connection, store: "Store") -> None:
+    # compressed downlink (fedclinic.downlink): tensors of a model also kept as an encoded change from a base tensor
+    c.execute("CREATE TABLE IF NOT EXISTS model_deltas (model_hash TEXT NOT NULL, name TEXT NOT NULL, "
+              "base_sha256 TEXT NOT NULL, header TEXT NOT NULL, PRIMARY KEY (model_hash, name))")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -106,6 +114,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "tasks, models, rounds, assignments, updates, site declines, events", _to_v1),
     Migration(2, "rounds.strategy_state; updates.fp32_bytes and wire_bytes", _to_v2),
     Migration(3, "meta.state_dir, so a moved or restored state folder relocates its spill paths", _to_v3),
+    Migration(4, "model_deltas: global tensors also stored as an encoded change (compressed downlink)", _to_v4),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 
@@ -254,6 +263,22 @@ class Store:
     def model(self, model_hash: str) -> Manifest | None:
         r = self.one("SELECT manifest FROM models WHERE model_hash=?", (model_hash,))
         return manifest_from_json(r.manifest) if r else None
+
+    def put_model_deltas(self, c: sqlite3.Connection, model_hash: str,
+                         deltas: Iterable[tensors_pb2.DownlinkDelta]) -> None:
+        """Record tensors of ``model_hash`` that are also stored as an encoded change (their payload blobs are
+        ``header.sha256``)."""
+        c.executemany("INSERT OR REPLACE INTO model_deltas(model_hash, name, base_sha256, header) VALUES (?,?,?,?)",
+                      [(model_hash, d.name, d.base_sha256, json_format.MessageToJson(d.header, indent=None))
+                       for d in deltas])
+
+    def model_deltas(self, model_hash: str) -> dict[str, tensors_pb2.DownlinkDelta]:
+        """name -> the encoded change recorded for that tensor of ``model_hash`` (empty when none)."""
+        out = {}
+        for r in self.all("SELECT name, base_sha256, header FROM model_deltas WHERE model_hash=?", (model_hash,)):
+            header = json_format.Parse(r.header, tensors_pb2.TensorHeader())
+            out[r.name] = tensors_pb2.DownlinkDelta(name=r.name, base_sha256=r.base_sha256, header=header)
+        return out
 
     def add_event(self, c: sqlite3.Connection, task_id: str, kind: str, message: str, *, actor: str = "",
                   **details: Any) -> None:

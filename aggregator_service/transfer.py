@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 from fedclinic.blobstore import BlobStore, fsync_dir
 from fedclinic.durable_file import DurableFile
@@ -85,8 +85,10 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
 
 
 def send_model(blobs: BlobStore, manifest: Manifest, *, have: set[str], include_files: bool,
-               counter: list[int] | None = None) -> Iterator[tensors_pb2.ModelChunk]:
-    """Manifest first, then files (optional), then every tensor whose sha256 is not in ``have``."""
+               counter: list[int] | None = None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None
+               ) -> Iterator[tensors_pb2.ModelChunk]:
+    """Manifest first, then files (optional), then every tensor whose sha256 is not in ``have``: in full, or as
+    its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.downlink)."""
     yield tensors_pb2.ModelChunk(manifest=manifest_to_proto(manifest))
     if include_files:
         for f in manifest.files:
@@ -98,7 +100,9 @@ def send_model(blobs: BlobStore, manifest: Manifest, *, have: set[str], include_
     for t in manifest.tensors:
         if t.sha256 in have:
             continue
-        for c, nbytes in _file_tensor_chunks(blobs.path(t.sha256), header_of(t)):
+        delta = (deltas or {}).get(t.name)
+        path, header = (blobs.path(delta.header.sha256), delta.header) if delta else (blobs.path(t.sha256), header_of(t))
+        for c, nbytes in _file_tensor_chunks(path, header):
             if counter is not None:
                 counter[0] += nbytes  # not len(c.data): each read of a protobuf bytes field copies it
             yield tensors_pb2.ModelChunk(tensor=c)

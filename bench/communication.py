@@ -13,14 +13,17 @@ split, seeds and rounds) in its own process, with every encoder layer, the poole
   (plus pooler and head);
 - ``LoRA r=8``: rank-8 adapters on query/value of every layer (plus pooler and head); the encoder is frozen;
   learning rate 1e-3 instead of 2e-4 (adapters start at zero);
-- ``LoRA r=8+int8``: the same adapters' deltas sent as int8.
+- ``LoRA r=8+int8``: the same adapters' deltas sent as int8;
+- ``int8 + int8 downlink``: int8 deltas up, and each round's change of the global model broadcast as int8
+  (``--downlink-codec int8``, fedclinic.downlink) instead of float32 tensors.
 
 Per setting the table gives the mean uplink payload bytes per round (all sites, tensors as sent), the
-reduction against fp32 (payload bytes), and the final global model's accuracy on the 89-review test split
-(one review is 1.1 points, so "<= 1 point" means at most no review lost against fp32).
+reduction against fp32 (payload bytes), the mean downlink bytes per round after the first (all sites; round 1
+fetches the initial model in full in every setting), and the final global model's accuracy on the 89-review
+test split (one review is 1.1 points, so "<= 1 point" means at most no review lost against fp32).
 
 Targets: >= 100x uplink reduction at <= 1 point accuracy loss for at least one setting; SAFL >= 66 % reduction
-(3x) at <= 1 point.
+(1 / 0.34 = 2.94x) at <= 1 point.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ SETTINGS: dict[str, list[str]] = {
     # adapters start at zero and have few parameters: LoRA is trained at 5x the rate (the usual practice)
     "LoRA r=8": ["--lora-rank", "8", "--learning-rate", "1e-3"],
     "LoRA r=8+int8": ["--lora-rank", "8", "--learning-rate", "1e-3", "--codec", "int8"],
+    "int8 + int8 downlink": ["--codec", "int8", "--downlink-codec", "int8"],
 }
+SAFL_MIN_REDUCTION = 1 / (1 - 0.66)
 
 
 def run_setting(name: str, extra: list[str], args, folder: Path) -> dict:
@@ -61,6 +66,8 @@ def run_setting(name: str, extra: list[str], args, folder: Path) -> dict:
     return {"setting": name, "seconds": time.monotonic() - t0,
             "payload_per_round": sum(r["uplink_payload_bytes"] for r in rounds) / len(rounds),
             "wire_per_round": sum(r.get("uplink_wire_bytes", 0) for r in rounds) / len(rounds),
+            "downlink_per_round": (sum(r["downlink_bytes"] for r in rounds[1:]) / (len(rounds) - 1)
+                                   if len(rounds) > 1 else float("nan")),
             "accuracy": rounds[-1]["global_accuracy"]}
 
 
@@ -80,22 +87,23 @@ def main() -> int:
             print(f"  {name}: {r['payload_per_round']:,.0f} B/round, accuracy {r['accuracy']:.4f} "
                   f"({r['seconds']:.0f} s)", flush=True)
     base = rows[0]
-    print(f"\n{'setting':<15} {'uplink B/round':>15} {'wire B/round':>14} {'reduction':>10} {'accuracy':>9} "
-          f"{'Δ points':>9}")
+    print(f"\n{'setting':<21} {'uplink B/round':>15} {'wire B/round':>14} {'reduction':>10} {'downlink B/round':>17} "
+          f"{'accuracy':>9} {'Δ points':>9}")
     for r in rows:
         r["reduction"] = base["payload_per_round"] / r["payload_per_round"]
         r["loss_points"] = 100 * (base["accuracy"] - r["accuracy"])
-        print(f"{r['setting']:<15} {r['payload_per_round']:>15,.0f} {r['wire_per_round']:>14,.0f} "
-              f"{r['reduction']:>9.1f}x {r['accuracy']:>9.4f} {-r['loss_points']:>+9.1f}")
+        print(f"{r['setting']:<21} {r['payload_per_round']:>15,.0f} {r['wire_per_round']:>14,.0f} "
+              f"{r['reduction']:>9.1f}x {r['downlink_per_round']:>17,.0f} {r['accuracy']:>9.4f} "
+              f"{-r['loss_points']:>+9.1f}")
     best = max((r for r in rows if r["loss_points"] <= 1.0), key=lambda r: r["reduction"])
     safl = next((r for r in rows if r["setting"] == "SAFL top-2"), None)
-    safl_ok = safl is not None and safl["reduction"] >= 3.0 and safl["loss_points"] <= 1.0
+    safl_ok = safl is not None and safl["reduction"] >= SAFL_MIN_REDUCTION and safl["loss_points"] <= 1.0
     met = best["reduction"] >= 100 and safl_ok
-    safl_figures = (f"safl_reduction={safl['reduction']:.2f} safl_loss_points={safl['loss_points']:.1f} "
-                    if safl else "")
+    safl_figures = (f"safl_reduction={safl['reduction']:.2f} safl_saved_percent={100 * (1 - 1 / safl['reduction']):.1f} "
+                    f"safl_loss_points={safl['loss_points']:.1f} " if safl else "")
     print(f"RESULT communication best_reduction_within_1pt={best['reduction']:.1f} best_setting={best['setting'].replace(' ', '_')} "
           f"{safl_figures}fp32_accuracy={base['accuracy']:.4f} "
-          f"target=>=100x_at<=1pt_for_one_setting,SAFL>=3x_at<=1pt met={'yes' if met else 'no'}")
+          f"target=>=100x_at<=1pt_for_one_setting,SAFL>=66%_saved_at<=1pt met={'yes' if met else 'no'}")
     return 0
 
 

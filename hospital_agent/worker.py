@@ -38,16 +38,16 @@ import fedclinic
 from fedclinic.audit import AuditError, AuditLog, update_digest
 from fedclinic import codec_wire
 from fedclinic.blobstore import BlobStore
-from fedclinic.codecs import CodecInputError, ErrorFeedback, available_codecs
+from fedclinic.codecs import CodecInputError, ErrorFeedback, available_codecs, parse_codec
 from fedclinic.failpoints import failpoint
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError
-from fedclinic.package import Manifest, ModelPackage, tensor_sha256
+from fedclinic.package import Manifest, ModelPackage, raw_bytes, tensor_sha256
 from fedclinic import private_modules
 from fedclinic.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.rpc import explain_rpc_error
-from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, encode_tensor_chunk_in, header_of,
-                            manifest_from_proto)
+from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, MemoryWriter, encode_tensor_chunk_in,
+                            header_of, manifest_from_proto)
 
 from hospital_agent.approvals import APPROVED, REJECTED, ApprovalStore
 from hospital_agent.config import AgentConfig
@@ -630,7 +630,7 @@ class Agent:
         missing = [t for t in manifest.tensors if not self.cache.has(t.sha256)]
         need_files = any(not self.cache.has(f.sha256) for f in manifest.files)
         if missing or need_files:
-            self._fetch(a.task_id, manifest, need_files)
+            self._fetch(a.task_id, manifest, need_files, deltas=self._usable_deltas(a, {t.name for t in missing}))
         from fedclinic.models import build_model, load_tensors
         from fedclinic import training
 
@@ -651,13 +651,37 @@ class Agent:
             load_tensors(state.loaded.module, changed)
             state.tensor_sha.update({t.name: t.sha256 for t in manifest.tensors})
 
-    def _fetch(self, task_id: str, manifest: Manifest, include_files: bool) -> None:
+    def _usable_deltas(self, a: agent_pb2.Assignment, missing: set[str]) -> dict[str, tensors_pb2.DownlinkDelta]:
+        """The assignment's encoded changes (compressed downlink) for missing tensors whose base this agent holds
+        and whose codec is a downlink codec it knows; the other missing tensors are fetched in full."""
+        from fedclinic import downlink
+
+        return {d.name: d for d in a.downlink_deltas
+                if d.name in missing and self.cache.has(d.base_sha256) and not downlink.spec_problems(d.header.codec)
+                and d.header.dtype == "float32"}
+
+    def _fetch(self, task_id: str, manifest: Manifest, include_files: bool,
+               deltas: dict[str, tensors_pb2.DownlinkDelta] | None = None) -> None:
+        """Download the tensors (and files) of ``manifest`` this agent does not hold; those in ``deltas`` as their
+        encoded change, rebuilt on the base tensor (fedclinic.downlink.apply) and checked against the manifest's
+        sha256; a change that does not rebuild the tensor exactly is fetched again in full."""
+        deltas = deltas or {}
         have = [t.sha256 for t in manifest.tensors if self.cache.has(t.sha256)]
-        expect = {t.name: header_of(t) for t in manifest.tensors if t.sha256 not in set(have)}
-        tensors = ChunkAssembler(lambda h: self.cache.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect)
+        expect = {t.name: deltas[t.name].header if t.name in deltas else header_of(t)
+                  for t in manifest.tensors if t.sha256 not in set(have)}
+        changes: dict[str, MemoryWriter] = {}
+
+        def begin(h: tensors_pb2.TensorHeader):
+            if h.name in deltas:
+                changes[h.name] = MemoryWriter()
+                return changes[h.name]
+            return self.cache.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True)
+
+        tensors = ChunkAssembler(begin, expect=expect)
         files = FileAssembler()
         stream = self._stub.FetchModel(agent_pb2.FetchModelRequest(
-            task_id=task_id, model_hash=manifest.model_hash, have_sha256=have, include_files=include_files))
+            task_id=task_id, model_hash=manifest.model_hash, have_sha256=have, include_files=include_files,
+            delta_names=sorted(deltas)))
         try:
             for chunk in stream:
                 if self.stop_event.is_set():
@@ -681,10 +705,38 @@ class Agent:
             if path not in declared:
                 raise IntegrityError(f"the aggregator sent file {path!r}, which is not in the model manifest")
             self.cache.put(data, declared[path])
-        log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have))
+        log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have), as_changes=len(deltas))
         self.metrics.fetched(task_id, tensors.nbytes + sum(len(data) for data in files.files.values()))
         self.audit("model.fetched", task_id, model_hash=manifest.model_hash, bytes=int(tensors.nbytes),
-                   tensors=len(expect), skipped=len(have), files=len(files.files))
+                   tensors=len(expect), skipped=len(have), files=len(files.files), as_changes=len(deltas))
+        failed = self._rebuild_from_changes(manifest, deltas, changes)
+        if failed:
+            log.warning("encoded changes did not rebuild the global tensors; fetching them in full", tensors=failed)
+            self._fetch(task_id, manifest, include_files=False)
+
+    def _rebuild_from_changes(self, manifest: Manifest, deltas: dict[str, tensors_pb2.DownlinkDelta],
+                              changes: dict[str, MemoryWriter]) -> list[str]:
+        """Cache each tensor fetched as an encoded change: base + decode(change), when it hashes to the manifest's
+        sha256. Returns the names that did not (left uncached)."""
+        from fedclinic import downlink
+
+        failed = []
+        for name, writer in changes.items():
+            entry, h = manifest.tensor(name), deltas[name].header
+            try:
+                codec = parse_codec(h.codec)
+                params = codec_wire.params_of(name, codec, list(h.shape), dict(h.codec_params))
+                base = self.cache.array(deltas[name].base_sha256, "float32", tuple(entry.shape))
+                tensor = downlink.apply(base, codec, writer.data, params)
+            except (FedclinicError, ValueError) as exc:
+                log.warning("encoded change unusable", tensor=name, error=str(exc))
+                failed.append(name)
+                continue
+            if tensor_sha256(tensor) != entry.sha256:
+                failed.append(name)
+                continue
+            self.cache.put(raw_bytes(tensor), entry.sha256)
+        return failed
 
     # uploads ------------------------------------------------------------------------------------------------
     def _drain_outbox(self) -> None:

@@ -77,6 +77,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "the whole task; each site's dataset gets exactly that budget")
     p.add_argument("--codec", default="raw", help="how deltas travel (fedclinic.codecs spec): raw, fp16, int8, "
                    "topk:0.01, topk:0.01+int8, ...")
+    p.add_argument("--downlink-codec", default="", help="broadcast each round's change of the global model under "
+                   "this dense codec (fp16, bf16, int8, int4; default: full tensors)")
     p.add_argument("--layers", choices=("top2", "all"), default="top2",
                    help="classification: train the top 2 encoder layers (default) or all 6 (+ pooler and head)")
     p.add_argument("--safl-top-k", type=int, default=0,
@@ -305,7 +307,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
                 learning_rate=args.learning_rate, optimizer=args.optimizer, max_length=args.max_length, seed=args.seed,
                 trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", codec=args.codec,
-                **selection, **family)
+                downlink_codec=args.downlink_codec, **selection, **family)
     threads = 1 if args.sites > 1 else None
     report: dict = {"rounds": []}
     with LocalFederation(out / "federation", sites, agent_threads=threads) as fed:
@@ -318,7 +320,7 @@ def run_demo(args: argparse.Namespace) -> int:
                        f"attention-selected top {args.safl_top_k} layers per site" if args.safl_top_k else
                        "all 6 layers" if args.layers == "all" else "top 2 layers")
             _say(f"task {status.task_id} submitted: {model_name}, {args.rounds} rounds, {trained} trained, "
-                 f"codec {args.codec}")
+                 f"codec {args.codec}" + (f", downlink {args.downlink_codec}" if args.downlink_codec else ""))
             final = client.wait(status.task_id, progress=True, out=sys.stdout)
             from fedclinic.client import state_name
 
@@ -406,7 +408,7 @@ def run_demo(args: argparse.Namespace) -> int:
         onnx_report = _export_and_check(final_dir, out / "onnx-model", test)
     _say(f"final model: {final_dir}   (federation {fed_seconds:.0f} s, total {time.monotonic() - t0:.0f} s)")
     report.update({"onnx": onnx_report})
-    report.update({"codec": args.codec, "layers": args.layers, "safl_top_k": args.safl_top_k,
+    report.update({"codec": args.codec, "downlink_codec": args.downlink_codec or "raw", "layers": args.layers, "safl_top_k": args.safl_top_k,
                    "lora_rank": args.lora_rank})
     report.update({"task": args.task, "task_id": final.task_id, "labels": labels, "centralized_accuracy": central,
                    "local_only_accuracy": local_only, "final_model_dir": str(final_dir),

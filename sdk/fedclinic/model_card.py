@@ -126,7 +126,8 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
                             "on_quorum_miss": _enum_name(rc, "on_quorum_miss", "QUORUM_POLICY_"),
                             "max_round_retries": rc.max_round_retries}
     card["update"] = {"trainable": list(spec.update.trainable_patterns), "frozen": list(spec.update.frozen_patterns),
-                      "private": list(spec.update.private_patterns), "codec": spec.update.codec or "raw"}
+                      "private": list(spec.update.private_patterns), "codec": spec.update.codec or "raw",
+                      "downlink_codec": spec.update.downlink_codec or "raw"}
     if spec.update.private_patterns:
         card["notes"].append(PRIVATE_NOTE)
     if spec.update.selection == "safl":

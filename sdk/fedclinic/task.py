@@ -26,6 +26,7 @@ set, the base model (a local pretrained folder) and the training/round settings.
     trainable = ['classifier\\..*', 'bert\\.encoder\\.layer\\.[45]\\..*']
     private = []                      # tensors each site trains and keeps, never sent (FedNER's private modules)
     codec = "topk:0.01+int8"          # how deltas travel: raw (fp32, default), fp16, bf16, int8, int4, topk:...
+    downlink_codec = "int8"           # optional: the global model's change broadcast under fp16/bf16/int8/int4
     selection = "safl"                # optional: attention-selected layers on top of the patterns (fedclinic.safl)
     safl_top_k = 2                    # layers each site trains and sends per round (the head always)
     safl_profile_samples = 64         # rows each site profiles per round (0 = 64)
@@ -104,6 +105,10 @@ class Task:
     #: "fp16", "bf16", "int8", "int4" (blockwise, stochastic rounding), "topk:0.01" (with error feedback at
     #: the sites) or "topk:0.01+int8"; sites must announce the codec at Hello to be assigned the task
     codec: str = "raw"
+    #: ``[update] downlink_codec``: "" (full tensors) or "fp16", "bf16", "int8", "int4": each round's change of the
+    #: global model is broadcast under that codec, and the global model is defined as what the sites rebuild from
+    #: it (fedclinic.downlink; one rounding of each round's change, no drift between sites and aggregator)
+    downlink_codec: str = ""
     #: ``[update] selection``: "static" (the patterns alone) or "safl": each round every site profiles attention on
     #: ``safl_profile_samples`` of its rows (0 = 64) and trains and sends only its ``safl_top_k`` layers whose
     #: attention flows most to ``safl_token`` ("cls", "last" or "entities"; "" = the family's default), plus the
@@ -163,8 +168,10 @@ class Task:
         p.extend(privacy_problems(self.privacy, self.family, self.architecture, self.strategy))
         p.extend(self._secure_aggregation_problems())
         from fedclinic.codec_wire import spec_problems as codec_problems
+        from fedclinic.downlink import spec_problems as downlink_problems
 
         p.extend(codec_problems(self.codec, secure_aggregation=bool(self.secure_aggregation.get("enabled"))))
+        p.extend(downlink_problems(self.downlink_codec))
         p.extend(self._selection_problems())
         for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
                          ("max_length", 8)):
@@ -244,7 +251,7 @@ class Task:
             strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
             update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=canonical_codec(self.codec),
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen,
-                                         private_patterns=self.private,
+                                         private_patterns=self.private, downlink_codec=self.downlink_codec,
                                          selection="" if self.selection == "static" else self.selection,
                                          select_top_k_layers=self.safl_top_k,
                                          safl_profile_samples=self.safl_profile_samples, safl_token=self.safl_token),
@@ -263,8 +270,8 @@ class Task:
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
-                flat.update(_section(value, ("trainable", "frozen", "private", "codec", "selection", "safl_top_k",
-                                             "safl_profile_samples", "safl_token"), "update"))
+                flat.update(_section(value, ("trainable", "frozen", "private", "codec", "downlink_codec", "selection",
+                                             "safl_top_k", "safl_profile_samples", "safl_token"), "update"))
             elif key == "strategy" and isinstance(value, dict):
                 flat["strategy"] = value.get("name", "fedavg")
                 flat["strategy_params"] = {k: v for k, v in value.items() if k != "name"}

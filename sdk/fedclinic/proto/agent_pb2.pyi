@@ -59,7 +59,7 @@ class Heartbeat(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("task_id", "round", "attempt", "spec", "model", "deadline_unix_ms", "send_tensors")
+    __slots__ = ("task_id", "round", "attempt", "spec", "model", "deadline_unix_ms", "send_tensors", "downlink_deltas")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Assignment(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SEND_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_DELTAS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     attempt: int
@@ -74,7 +75,8 @@ class Assignment(_message.Message):
     model: _tensors_pb2.ModelManifest
     deadline_unix_ms: int
     send_tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    downlink_deltas: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.DownlinkDelta]
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ..., downlink_deltas: _Optional[_Iterable[_Union[_tensors_pb2.DownlinkDelta, _Mapping]]] = ...) -> None: ...
 
 class CancelWork(_message.Message):
     __slots__ = ("task_id", "reason")
@@ -257,18 +259,20 @@ class WorkItem(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., cancel: _Optional[_Union[CancelWork, _Mapping]] = ..., secagg: _Optional[_Union[SecAggPhase, _Mapping]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("task_id", "model_hash", "have_sha256", "include_files", "latest")
+    __slots__ = ("task_id", "model_hash", "have_sha256", "include_files", "latest", "delta_names")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_FILES_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    DELTA_NAMES_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     model_hash: str
     have_sha256: _containers.RepeatedScalarFieldContainer[str]
     include_files: bool
     latest: bool
-    def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ..., latest: _Optional[bool] = ...) -> None: ...
+    delta_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ..., latest: _Optional[bool] = ..., delta_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DpReport(_message.Message):
     __slots__ = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "accountant")

@@ -70,7 +70,7 @@ class RoundConfig(_message.Message):
     def __init__(self, num_rounds: _Optional[int] = ..., min_sites: _Optional[int] = ..., participation_fraction: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., on_quorum_miss: _Optional[_Union[QuorumPolicy, str]] = ..., max_round_retries: _Optional[int] = ...) -> None: ...
 
 class UpdateConfig(_message.Message):
-    __slots__ = ("kind", "codec", "trainable_patterns", "frozen_patterns", "private_patterns", "select_top_k_layers", "selection", "safl_profile_samples", "safl_token")
+    __slots__ = ("kind", "codec", "trainable_patterns", "frozen_patterns", "private_patterns", "select_top_k_layers", "selection", "safl_profile_samples", "safl_token", "downlink_codec")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_PATTERNS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class UpdateConfig(_message.Message):
     SELECTION_FIELD_NUMBER: _ClassVar[int]
     SAFL_PROFILE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAFL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
     kind: UpdateKind
     codec: str
     trainable_patterns: _containers.RepeatedScalarFieldContainer[str]
@@ -89,7 +90,8 @@ class UpdateConfig(_message.Message):
     selection: str
     safl_profile_samples: int
     safl_token: str
-    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., codec: _Optional[str] = ..., trainable_patterns: _Optional[_Iterable[str]] = ..., frozen_patterns: _Optional[_Iterable[str]] = ..., private_patterns: _Optional[_Iterable[str]] = ..., select_top_k_layers: _Optional[int] = ..., selection: _Optional[str] = ..., safl_profile_samples: _Optional[int] = ..., safl_token: _Optional[str] = ...) -> None: ...
+    downlink_codec: str
+    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., codec: _Optional[str] = ..., trainable_patterns: _Optional[_Iterable[str]] = ..., frozen_patterns: _Optional[_Iterable[str]] = ..., private_patterns: _Optional[_Iterable[str]] = ..., select_top_k_layers: _Optional[int] = ..., selection: _Optional[str] = ..., safl_profile_samples: _Optional[int] = ..., safl_token: _Optional[str] = ..., downlink_codec: _Optional[str] = ...) -> None: ...
 
 class PrivacyConfig(_message.Message):
     __slots__ = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant")

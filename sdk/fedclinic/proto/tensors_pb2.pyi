@@ -31,6 +31,16 @@ class TensorHeader(_message.Message):
     codec_params: _containers.ScalarMap[str, str]
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., sha256: _Optional[str] = ..., encoded_nbytes: _Optional[int] = ..., codec_params: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class DownlinkDelta(_message.Message):
+    __slots__ = ("name", "base_sha256", "header")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_sha256: str
+    header: TensorHeader
+    def __init__(self, name: _Optional[str] = ..., base_sha256: _Optional[str] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ...) -> None: ...
+
 class TensorChunk(_message.Message):
     __slots__ = ("name", "header", "offset", "data")
     NAME_FIELD_NUMBER: _ClassVar[int]
