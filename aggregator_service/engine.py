@@ -400,7 +400,38 @@ class Engine:
             self.secagg.declined(site, task_id, rnd)
             if self._open_round(task_id) is not None:
                 self._maybe_close(task_id)
+            if permanent and self._open_round(task_id) is not None:
+                self._fail_if_unreachable(task_id)
             self.changed.notify_all()
+
+    def _quorum_unreachable(self, task_id: str, spec: task_pb2.TaskSpec) -> str:
+        """Why no round of the task can reach quorum any more ("" while it can): the task names its sites and
+        so many of them declined it for good that fewer than ``min_sites`` are left. (A task open to every site
+        cannot know this: another site may still connect.)"""
+        if not spec.sites:
+            return ""
+        declined = {r.site: r.reason for r in self.store.all("SELECT site, reason FROM site_declines WHERE task_id=?",
+                                                             (task_id,)) if r.site in spec.sites}
+        able = [s for s in spec.sites if s not in declined]
+        if len(able) >= spec.rounds.min_sites:
+            return ""
+        return (f"quorum can no longer be reached: {len(declined)} of the task's {len(spec.sites)} site(s) declined it "
+                f"for good ({'; '.join(f'{s}: {r}' for s, r in sorted(declined.items()))}), which leaves "
+                f"{len(able)} ({', '.join(able) or 'none'}) for min_sites {spec.rounds.min_sites}. Address the sites' "
+                "reasons, or submit again with other sites or a lower min_sites")
+
+    def _fail_if_unreachable(self, task_id: str) -> None:
+        """Fail the task now, instead of at its deadlines, when :meth:`_quorum_unreachable` says so."""
+        rnd = self._open_round(task_id)
+        why = self._quorum_unreachable(task_id, self.spec(task_id))
+        if rnd is None or not why:
+            return
+        with self.store.tx() as c:
+            c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
+                      (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd.round))
+            self._fail(c, task_id, f"round {rnd.round}: {why}")
+        self._drop_round_data(task_id)
+        log.warning("task failed: quorum unreachable", task_id=task_id, round=rnd.round)
 
     def add_downlink(self, task_id: str, nbytes: int) -> None:
         self.metrics.downlink_sent(task_id, nbytes)

@@ -95,3 +95,27 @@ def test_strategy_state_and_open_round_survive_a_new_engine(tmp_path):
         v = 0.99 * v + 0.01
         x += 0.1 * m / (np.sqrt(v) + 1e-3)
     np.testing.assert_allclose(got, x, rtol=1e-5)
+
+
+def test_a_task_fails_at_once_when_its_named_sites_decline_it_below_quorum(tmp_path):
+    """Permanent refusals (policy, privacy budget, data contract) by the sites a task names: the task fails when
+    fewer than min_sites are left, with every reason, instead of waiting out its deadlines and retries."""
+    store, engine = _engine(tmp_path)
+    pkg = ModelPackage({"w": np.zeros(4, np.float32)})
+    named = _submit(engine, pkg, min_sites=2, num_rounds=2, sites=["s1", "s2", "s3"])
+    a = _assign(engine, ["s1", "s2"])  # the round's target is 2 sites
+    engine.decline("s1", named, a["s1"].round, "dataset 'd' is not allowed by this site's policy", permanent=True)
+    engine.decline("s2", named, a["s2"].round, "busy this week", permanent=False)
+    assert store.one("SELECT state FROM tasks WHERE task_id=?", (named,)).state == control_pb2.TASK_STATE_RUNNING
+    engine.decline("s2", named, a["s2"].round, "privacy budget exhausted", permanent=True)
+    task = store.one("SELECT state, error FROM tasks WHERE task_id=?", (named,))
+    assert task.state == control_pb2.TASK_STATE_FAILED
+    assert ("quorum can no longer be reached: 2 of the task's 3 site(s) declined it for good (s1: dataset 'd' is not "
+            "allowed by this site's policy; s2: privacy budget exhausted), which leaves 1 (s3) for min_sites 2"
+            in task.error)
+    store, engine = _engine(tmp_path / "second")
+    open_to_all = _submit(engine, pkg, min_sites=2, num_rounds=1)  # any site may still connect: it waits
+    b = _assign(engine, ["s1", "s2"])
+    for site in ("s1", "s2"):
+        engine.decline(site, open_to_all, b[site].round, "no", permanent=True)
+    assert store.one("SELECT state FROM tasks WHERE task_id=?", (open_to_all,)).state == control_pb2.TASK_STATE_RUNNING
