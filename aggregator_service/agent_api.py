@@ -93,15 +93,15 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"model {model_hash[:12]} has no encoded change for {unknown[:3]}; ask only for the tensors "
                           "the assignment's downlink_deltas list")
-        counter = [0]
+        counter, wire = [0], [0]
         complete = False
         try:
             yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256),
                                   include_files=request.include_files, counter=counter,
-                                  deltas={n: deltas[n] for n in request.delta_names})
+                                  deltas={n: deltas[n] for n in request.delta_names}, wire=wire)
             complete = True
         finally:
-            self.engine.add_downlink(request.task_id, counter[0])
+            self.engine.add_downlink(request.task_id, counter[0], site=site, wire_bytes=wire[0])
             self.audit.record("model.downloaded", actor=site, task_id=request.task_id, model_hash=model_hash,
                               bytes=counter[0], complete=complete)
 

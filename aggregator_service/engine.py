@@ -433,11 +433,19 @@ class Engine:
         self._drop_round_data(task_id)
         log.warning("task failed: quorum unreachable", task_id=task_id, round=rnd.round)
 
-    def add_downlink(self, task_id: str, nbytes: int) -> None:
+    def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None:
+        """Charge bytes sent to sites to the task's open round; with ``site`` also to that site's assignment
+        (payload ``nbytes`` and ``wire_bytes`` as serialized)."""
         self.metrics.downlink_sent(task_id, nbytes)
         with self.lock:
             self.store.execute("UPDATE rounds SET downlink_bytes = downlink_bytes + ? WHERE task_id=? AND state=?",
                                (nbytes, task_id, S.ROUND_STATE_OPEN))
+            if site:
+                self.store.execute(
+                    "UPDATE assignments SET downlink_bytes = downlink_bytes + ?, "
+                    "downlink_wire_bytes = downlink_wire_bytes + ? WHERE task_id=? AND site=? AND round = "
+                    "(SELECT round FROM rounds WHERE task_id=? AND state=?)",
+                    (nbytes, wire_bytes, task_id, site, task_id, S.ROUND_STATE_OPEN))
 
     def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
         self.metrics.uplink(task_id, nbytes)
@@ -947,15 +955,16 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
                                  created_unix_ms=t.created_ms, updated_unix_ms=t.updated_ms,
                                  initial_model_hash=t.initial_model, final_model_hash=t.final_model)
     for r in store.all("SELECT * FROM rounds WHERE task_id=? ORDER BY round", (task_id,)):
-        assigned = store.all("SELECT site, declined FROM assignments WHERE task_id=? AND round=? ORDER BY site",
-                             (task_id, r.round))
+        assigned = store.all("SELECT site, declined, downlink_bytes, downlink_wire_bytes FROM assignments "
+                             "WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round))
+        fetched = {a.site: a for a in assigned}
         rs = control_pb2.RoundSummary(
             round=r.round, state=r.state, attempt=r.attempt, sites_target=r.sites_target,
             sites_assigned=[a.site for a in assigned if not a.declined],
             declined=[f"{a.site}: {a.declined}" for a in assigned if a.declined],
             metrics=json.loads(r.metrics), uplink_bytes=r.uplink_bytes, downlink_bytes=r.downlink_bytes,
             opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
-            model_hash=r.model_hash)
+            model_hash=r.model_hash, downlink_wire_bytes=sum(a.downlink_wire_bytes for a in assigned))
         safl_task = out.spec.update.selection == safl.SAFL
         for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics, fp32_bytes, wire_bytes, layout "
                            "FROM updates WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round)):
@@ -963,6 +972,10 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
                                                      metrics=json.loads(u.metrics),
                                                      eval_metrics=json.loads(u.eval_metrics),
                                                      uplink_fp32_bytes=u.fp32_bytes, uplink_wire_bytes=u.wire_bytes,
-                                                     selected_layers=update_layers(u.layout) if safl_task else []))
+                                                     selected_layers=update_layers(u.layout) if safl_task else [],
+                                                     downlink_bytes=fetched[u.site].downlink_bytes
+                                                     if u.site in fetched else 0,
+                                                     downlink_wire_bytes=fetched[u.site].downlink_wire_bytes
+                                                     if u.site in fetched else 0))
         out.rounds.append(rs)
     return out

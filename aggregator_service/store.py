@@ -100,6 +100,12 @@ def _to_v4(c: sqlite3.Connection, store: "Store") -> None:
               "base_sha256 TEXT NOT NULL, header TEXT NOT NULL, PRIMARY KEY (model_hash, name))")
 
 
+def _to_v5(c: sqlite3.Connection, store: "Store") -> None:
+    # downlink byte accounting per site and round, payload and on the wire
+    _add_column(c, "assignments", "downlink_bytes", "INTEGER NOT NULL DEFAULT 0")
+    _add_column(c, "assignments", "downlink_wire_bytes", "INTEGER NOT NULL DEFAULT 0")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -115,6 +121,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "rounds.strategy_state; updates.fp32_bytes and wire_bytes", _to_v2),
     Migration(3, "meta.state_dir, so a moved or restored state folder relocates its spill paths", _to_v3),
     Migration(4, "model_deltas: global tensors also stored as an encoded change (compressed downlink)", _to_v4),
+    Migration(5, "assignments.downlink_bytes and downlink_wire_bytes (per-site downlink accounting)", _to_v5),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 

@@ -85,10 +85,22 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
 
 
 def send_model(blobs: BlobStore, manifest: Manifest, *, have: set[str], include_files: bool,
-               counter: list[int] | None = None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None
-               ) -> Iterator[tensors_pb2.ModelChunk]:
+               counter: list[int] | None = None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None,
+               wire: list[int] | None = None) -> Iterator[tensors_pb2.ModelChunk]:
     """Manifest first, then files (optional), then every tensor whose sha256 is not in ``have``: in full, or as
-    its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.downlink)."""
+    its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.downlink).
+
+    ``counter[0]`` adds up the payload bytes sent, ``wire[0]`` the serialized messages (plus gRPC's 5-byte
+    prefix each)."""
+    for chunk in _model_chunks(blobs, manifest, have, include_files, counter, deltas):
+        if wire is not None:
+            wire[0] += chunk.ByteSize() + 5
+        yield chunk
+
+
+def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_files: bool,
+                  counter: list[int] | None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None
+                  ) -> Iterator[tensors_pb2.ModelChunk]:
     yield tensors_pb2.ModelChunk(manifest=manifest_to_proto(manifest))
     if include_files:
         for f in manifest.files:

@@ -236,6 +236,8 @@ class ProgressDisplay:
             m = closed[-1].metrics
             acc_txt += f" up {closed[-1].uplink_bytes:,} B (fp32 {int(m['uplink_fp32_bytes']):,} B"
             acc_txt += f", {m['uplink_reduction']:.1f}x)" if m.get("uplink_reduction") else ")"
+        if closed and closed[-1].downlink_bytes:
+            acc_txt += f" down {closed[-1].downlink_bytes:,} B"
         if self.tty:
             width = 20
             filled = int(width * done / total)

@@ -333,6 +333,7 @@ def run_demo(args: argparse.Namespace) -> int:
     fed_seconds = time.monotonic() - t0
 
     from fedclinic import training
+    from fedclinic.model_card import site_bytes
     from fedclinic.models import build_model
 
     def test_metrics(package) -> dict[str, float]:
@@ -344,7 +345,8 @@ def run_demo(args: argparse.Namespace) -> int:
     for r in final.rounds:
         m = test_metrics(round_models[r.round])
         row = {"round": r.round, "global_accuracy": m["accuracy"], "uplink_bytes": r.uplink_bytes,
-               "downlink_bytes": r.downlink_bytes, "sites": [s.site_id for s in r.reports]}
+               "downlink_bytes": r.downlink_bytes, "downlink_wire_bytes": r.downlink_wire_bytes,
+               "site_bytes": site_bytes(r), "sites": [s.site_id for s in r.reports]}
         row.update({k: r.metrics[k] for k in ("uplink_payload_bytes", "uplink_fp32_bytes", "uplink_wire_bytes")
                     if k in r.metrics})
         row.update({f"global_{k}": m[k] for k in extra})

@@ -307,7 +307,8 @@ def render_markdown(card: Mapping[str, Any]) -> str:
         header = ("round", "sites", "samples", *keys, "uplink bytes", "downlink bytes")
         body = [(r["round"], len(r.get("sites", [])), r.get("num_samples"),
                  *(_fmt(r.get("metrics", {}).get(k)) for k in keys), uplink_text(r.get("uplink_bytes"), r.get("metrics")),
-                 r.get("downlink_bytes"))
+                 f"{r.get('downlink_bytes')}" + (f" ({r['downlink_wire_bytes']} on the wire)"
+                                                 if r.get("downlink_wire_bytes") else ""))
                 for r in rounds]
         lines += ["## Rounds", "", *_table(header, body), ""]
         final = card.get("final_round_metrics") or {}
@@ -386,10 +387,18 @@ def uplink_text(uplink_bytes: Any, metrics: Any) -> str:
     return text + (f"; {int(wire)} on the wire)" if wire else ")")
 
 
+def site_bytes(r: Any) -> dict[str, dict[str, int]]:
+    """Per reporting site of a RoundSummary: what it sent and fetched, as payload and on the wire."""
+    return {rep.site_id: {"uplink": rep.uplink_bytes, "uplink_wire": rep.uplink_wire_bytes,
+                          "downlink": rep.downlink_bytes, "downlink_wire": rep.downlink_wire_bytes}
+            for rep in sorted(r.reports, key=lambda rep: rep.site_id)}
+
+
 def _round_entry(r: Any) -> dict[str, Any]:
     return {"round": r.round, "attempt": r.attempt, "sites": sorted(rep.site_id for rep in r.reports),
             "num_samples": sum(rep.num_samples for rep in r.reports), "metrics": dict(sorted(r.metrics.items())),
-            "uplink_bytes": r.uplink_bytes, "downlink_bytes": r.downlink_bytes, "model_hash": r.model_hash,
+            "uplink_bytes": r.uplink_bytes, "downlink_bytes": r.downlink_bytes,
+            "downlink_wire_bytes": r.downlink_wire_bytes, "site_bytes": site_bytes(r), "model_hash": r.model_hash,
             "closed": _ms(r.closed_unix_ms),
             **({"selected_layers": {rep.site_id: list(rep.selected_layers) for rep in r.reports}}
                if any(rep.selected_layers for rep in r.reports) else {})}

@@ -77,6 +77,18 @@ def test_agents_fetch_encoded_changes_and_rebuild_the_broadcast_model_exactly(fe
     for rnd in (1, 2):  # downlink of round r+1 = the sites' fetch of round r's model
         ratio = int8_rounds[rnd].downlink_bytes / raw_rounds[rnd].downlink_bytes
         assert 0 < ratio < 0.35, (rnd, int8_rounds[rnd].downlink_bytes, raw_rounds[rnd].downlink_bytes)
+    for rnd in [*int8_rounds, *raw_rounds]:  # per site and on the wire: each site's fetches add up to the round's
+        assert sum(rep.downlink_bytes for rep in rnd.reports) == rnd.downlink_bytes
+        assert rnd.downlink_wire_bytes == sum(rep.downlink_wire_bytes for rep in rnd.reports)
+        # the manifest and the message framing travel too; a site holding every tensor already does not fetch at all
+        # (round 1 of the task submitted second: its initial model is the first task's)
+        assert rnd.downlink_wire_bytes > rnd.downlink_bytes or rnd.downlink_wire_bytes == rnd.downlink_bytes == 0
+    from fedclinic.model_card import build_card
+
+    card = build_card(ours[ROUNDS].meta, model_hash=finals["int8"].final_model_hash, status=finals["int8"])
+    assert card["update"]["downlink_codec"] == "int8"
+    second = card["rounds"][1]
+    assert sum(b["downlink"] for b in second["site_bytes"].values()) == second["downlink_bytes"]
     for site in ("site-a", "site-b", "site-c"):
         fetched = [json.loads(line) for line in (fed.root / f"agent-{site}" / "audit.jsonl").read_text().splitlines()
                    if '"model.fetched"' in line]

@@ -72,8 +72,10 @@ def test_card_from_a_task_status():
     assert [r["round"] for r in card["rounds"]] == [1, 2]
     assert card["rounds"][1] == {"round": 2, "attempt": 2, "sites": ["site-b", "site-c"], "num_samples": 30,
                                  "metrics": {"eval_accuracy": 0.75, "eval_macro_f1": 0.7, "train_loss": 0.633},
-                                 "uplink_bytes": 200, "downlink_bytes": 3000, "model_hash": "h2",
-                                 "closed": "2023-11-14T22:15:00Z"}
+                                 "uplink_bytes": 200, "downlink_bytes": 3000, "downlink_wire_bytes": 0,
+                                 "site_bytes": {s: {"uplink": 100, "uplink_wire": 0, "downlink": 0, "downlink_wire": 0}
+                                                for s in ("site-b", "site-c")},
+                                 "model_hash": "h2", "closed": "2023-11-14T22:15:00Z"}
     assert card["final_round_metrics"] == {"eval_accuracy": 0.75, "eval_macro_f1": 0.7, "train_loss": 0.633}
     assert "privacy" not in card and "secure_aggregation" not in card and "export" not in card
     assert EVAL_NOTE in card["notes"]

@@ -62,7 +62,7 @@ class SubmitTaskChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitTaskHeader, _Mapping]] = ..., file: _Optional[_Union[_tensors_pb2.FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[_tensors_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[SubmitTaskCommit, _Mapping]] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics", "uplink_fp32_bytes", "uplink_wire_bytes", "selected_layers")
+    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics", "uplink_fp32_bytes", "uplink_wire_bytes", "selected_layers", "downlink_bytes", "downlink_wire_bytes")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class SiteReport(_message.Message):
     UPLINK_FP32_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLINK_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SELECTED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     num_samples: int
     uplink_bytes: int
@@ -93,10 +95,12 @@ class SiteReport(_message.Message):
     uplink_fp32_bytes: int
     uplink_wire_bytes: int
     selected_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ..., selected_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    downlink_bytes: int
+    downlink_wire_bytes: int
+    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ..., selected_layers: _Optional[_Iterable[int]] = ..., downlink_bytes: _Optional[int] = ..., downlink_wire_bytes: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined")
+    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined", "downlink_wire_bytes")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,7 @@ class RoundSummary(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     DECLINED_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     round: int
     state: RoundState
     attempt: int
@@ -132,7 +137,8 @@ class RoundSummary(_message.Message):
     deadline_unix_ms: int
     model_hash: str
     declined: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ...) -> None: ...
+    downlink_wire_bytes: int
+    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash")
