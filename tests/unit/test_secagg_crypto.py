@@ -1,6 +1,7 @@
 """Key agreement, share encryption and mask expansion (fedclinic.secagg.keys/share_crypto/masks)."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from fedclinic.secagg import keys
 from fedclinic.secagg.encoding import DOMAIN, encode
 from fedclinic.secagg.errors import SecAggIntegrityError, SecAggRefusal
-from fedclinic.secagg.masks import apply_masks, expand_mask
+from fedclinic.secagg.masks import MIN_PIECE_WORDS, apply_masks, expand_mask
 from fedclinic.secagg.share_crypto import SharePayload, decrypt_share, encrypt_share
 
 SID = bytes(range(32))
@@ -116,6 +117,44 @@ def test_masks_are_chunking_independent_and_cancel(n, chunk, seed):
     assert np.array_equal(y, x + expand_mask(k1, n))  # uint32 arithmetic wraps mod 2^32
     apply_masks(y, subtract=[k1], chunk_words=max(1, chunk // 3))
     assert np.array_equal(y, x)
+
+
+@pytest.mark.parametrize("n,workers,chunk", [(2 * MIN_PIECE_WORDS + 7, 2, 1 << 16),
+                                             (5 * MIN_PIECE_WORDS + 1, 3, 40_001)])
+def test_threaded_expansion_is_the_sequential_keystream(n, workers, chunk):
+    """Long enough to be cut into pieces on worker threads: each piece starts at its block's counter, so
+    the result is word for word the one-stream AES-256-CTR keystream; ``then`` sees every chunk exactly
+    once, after all masks are applied to it."""
+    rng = np.random.default_rng(n)
+    k1, k2 = rng.bytes(32), rng.bytes(32)
+    ks = [np.frombuffer(Cipher(algorithms.AES(k), modes.CTR(bytes(16))).encryptor().update(bytes(4 * n)), "<u4")
+          for k in (k1, k2)]
+    x = rng.integers(0, 2 ** 32, n, dtype=np.uint32)
+    y = x.copy()
+    seen: list[tuple[int, np.ndarray]] = []
+    threads: set[int] = set()
+
+    def then(start, part):
+        threads.add(threading.get_ident())
+        seen.append((start, part.copy()))
+
+    apply_masks(y, add=[k1], subtract=[k2], workers=workers, chunk_words=chunk, then=then)
+    assert threading.main_thread().ident not in threads  # the pieces ran on the worker threads
+    assert np.array_equal(y, x + ks[0] - ks[1])
+    seen.sort(key=lambda s: s[0])
+    ends = [s + p.size for s, p in seen]
+    assert [s for s, _ in seen] == [0] + ends[:-1] and ends[-1] == n  # disjoint, covering, no gap
+    assert all(0 < p.size <= chunk and np.array_equal(p, y[s:s + p.size]) for s, p in seen)
+
+
+def test_worker_errors_reach_the_caller():
+    def boom(start, part):
+        if start > 0:
+            raise RuntimeError(f"consumer failed at {start}")
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        apply_masks(np.zeros(3 * MIN_PIECE_WORDS, np.uint32), add=[bytes(32)], workers=2, then=boom)
+    with pytest.raises(ValueError, match="workers"):
+        apply_masks(np.zeros(4, np.uint32), add=[bytes(32)], workers=0)
 
 
 def test_mask_words_look_uniform():

@@ -14,7 +14,7 @@ from fedclinic.secagg import (ClientPolicy, ClientSession, MaskedInput, Neighbou
                               SecAggProtocolError, SecAggRefusal, ServerSession, SessionParams, UnmaskRequest,
                               run_round, suggested_degree)
 from fedclinic.secagg.keys import self_mask_key
-from fedclinic.secagg.masks import expand_mask
+from fedclinic.secagg.masks import MIN_PIECE_WORDS, expand_mask
 from fedclinic.secagg.messages import AdvertiseKeys, KeyDirectory
 
 MODEL = hashlib.sha256(b"global model round 3").digest()
@@ -217,6 +217,26 @@ def test_end_to_end_floats_within_documented_bound():
     assert np.all(err <= q.error_bound(len(survivors), plain))
     assert err.max() <= res.error_bound == q.error_bound(7)
     assert res.error_bound < 1e-5
+
+
+@pytest.mark.parametrize("mask_workers", [1, 2])
+def test_threaded_unmasking_gives_the_exact_sum(mask_workers):
+    """A vector long enough for the server to unmask and dequantize on worker threads, with one site dropped
+    after share-keys (its pairwise masks are expanded too): the exact ring sum of the survivors."""
+    p = make_params(4, length=2 * MIN_PIECE_WORDS + 3)
+    r = Run(p)
+    r.server = ServerSession(p, mask_workers=mask_workers)
+    reqs = r.to_masked_input()
+    survivors = [c for c in p.cohort if c != "site-02"]
+    for c in survivors:
+        r.server.receive_masked_input(r.clients[c].masked_input(reqs[c], r.updates[c]))
+    unmask = r.server.close_masked_input()
+    for c in survivors:
+        r.server.receive_unmask(r.clients[c].unmask(unmask))
+    res = r.server.finish()
+    want = expected_ring_sum(p, r.updates, survivors)
+    assert res.survivors == tuple(survivors) and np.array_equal(res.quantized_sum, want)
+    assert np.array_equal(res.total, p.quantizer.dequantize(want, len(survivors)))
 
 
 def test_server_never_holds_both_shares_of_one_client():
@@ -453,6 +473,8 @@ def test_session_parameter_validation():
         make_params(cohort=("a", "b", "a"))
     with pytest.raises(SecAggConfigError, match="minimum of 3"):
         ServerSession(make_params(2))
+    with pytest.raises(SecAggConfigError, match="mask_workers"):
+        ServerSession(make_params(3), mask_workers=0)
     with pytest.raises(SecAggConfigError, match=">= 3"):
         ClientPolicy(min_cohort=2)
     p = make_params(10)

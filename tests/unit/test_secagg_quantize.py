@@ -57,6 +57,20 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_deterministic():
     assert np.array_equal(q.quantize(x, seed=bytes(32)), q.quantize(x, seed=bytes(32)))
 
 
+def test_dequantize_into_a_slice_equals_the_whole_vector():
+    q = Quantizer(clip=0.5, bits=20)
+    total = np.random.default_rng(3).integers(0, 10 * q.levels, 200_001, dtype=np.uint32)
+    whole = q.dequantize(total, 10)
+    assert np.array_equal(whole, (total * q.step - 10 * 0.5).astype(np.float32))  # float64, rounded once
+    out = np.full(total.size + 5, np.nan, np.float32)
+    assert np.shares_memory(q.dequantize(total[5:], 10, out=out[10:]), out)  # written in place, returned
+    assert np.array_equal(out[10:], whole[5:]) and np.isnan(out[:10]).all()
+    with pytest.raises(TypeError, match="float32 vector of 3"):
+        q.dequantize(total[:3], 10, out=np.zeros(3, np.float64))
+    with pytest.raises(TypeError, match="float32 vector of 3"):
+        q.dequantize(total[:3], 10, out=np.zeros(4, np.float32))
+
+
 def test_clipping_and_range_ends():
     q = Quantizer(clip=2.0, bits=4, rounding="nearest")
     out = q.quantize(np.array([-100.0, -2.0, 0.0, 2.0, 100.0], np.float32))

@@ -158,21 +158,28 @@ class Quantizer:
                 out[start:start + m] = vc
         return out
 
-    def dequantize(self, total: np.ndarray, count: int) -> np.ndarray:
-        """``total * step - count * clip`` as float32, for the (unwrapped) sum of ``count`` quantized inputs."""
+    def dequantize(self, total: np.ndarray, count: int, *, out: np.ndarray | None = None) -> np.ndarray:
+        """``total * step - count * clip`` as float32, for the (unwrapped) sum of ``count`` quantized inputs.
+
+        Computed in float64 and rounded to float32 once. ``out`` (a float32 vector of the same length, e.g.
+        a slice of a larger result) receives the values if given; it is returned either way.
+        """
         if not isinstance(total, np.ndarray) or total.dtype != np.uint32 or total.ndim != 1:
             raise TypeError("dequantize expects the 1-D uint32 sum")
         if count < 1:
             raise ValueError("dequantize needs the number of summed inputs (>= 1)")
         self.check_cohort(count)
-        out = np.empty(total.size, dtype=np.float32)
+        if out is None:
+            out = np.empty(total.size, dtype=np.float32)
+        elif not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != total.shape:
+            raise TypeError(f"dequantize writes into a float32 vector of {total.size} values")
         chunk = max(1, min(_CHUNK, total.size))
         tmp = np.empty(chunk, dtype=np.float64)
         offset, step = count * self.clip, self.step
         for start in range(0, total.size, chunk):
             m = min(chunk, total.size - start)
             t = tmp[:m]
-            np.multiply(total[start:start + m], step, out=t, dtype=np.float64)
-            t -= offset
-            out[start:start + m] = t
+            t[...] = total[start:start + m]  # exact: a uint32 fits a float64 (a plain cast beats a mixed-type multiply)
+            t *= step
+            np.subtract(t, offset, out=out[start:start + m])  # float64 arithmetic, one rounding to float32
         return out

@@ -9,7 +9,9 @@ what does not cancel::
 
 where ``b_u`` is rebuilt from ``t`` self-mask shares of survivor ``u`` and ``s_uv = KA(s_v^SK, s_u^PK)``
 from ``t`` mask-key shares of dropped ``v``. Cost: one ring add per survivor (like plain FedAvg) plus
-one mask expansion per survivor and per (dropped client, surviving neighbour) pair.
+one mask expansion per survivor and per (dropped client, surviving neighbour) pair; the expansions and the
+dequantization run as one pass over cache-sized chunks on ``mask_workers`` threads
+(:func:`~fedclinic.secagg.masks.apply_masks`).
 
 Dropouts. A client that misses a phase is simply not in the next set (U1 >= U2 >= U3 >= U4). After every
 phase the server checks that the round can still finish: at least ``max(threshold, min_cohort)``
@@ -35,7 +37,7 @@ from fedclinic.secagg.errors import SecAggAbort, SecAggConfigError, SecAggIntegr
 from fedclinic.secagg.graph import NeighbourGraph
 from fedclinic.secagg.keys import (PAIRWISE_MASK, agree, is_valid_public_key, private_from_bytes, public_bytes,
                                    self_mask_key)
-from fedclinic.secagg.masks import apply_masks
+from fedclinic.secagg.masks import MASK_WORKERS, apply_masks
 from fedclinic.secagg.messages import (AdvertiseKeys, AggregateResult, KeyDirectory, MaskedInput,
                                        MaskedInputRequest, Phase, ShareKeys, UnmaskRequest, UnmaskResponse)
 
@@ -43,13 +45,17 @@ from fedclinic.secagg.messages import (AdvertiseKeys, AggregateResult, KeyDirect
 class ServerSession:
     """The aggregator's state for one session (one round). In memory only; see the module docstring."""
 
-    def __init__(self, params: SessionParams, *, min_cohort: int = MIN_COHORT_FLOOR) -> None:
+    def __init__(self, params: SessionParams, *, min_cohort: int = MIN_COHORT_FLOOR,
+                 mask_workers: int = MASK_WORKERS) -> None:
         if not isinstance(min_cohort, int) or min_cohort < MIN_COHORT_FLOOR:
             raise SecAggConfigError(f"min_cohort must be >= {MIN_COHORT_FLOOR}")
+        if not isinstance(mask_workers, int) or mask_workers < 1:
+            raise SecAggConfigError(f"mask_workers must be a positive integer, got {mask_workers!r}")
         if len(params.cohort) < min_cohort:
             raise SecAggConfigError(f"cohort of {len(params.cohort)} is below the minimum of {min_cohort}")
         self.params = params
         self.min_cohort = min_cohort
+        self.mask_workers = mask_workers
         self._phase = Phase.ADVERTISE
         self._abort_reason = ""
         self._adverts: dict[str, AdvertiseKeys] = {}
@@ -245,9 +251,11 @@ class ServerSession:
                 k = agree(sk, self._adverts[u].mask_public_key, session_id=p.session_id, purpose=PAIRWISE_MASK,
                           me=v, peer=u)
                 (sub if u > v else add).append(k)  # u added sign(u, v) * PRG(s_uv); take it back out
-        apply_masks(acc, add=add, subtract=sub)
-        m = len(req.survivors)
-        result = AggregateResult(p.session_id, req.survivors, acc, p.quantizer.dequantize(acc, m),
-                                 float(p.quantizer.error_bound(m)))
+        m, q = len(req.survivors), p.quantizer
+        total = np.empty(acc.size, dtype=np.float32)
+        # one pass: each chunk is unmasked and dequantized while it is in cache
+        apply_masks(acc, add=add, subtract=sub, workers=self.mask_workers,
+                    then=lambda start, part: q.dequantize(part, m, out=total[start:start + part.size]))
+        result = AggregateResult(p.session_id, req.survivors, acc, total, float(q.error_bound(m)))
         self._phase, self._acc = Phase.DONE, None
         return result
