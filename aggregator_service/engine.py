@@ -873,6 +873,12 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
         problems.append(f"privacy: accountant {pc.accountant!r} is not rdp or prv")
     if spec.strategy == "dp-fedavg":
         problems.append('privacy level "sample" already noises at the sites; "dp-fedavg" is for level "client"')
+    from fedclinic.privacy.dp_sgd import check_supported  # torch-free: the table of DP-SGD-capable models
+
+    try:
+        check_supported(spec.family or "text-classification", spec.architecture or "transformer")
+    except ConfigError as exc:
+        problems.append(str(exc))
     return problems
 
 

@@ -158,3 +158,20 @@ def test_aggregator_refuses_misspelt_keys_from_the_file_and_the_environment(tmp_
     with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['metrics_adress'\] \(in the file or from a "
                                           r"FEDCLINIC_AGGREGATOR_\* environment variable\)"):
         AggregatorConfig.load(tmp_path / "agg.toml")
+
+
+def test_aggregator_refuses_sample_level_dp_for_a_model_dp_sgd_cannot_train():
+    """The aggregator's own check (an SDK of another version may skip it): DP-SGD for an LSTM or logreg is refused
+    at submit with the reason and the alternative, not at every site."""
+    from aggregator_service.engine import Refused, validate_spec
+    from fedclinic.task import Task
+
+    from tests.integration.conftest import tiny_package
+
+    private = {"level": "sample", "target_epsilon": 8.0, "target_delta": 1e-5, "max_grad_norm": 1.0}
+    task = Task(name="t", dataset="notes", labels=["cardio", "neuro"], architecture="transformer", privacy=private)
+    spec = task.to_spec()
+    spec.architecture = "lstm"  # what Task.validate would refuse: a client that skipped it
+    with pytest.raises(Refused, match=r"sample-level DP-SGD is not available for text-classification / lstm: .*"
+                                      r"client-level DP instead"):
+        validate_spec(spec, tiny_package("lstm").manifest())
