@@ -91,10 +91,11 @@ class BackupManifest:
 
 
 def _copy_hashed(src: Path, dst: Path, *, limit: int | None = None) -> BackupFile:
-    """Copy ``src`` (its first ``limit`` bytes when given) to ``dst``, fsync'd; return its sha256 and size."""
+    """Copy ``src`` (its first ``limit`` bytes when given) to a new file ``dst`` readable by its owner only (the
+    state's files hold models, updates and the audit trail), fsync'd; return its sha256 and size."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     digest, nbytes = hashlib.sha256(), 0
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
+    with open(src, "rb") as fin, os.fdopen(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fout:
         while limit is None or nbytes < limit:
             block = fin.read(_COPY_CHUNK if limit is None else min(_COPY_CHUNK, limit - nbytes))
             if not block:
@@ -159,6 +160,7 @@ def _snapshot(db_path: Path, dst: Path) -> None:
         raise BackupError(f"cannot open {db_path} for the backup ({exc}); run the backup as the aggregator's "
                           "user") from None
     try:
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # owner-only before a byte is written
         out = sqlite3.connect(dst)
         try:
             src.backup(out)

@@ -58,6 +58,8 @@ def test_backup_of_a_running_store_restores_and_the_round_completes_the_same(tmp
     assert verify_backup(tmp_path / "backup") == manifest
 
     restore_backup(tmp_path / "backup", tmp_path / "restored")
+    for folder in ("backup", "restored"):  # owner-only, like the live state (the audit log is 0600 there)
+        assert all(p.stat().st_mode & 0o077 == 0 for p in (tmp_path / folder).rglob("*") if p.is_file()), folder
     store.close()
     expected = _finish(tmp_path / "live", b)
     got = _finish(tmp_path / "restored", b)
