@@ -9,6 +9,9 @@ Measurement: each runtime runs in its own child process with the same thread cou
 is the median of ``--repeats`` timed calls after warm-up, for batch 1 and batch 32, every input padded or
 truncated to exactly 128 tokens. Accuracy is measured on the drug-review test split, at the same
 max_length the model was trained with. The baseline, PyTorch fp32 eager, is measured in the same run.
+With ``--rounds N`` the three child processes run N times, in rotated order, and each latency is the median
+of the N rounds (for a shared machine, whose load changes while the bench runs); the load average before and
+after the measurement is printed.
 
 Target (issue #3): ONNX int8 >= 3x faster than PyTorch fp32, with <= 0.5 points accuracy loss.
 """
@@ -34,7 +37,7 @@ def _texts_for_timing(texts: list[str], batch: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(batch)]
 
 
-def child(kind: str, folder: Path, threads: int, repeats: int) -> dict:
+def child(kind: str, folder: Path, threads: int, repeats: int, clock: str = "wall") -> dict:
     """Time one runtime and measure its test accuracy; returns a JSON-able dict."""
     import numpy as np
 
@@ -72,15 +75,16 @@ def child(kind: str, folder: Path, threads: int, repeats: int) -> dict:
     # long texts so that truncation to 128 tokens is what bounds every row
     long_texts = sorted(texts, key=len, reverse=True)[:64]
     latency = {}
+    timer = time.process_time if clock == "cpu" else time.perf_counter
     for b in BATCHES:
         batch = _texts_for_timing(long_texts, b)
         for _ in range(3):
             run(batch, pad_to=SEQ)
         times = []
         for _ in range(repeats if b == 1 else max(3, repeats // 4)):
-            t0 = time.perf_counter()
+            t0 = timer()
             run(batch, pad_to=SEQ)
-            times.append(time.perf_counter() - t0)
+            times.append(timer() - t0)
         latency[str(b)] = statistics.median(times) * 1000
     return {"kind": kind, "accuracy": accuracy, "latency_ms": latency}
 
@@ -123,22 +127,35 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="run the three runtimes this many times (rotated order)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time calls by wall clock (the latency) or by the process's CPU time (all its threads; "
+                         "with --threads 1, a figure that a shared machine's load barely moves)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.child:
-        print(json.dumps(child(args.child[0], Path(args.child[1]), args.threads, args.repeats)))
+        print(json.dumps(child(args.child[0], Path(args.child[1]), args.threads, args.repeats, args.clock)))
         return 0
     with tempfile.TemporaryDirectory(prefix="fedclinic-serving-") as tmp:
         folder = Path(tmp)
         prepare(folder, args.epochs, args.seed)
-        results = {}
-        for kind in ("torch", "onnx-fp32", "onnx-int8"):
-            out = subprocess.run([sys.executable, __file__, "--child", kind, str(folder), "--threads",
-                                  str(args.threads), "--repeats", str(args.repeats)],
-                                 check=True, capture_output=True, text=True)
-            results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+        kinds = ("torch", "onnx-fp32", "onnx-int8")
+        runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+        load_before = os.getloadavg()
+        for r in range(max(1, args.rounds)):
+            for kind in kinds[r % 3:] + kinds[:r % 3]:
+                out = subprocess.run([sys.executable, __file__, "--child", kind, str(folder), "--threads",
+                                      str(args.threads), "--repeats", str(args.repeats), "--clock", args.clock],
+                                     check=True, capture_output=True, text=True)
+                runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        load_after = os.getloadavg()
+    results = {kind: {**rs[0], "latency_ms": {str(b): statistics.median(x["latency_ms"][str(b)] for x in rs)
+                                              for b in BATCHES}} for kind, rs in runs.items()}
+    print(f"\nload average (1 / 5 / 15 min) on {os.cpu_count()} CPUs: before "
+          f"{' / '.join(f'{v:.2f}' for v in load_before)}, after {' / '.join(f'{v:.2f}' for v in load_after)}; "
+          f"{max(1, args.rounds)} round(s), {args.clock} clock, {args.threads} thread(s)")
     base = results["torch"]
     print(f"\n{'runtime':<10} {'accuracy':>9} " + " ".join(f"{'b=' + str(b) + ' ms':>10} {'speedup':>8}" for b in BATCHES))
     for kind, r in results.items():

@@ -37,8 +37,10 @@ same maximum difference plus top-1 agreement with PyTorch, checked against ``int
 in logit units; 2.0 for NER's per-token scores, whose maximum runs over every token) and 95 % agreement:
 quantization changes values by design. For a multi-label model (image-text) the agreement checked is
 ``label_agreement``, the share of per-label decisions (logit > 0, i.e. probability > 0.5) that agree; top-1
-agreement is reported beside it. Weights are quantized per channel, on the MatMuls and fused Attention ops only
-(on MiniLM this kept every test prediction; per-tensor scales did not).
+agreement is reported beside it. Weights are quantized per channel, on the MatMuls only (on MiniLM this kept every
+test prediction; per-tensor scales did not). A BERT graph is rewritten first (:mod:`fedclinic.onnx_encoder_int8`:
+attention unpacked into three projections and the ONNX ``Attention`` op, opset 24; a sequence classifier's last
+layer computed at the first token only), so its int8 bundle needs an onnxruntime with opset-24 kernels.
 
 The exporter is torch's (``torch.onnx.export(..., dynamo=True)``); the graph is checked with ``onnx.checker``.
 The LSTM architectures (text ``lstm``, NER ``cnn-bilstm-crf``) are traced through their unpacked forward
@@ -389,7 +391,9 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
                           opset=OPSET, fp32=fp32, files=["model.onnx"], fused_attention_layers=fused_layers)
     if int8:
         qtmp = out / "model.int8.onnx.tmp"
-        quantize_int8(out / "model.onnx", qtmp)
+        rewrites = quantize_int8(out / "model.onnx", qtmp)
+        if rewrites:
+            log(f"int8 graph (fedclinic.onnx_encoder_int8): {'; '.join(rewrites)}")
         int8_session = session(qtmp)
         report.int8 = check_parity(logits_of(int8_session), torch_logits, batches, tolerance=int8_tolerance,
                                    min_agreement=INT8_MIN_AGREEMENT, multi_label=multi_label)
@@ -477,28 +481,64 @@ def _fuse_encoder_attention(path: Path, config, log) -> int:
         fused_path.unlink(missing_ok=True)
 
 
-def quantize_int8(src: Path, dst: Path) -> None:
+def quantize_int8(src: Path, dst: Path) -> list[str]:
     """Dynamic int8 quantization of the graph at ``src`` into ``dst``: int8 weights, per output channel, on the
-    MatMuls and fused Attention ops (activations are quantized on the fly by onnxruntime)."""
+    MatMuls (activations are quantized on the fly by onnxruntime).
+
+    A BERT graph is first rewritten for onnxruntime's faster int8 kernels (:mod:`fedclinic.onnx_encoder_int8`):
+    its fused attention ops are unpacked into three projections and the ONNX ``Attention`` op, and a sequence
+    classifier's last layer is computed at the first token only. When the installed onnxruntime cannot load the
+    rewritten graph, the fused ops are quantized whole instead (``QAttention``). Returns the rewrites made."""
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from fedclinic import onnx_encoder_int8
 
     # the exporter's recorded intermediate shapes can contradict onnx's own inference (a fixed example
     # size); the quantizer re-infers them, so hand it the graph without them
     graph = onnx.load(str(src))
     graph.graph.ClearField("value_info")
+    if any(n.op_type == "Attention" and n.domain == "com.microsoft" for n in graph.graph.node):
+        unpacked = onnx.ModelProto()
+        unpacked.CopyFrom(graph)
+        if onnx_encoder_int8.unpack_attention(unpacked):
+            rewrites = [f"attention unpacked into int8 Q/K/V projections and the ONNX Attention op (opset "
+                        f"{onnx_encoder_int8.UNPACKED_ATTENTION_OPSET})"]
+            if onnx_encoder_int8.keep_first_token(unpacked):
+                rewrites.append("last layer computed at the first token only")
+            _quantize_dynamic(unpacked, dst, ["MatMul"])
+            if _loads_in_onnxruntime(dst):
+                return rewrites
+    # a fused Attention becomes QAttention (int8 Q/K/V projection, attention in the same op)
+    _quantize_dynamic(graph, dst, ["MatMul", "Attention"])
+    return []
+
+
+def _quantize_dynamic(graph, dst: Path, op_types: list[str]) -> None:
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     plain = dst.with_name(dst.name + ".plain")
     onnx.save(graph, str(plain))
     try:
         # per-channel weight scales on the MatMuls: on MiniLM, per-tensor scales moved logits by up to 2.3
-        # and flipped 4.5 % of test predictions; per-channel MatMul-only flipped none (max |diff| 0.45)
-        # a fused Attention becomes QAttention (int8 Q/K/V projection). The fused graph holds contrib ops that
-        # onnx's shape inference cannot type, hence the default tensor type
+        # and flipped 4.5 % of test predictions; per-channel MatMul-only flipped none (max |diff| 0.45).
+        # A fused graph holds contrib ops that onnx's shape inference cannot type, hence the default tensor type
         quantize_dynamic(str(plain), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul", "Attention"],
+                         op_types_to_quantize=op_types,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         plain.unlink(missing_ok=True)
+
+
+def _loads_in_onnxruntime(path: Path) -> bool:
+    """Whether the installed onnxruntime has a CPU kernel for every op of the graph at ``path``."""
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime raises its own Fail/NotImplemented types for a missing kernel or opset
+        return False
+    return True
 
 
 def _forget_rnn_kernels() -> None:

@@ -1,5 +1,6 @@
 """One fused ``Attention`` node per layer for exported BERT encoders, so onnxruntime runs attention as one kernel
-and ``--int8`` quantizes it as a whole (``QAttention``: int8 Q/K/V projection, attention in the same op).
+(the ``--int8`` graph unpacks it again into the form onnxruntime's int8 kernels run fastest:
+:mod:`fedclinic.onnx_encoder_int8`).
 
 Why this module exists: torch's dynamo exporter writes BERT's attention as ~15 primitive nodes per layer (with
 the default SDPA attention also a ``Where``/``IsNaN`` mask chain per layer), and onnxruntime's transformer

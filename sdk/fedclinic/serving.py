@@ -103,8 +103,13 @@ class ClassifierBundle(ModelMeta):
             options.intra_op_num_threads = int(threads)
         from fedclinic.onnx_encoder_fusion import SESSION_DISABLED_OPTIMIZERS
 
-        self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"],
-                                            disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+        try:
+            self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"],
+                                                disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
+        except Exception as exc:  # onnxruntime's own error types: a missing kernel or opset, a corrupt file
+            raise ConfigError(f"onnxruntime {ort.__version__} cannot load {model}: {exc}. A BERT int8 graph needs "
+                              f"opset-24 kernels: install the onnxruntime fedclinic pins (constraints.txt), or "
+                              f"re-export the bundle with this one") from None
         self._tokenizer = None
         self._pad_id = 0
         self._qa = None

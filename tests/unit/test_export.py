@@ -38,15 +38,21 @@ def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, arch
     padded = session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
     alone = session.run(["logits"], {"input_ids": ids[1:, :3], "attention_mask": mask[1:, :3]})[0]
     np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
-    if architecture == "transformer":  # BERT: one fused Attention op per layer, int8-quantized as a whole
+    if architecture == "transformer":  # BERT: one fused Attention op per layer; int8: ONNX Attention, int8 Q/K/V
         import onnx
 
-        ops = {name: {n.op_type for n in onnx.load(str(tmp_path / "out" / name)).graph.node}
-               for name in ("model.onnx", "model.int8.onnx")}
-        assert report.fused_attention_layers == loaded.module.config.num_hidden_layers == saved["fused_attention_layers"]
-        assert "Attention" in ops["model.onnx"] and "Softmax" not in ops["model.onnx"]
-        assert "SkipLayerNormalization" not in ops["model.onnx"]  # slower on CPU than Add + LayerNormalization
-        assert "QAttention" in ops["model.int8.onnx"]
+        graphs = {name: onnx.load(str(tmp_path / "out" / name)) for name in ("model.onnx", "model.int8.onnx")}
+        ops = {name: {(n.domain, n.op_type) for n in g.graph.node} for name, g in graphs.items()}
+        layers = loaded.module.config.num_hidden_layers
+        assert report.fused_attention_layers == layers == saved["fused_attention_layers"]
+        assert ("com.microsoft", "Attention") in ops["model.onnx"] and ("", "Softmax") not in ops["model.onnx"]
+        assert ("com.microsoft", "SkipLayerNormalization") not in ops["model.onnx"]  # slower than Add + LayerNorm
+        int8_nodes = graphs["model.int8.onnx"].graph.node
+        assert sum(n.op_type == "Attention" and n.domain == "" for n in int8_nodes) == layers
+        assert {op for _, op in ops["model.int8.onnx"]}.isdisjoint({"QAttention", "MatMul"})  # every MatMul is int8
+        # per layer: Q, K, V, attention output and the two feed-forward projections; then pooler and classifier
+        assert sum(n.op_type == "MatMulInteger" for n in int8_nodes) == 6 * layers + 2
+        assert sum(n.name.endswith("_first_token_slice") for n in int8_nodes) == 1  # the pooler reads token 0
 
 
 def test_an_encoder_whose_attention_does_not_fuse_keeps_the_plain_graph(tmp_path, monkeypatch):
@@ -63,6 +69,115 @@ def test_an_encoder_whose_attention_does_not_fuse_keeps_the_plain_graph(tmp_path
     assert report.fused_attention_layers == 0 and report.fp32.max_abs_diff <= 1e-4
     assert any("attention fused in 0 of 1 layers: keeping the unfused graph" in m for m in messages)
     assert "Attention" not in {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.node}
+
+
+def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
+    """The rewrites made before int8 quantization (fedclinic.onnx_encoder_int8), on a padded batch: unpacking each
+    fused attention changes the fp32 logits by float rounding only, and quantized it gives the logits of the fused
+    op quantized whole (QAttention); computing the last layer at the first token only changes the fp32 logits by
+    float rounding only too."""
+    import onnx
+    import onnxruntime as ort
+
+    from fedclinic import onnx_encoder_int8
+    from fedclinic.export import _quantize_dynamic
+    from fedclinic.models import build_model, package_from_config
+
+    from tests.integration.conftest import LABELS, tiny_tokenizer_json
+
+    config = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 32, "max_position_embeddings": 64}
+    pkg = package_from_config(architecture="transformer", labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
+                              config=config, max_length=16, seed=5)
+    pkg.save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "out")
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    fused.graph.ClearField("value_info")
+    unpacked = onnx.ModelProto()
+    unpacked.CopyFrom(fused)
+    assert onnx_encoder_int8.unpack_attention(unpacked) == 2
+    onnx.checker.check_model(unpacked)
+    assert [o.version for o in unpacked.opset_import if o.domain == ""] == [onnx_encoder_int8.UNPACKED_ATTENTION_OPSET]
+    assert not any(n.domain == "com.microsoft" and n.op_type == "Attention" for n in unpacked.graph.node)
+    first_token = onnx.ModelProto()
+    first_token.CopyFrom(unpacked)
+    assert onnx_encoder_int8.keep_first_token(first_token) is True
+    onnx.checker.check_model(first_token)
+
+    pad = build_model(pkg).pad_id
+    rng = np.random.default_rng(0)
+    lengths = np.array([9, 4, 1, 9, 6])
+    ids = rng.integers(4, 30, size=(5, 9)).astype(np.int64)
+    mask = (np.arange(9)[None, :] < lengths[:, None]).astype(np.int64)
+    ids[mask == 0] = pad
+
+    def logits(model_or_path):
+        source = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
+        session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+        return session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
+
+    np.testing.assert_allclose(logits(unpacked), logits(fused), atol=1e-5)
+    np.testing.assert_allclose(logits(first_token), logits(fused), atol=1e-5)
+    _quantize_dynamic(unpacked, tmp_path / "unpacked.onnx", ["MatMul"])
+    _quantize_dynamic(fused, tmp_path / "qattention.onnx", ["MatMul", "Attention"])
+    assert "QAttention" in {n.op_type for n in onnx.load(str(tmp_path / "qattention.onnx")).graph.node}
+    np.testing.assert_allclose(logits(tmp_path / "unpacked.onnx"), logits(tmp_path / "qattention.onnx"), atol=1e-5)
+
+
+def test_the_first_token_rewrite_leaves_a_graph_that_reads_every_token(tmp_path):
+    """A graph that also outputs the last layer's every position is not rewritten."""
+    import onnx
+
+    from fedclinic import onnx_encoder_int8
+
+    tiny_package("transformer", seed=5).save(tmp_path / "pkg")
+    export_onnx(tmp_path / "pkg", tmp_path / "out")
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert onnx_encoder_int8.unpack_attention(model) == 1
+    pooled = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] != "input_ids"
+                  and "embeddings" not in n.input[0])
+    model.graph.output.append(onnx.helper.make_tensor_value_info(pooled.input[0], onnx.TensorProto.FLOAT, None))
+    before = model.SerializeToString()
+    assert onnx_encoder_int8.keep_first_token(model) is False
+    assert model.SerializeToString() == before
+
+
+def test_an_onnxruntime_without_the_onnx_attention_kernel_gets_qattention(tmp_path, monkeypatch):
+    """When the installed onnxruntime cannot load the unpacked graph, --int8 quantizes the fused attention whole."""
+    import onnx
+
+    from fedclinic import export
+
+    tiny_package("transformer", seed=3).save(tmp_path / "pkg")
+    loads = export._loads_in_onnxruntime
+    probed: list[bool] = []
+
+    def old_onnxruntime(path):
+        probed.append(loads(path))  # the real probe loads the unpacked graph on this onnxruntime
+        return False
+
+    monkeypatch.setattr(export, "_loads_in_onnxruntime", old_onnxruntime)
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True)
+    assert probed == [True] and report.int8 is not None and report.int8.top1_agreement >= 0.95
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.int8.onnx")).graph.node}
+    assert "QAttention" in ops and "Attention" not in ops
+
+
+def test_the_onnxruntime_probe_refuses_an_op_without_a_kernel(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from fedclinic.export import _loads_in_onnxruntime
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    for op, domain, path in (("Relu", "", tmp_path / "ok.onnx"), ("NoSuchOp", "com.example", tmp_path / "bad.onnx")):
+        graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], domain=domain)], "g", [x],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+        onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
+                                                                         helper.make_opsetid("com.example", 1)]),
+                  str(path))
+    assert _loads_in_onnxruntime(tmp_path / "ok.onnx") is True
+    assert _loads_in_onnxruntime(tmp_path / "bad.onnx") is False
 
 
 def test_feature_model_exports(tmp_path):
@@ -161,6 +276,18 @@ def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
         bundle.predict(["ok", "  "])
     with pytest.raises(ConfigError, match="no model.int8.onnx.*--int8"):
         ClassifierBundle(tmp_path / "bundle", int8=True)
+    # a graph the installed onnxruntime has no kernel for (as an int8 graph of opset 24 on an older onnxruntime)
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    graph = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["logits"], domain="com.example")], "g", [x],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2])])
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
+                                                                     helper.make_opsetid("com.example", 1)]),
+              str(tmp_path / "bundle" / "model.int8.onnx"))
+    with pytest.raises(ConfigError, match=r"onnxruntime .* cannot load .*model.int8.onnx.*constraints.txt"):
+        ClassifierBundle(tmp_path / "bundle", int8=True)
     with pytest.raises(ConfigError, match="takes texts"):
         bundle.predict_features(np.zeros((1, 3)))
     (tmp_path / "bundle" / "tokenizer.json").unlink()
@@ -200,7 +327,12 @@ def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
     session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in session.get_outputs()]
     if architecture == "transformer":
+        import onnx
+
         assert outputs == ["logits"] and report.fp32.path_agreement is None
+        int8_nodes = onnx.load(str(tmp_path / "out" / "model.int8.onnx")).graph.node
+        assert any(n.op_type == "Attention" and n.domain == "" for n in int8_nodes)  # unpacked, and
+        assert not any(n.name.endswith("_first_token_slice") for n in int8_nodes)  # every token's tags are read
         return
     assert outputs == ["logits", "tags"] and report.fp32.path_agreement == 1.0
     assert report.int8 is not None and report.int8.path_agreement is not None
