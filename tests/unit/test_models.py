@@ -398,3 +398,19 @@ def test_module_tensors_and_load_tensors(tok_json):
     np.testing.assert_array_equal(module_tensors(loaded.module)["classifier.bias"], [1.0, 2.0, 3.0])
     with pytest.raises(IntegrityError, match=r"no tensor\(s\) 'nope'"):
         module_tensors(loaded.module, ["nope"])
+
+
+def test_encoding_without_offsets_gives_the_ids_and_truncation_of_the_full_encoding():
+    """encode_texts skips character offsets (encode_batch_fast); the ids must be those of the tokenizer's full
+    encoding, truncated the same way, on the real MiniLM tokenizer and long reviews."""
+    from fedclinic.datasets.drugreview import load_drug_reviews, minilm_path
+    from fedclinic.models.text_classification import encode_texts, load_tokenizer, tokenize_truncated
+
+    raw = (minilm_path() / "tokenizer.json").read_bytes()
+    texts = [r["review"] for r in load_drug_reviews()[:40]] + ["", "a"]
+    tok = load_tokenizer(raw)
+    full = tokenize_truncated(tok, texts, max_length=64)
+    ids, mask = encode_texts(tok, texts, max_length=64, pad_id=0)
+    assert any(len(e.ids) == 64 for e in full)  # truncation is exercised
+    for row, e in zip(range(len(texts)), full):
+        assert ids[row, :len(e.ids)].tolist() == e.ids and mask[row].sum() == len(e.ids)

@@ -229,13 +229,17 @@ def load_tokenizer(tokenizer_json: bytes | str) -> "tokenizers.Tokenizer":
     return tok
 
 
-def tokenize_truncated(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int) -> list:
+def tokenize_truncated(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int,
+                       offsets: bool = True) -> list:
     """The tokenizer's encodings of ``texts``, each truncated to ``max_length`` tokens (no padding): the one
-    tokenization step of every text family (:func:`encode_texts`, the NER encoder with offsets)."""
+    tokenization step of every text family (:func:`encode_texts`, the NER encoder with offsets). Without
+    ``offsets`` the character offsets are not computed (``encode_batch_fast``: the same ids, about a quarter less
+    time on a batch of reviews)."""
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length)
     try:
-        return tokenizer.encode_batch(list(texts))
+        encode = tokenizer.encode_batch if offsets else tokenizer.encode_batch_fast
+        return encode(list(texts))
     finally:
         tokenizer.no_truncation()
 
@@ -258,7 +262,8 @@ def encode_texts(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max
     right-padded with ``pad_id`` to the longest one (or to ``pad_to``). The one tokenization path of the
     trainer, the exporter and the serving bundle, so a served model sees exactly what it was trained on.
     """
-    return pad_encodings(tokenize_truncated(tokenizer, texts, max_length=max_length), pad_id=pad_id, pad_to=pad_to)
+    return pad_encodings(tokenize_truncated(tokenizer, texts, max_length=max_length, offsets=False), pad_id=pad_id,
+                         pad_to=pad_to)
 
 
 def tokenizer_pad_id(tokenizer_json: bytes | str) -> int:
