@@ -25,16 +25,18 @@ def _weights(loaded):
     return {n: p.detach().clone() for n, p in loaded.module.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
-def test_one_step_equals_clipped_per_example_gradients(mode):
+@pytest.mark.parametrize("mode, batch_size, multi", [("hooks", 6, False), ("ghost", 6, False), ("ghost", 4, False),
+                                                      ("ghost", 6, True), ("auto", 6, True)])
+def test_one_step_equals_clipped_per_example_gradients(mode, batch_size, multi):
     """sample rate 1 (every example in the batch) and negligible noise: the step is -lr * sum_i clip(g_i) / n
-    (dropout off, so the per-example reference passes see the same network)."""
-    _, loaded = model("transformer", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    data = encode(examples(6), loaded, max_length=16)
+    (dropout off, so the per-example reference passes see the same network); ghost clipping processes a sample
+    larger than the batch size in parts (4 + 2) and gives the same step; multi-label too."""
+    _, loaded = model("transformer", multi=multi, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    data = encode(examples(6, multi=multi), loaded, max_length=16)
     clip = 0.05
     reference = copy.deepcopy(loaded)
     before = _weights(loaded)
-    cfg = TrainConfig(optimizer="sgd", learning_rate=1.0, batch_size=6, max_grad_norm=0.0, seed=0)
+    cfg = TrainConfig(optimizer="sgd", learning_rate=1.0, batch_size=batch_size, max_grad_norm=0.0, seed=0)
     train_local_private(loaded, data, cfg, DPSGD(1e-9, clip, 1.0, 1), trainable=_trainable(loaded), mode=mode)
 
     reference.module.train()
@@ -132,3 +134,25 @@ def test_settings_that_do_not_combine_with_dp_are_refused():
     with pytest.raises(ConfigError, match="sample rate"):
         DPSGD(1.0, 1.0, 1.5, 1)
     assert dp_sgd.SUPPORTED["text-classification"] == ("transformer",)
+
+
+def test_auto_mode_picks_ghost_clipping_and_the_accountant_hook_sees_every_noisy_step():
+    """Text classification runs single-pass ghost clipping by default; Opacus' accountant hook, fed the step
+    record after every noise draw (empty Poisson samples included: noise-only steps), ends at (sigma, q, steps)."""
+    from opacus.accountants import RDPAccountant
+
+    from fedclinic.privacy.dp_sgd import NoisyStep
+
+    _, loaded = model("transformer")
+    data = encode(examples(6), loaded, max_length=16)
+    sigma, q, steps = 1.3, 0.05, 6  # (1 - q)^6 = 0.74: most samples are empty
+    accountant, seen = RDPAccountant(), []
+    hook = accountant.get_optimizer_hook_fn(sample_rate=q)
+    before = _weights(loaded)
+    train_local_private(loaded, data, TrainConfig(optimizer="sgd", learning_rate=0.1), DPSGD(sigma, 1.0, q, steps),
+                        trainable=_trainable(loaded), step_hook=lambda step: (seen.append(step), hook(step)))
+    assert len(seen) == steps and all(isinstance(s, NoisyStep) for s in seen)
+    assert seen[0].expected_batch_size == 1 and seen[0].noise_multiplier == sigma
+    assert accountant.history == [(sigma, q, steps)]
+    assert all(not torch.equal(before[n], p) for n, p in loaded.module.named_parameters())  # noise everywhere
+    assert all(p.grad is None and p.requires_grad for p in loaded.module.parameters())

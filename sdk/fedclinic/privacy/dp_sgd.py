@@ -1,9 +1,9 @@
-"""Sample-level DP-SGD for a site's local training (Opacus per-sample gradients, clipping and noise).
+"""Sample-level DP-SGD for a site's local training (per-example clipping and Gaussian noise).
 
 One round of local DP-SGD runs ``steps`` steps; each step (Abadi et al. 2016)::
 
     B   = Poisson sample of the site's examples, each kept with probability q
-    g_i = grad of loss(x_i) for i in B                       (per-sample gradients, Opacus hooks)
+    g_i = grad of loss(x_i) for i in B                       (per-sample gradients or only their norms)
     g   = ( sum_{i in B} g_i * min(1, C / ||g_i||) + N(0, (sigma C)^2 I) ) / (q n)
     w  <- optimizer step with g
 
@@ -32,10 +32,12 @@ the bag-of-tokens text logreg, and the ResNet + BiLSTM image-text model (batch n
 examples of a batch). Those use client-level DP (strategy ``dp-fedavg``) instead.
 
 Clipping modes: ``"hooks"`` materialises each example's gradient (Opacus' GradSampleModule); ``"ghost"``
-(fast gradient clipping) computes the per-example norms layer by layer without them. Ghost clipping sums
-squared per-layer norms, which is the squared norm of the example's gradient only when no parameter is used
-by two layers, and needs one classification loss per example: it is used for single-label text and feature
-classification only (``mode="auto"``) and refused elsewhere.
+(:mod:`fedclinic.privacy.ghost`) computes the per-example norms layer by layer from the layers' inputs and
+output gradients and forms the clipped sum from the same records, in one backward pass and without Opacus.
+Ghost clipping sums squared per-layer norms, which is the squared norm of the example's gradient only when no
+parameter is used twice (checked), and covers Linear, LayerNorm and Embedding parameters: it is used for text
+and feature classification (``mode="auto"``, single- and multi-label) when every trained tensor is one of
+those, and refused for the other families.
 
 BERT-family models
 ------------------
@@ -82,7 +84,7 @@ REFUSED = {
         "the ResNet's batch normalisation mixes the examples of a batch in training (each example's gradient "
         "depends on the others, so clipping it bounds nothing), and " + _LSTM),
 }
-#: families whose loss is one classification loss per example: ghost clipping is sound for them
+#: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
 GHOST_FAMILIES = ("text-classification", "feature-classification")
 #: HF model types whose default position ids are 0..L-1 for right-padded input (see the module docstring)
 ARANGE_POSITIONS = ("bert", "distilbert", "electra", "gpt2", "llama")
@@ -173,24 +175,25 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
 
     The objective is the batch mean of per-example losses (:class:`~fedclinic.privacy.per_example.PerExampleObjective`).
     ``mode``: ``"hooks"`` materialises one gradient per example and trained tensor (Opacus' GradSampleModule);
-    ``"ghost"`` computes the per-example norms without them (ghost clipping, Li et al. 2022 / Bu et al. 2023:
-    a second backward pass of the loss reweighted by min(1, C/||g_i||)), so memory stays near non-private
-    training; ``"auto"`` (default) uses ghost clipping for single-label text and feature classification and
-    hooks otherwise. Both compute the same clipped sum (tested). ``step_hook(optimizer)`` is called after the
-    noise of every step is drawn (Opacus' accountant hook fits: the caller can account what actually ran)."""
+    ``"ghost"`` computes the per-example norms and the clipped sum without them, in one backward pass
+    (:mod:`fedclinic.privacy.ghost`), so memory and time stay near non-private training; ``"auto"`` (default)
+    uses ghost clipping for text and feature classification when every trained tensor is a Linear, LayerNorm or
+    Embedding parameter, and hooks otherwise. Both compute the same clipped sum (tested). Ghost clipping takes a
+    Poisson sample larger than ``cfg.batch_size`` in parts of at most that size (the clipped sum adds over
+    examples), so its memory follows the batch size, not the sample's. ``step_hook(optimizer)``
+    is called after the noise of every step is drawn with an object carrying ``noise_multiplier``,
+    ``max_grad_norm``, ``expected_batch_size`` and ``accumulated_iterations`` (Opacus' accountant hook fits: the
+    caller can account what actually ran)."""
     if mode not in ("auto", "hooks", "ghost"):
         raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
-    if mode == "ghost" and (data.multi_label or loaded.family not in GHOST_FAMILIES):
-        raise ConfigError("ghost clipping needs one classification loss per example and no parameter shared by two "
-                          f"layers (single-label {' or '.join(GHOST_FAMILIES)}); use mode 'hooks' for this task")
+    if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
+        raise ConfigError(f"ghost clipping is available for {' and '.join(GHOST_FAMILIES)} (per-example losses of "
+                          "Linear, LayerNorm and Embedding layers, no parameter used twice); use mode 'hooks' for "
+                          "this task")
     import torch
-    from opacus import GradSampleModule
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping
-    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     from fedclinic.optimizers import make_optimizer
-    from fedclinic.privacy.per_example import PerExampleObjective
+    from fedclinic.privacy.ghost import unsupported_parameters
     from fedclinic.training import TrainResult, select_device
 
     cfg.validate()
@@ -218,61 +221,29 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     sampler = torch.Generator().manual_seed(seed)
     noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    expected = max(1, round(dp.sample_rate * n))
-    ghost = mode == "ghost" or (mode == "auto" and not data.multi_label and loaded.family in GHOST_FAMILIES)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # Opacus' notes about secure_mode and full backward hooks
-        if ghost:
-            gsm = GradSampleModuleFastGradientClipping(module, batch_first=True, loss_reduction="mean",
-                                                       max_grad_norm=dp.max_grad_norm, use_ghost_clipping=True)
-            dp_optimizer = DPOptimizerFastGradientClipping(
-                optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
-                expected_batch_size=expected, loss_reduction="mean", generator=noise)
-        else:
-            gsm = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
-            dp_optimizer = DPOptimizer(optimizer, noise_multiplier=dp.noise_multiplier,
-                                       max_grad_norm=dp.max_grad_norm, expected_batch_size=expected,
-                                       loss_reduction="mean", generator=noise)
-    if step_hook is not None:
-        dp_optimizer.attach_step_hook(step_hook)
-    handles = explicit_ids_hook(module)
+    noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * n)))
+    ghost = mode == "ghost" or (mode == "auto" and loaded.family in GHOST_FAMILIES
+                                and not unsupported_parameters(module, train_params))
     original = loaded.module
-    loaded.module = gsm  # loaded.logits(...) now runs through the per-sample gradient hooks
-    objective = PerExampleObjective(loaded, module, data.multi_label)
-    if ghost:
-        # single-label classification only: softmax cross-entropy per example, the objective of that family
-        criterion = DPLossFastGradientClipping(gsm, dp_optimizer, torch.nn.CrossEntropyLoss(reduction="mean"), "mean")
-        loss_fn = lambda inputs, y: criterion(loaded.logits(*inputs).float(), y)  # noqa: E731
-    else:
-        loss_fn = objective
+    handles = explicit_ids_hook(module)
+    run = None
     loss_sum, seen = 0.0, 0
     try:
+        run = (_GhostRun if ghost else _OpacusRun)(loaded, module, data, device, cfg.batch_size, train_params,
+                                                   optimizer, noisy, noise, step_hook)
         module.train()
         for step in range(1, dp.steps + 1):
             idx = (torch.rand(n, generator=sampler) < dp.sample_rate).nonzero().flatten()
-            dp_optimizer.zero_grad(set_to_none=True)
-            if len(idx) == 0:
-                _empty_sample(train_params, ghost)  # a noise-only step, as the accountant assumes
-            else:
-                inputs, y = data.batch(idx, device)
-                loss = loss_fn(inputs, y)
-                with warnings.catch_warnings():
-                    # frozen embeddings feed the first trained layer: torch notes that the full backward hooks
-                    # then fire on module outputs only, which is all Opacus' per-sample gradients need
-                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                    loss.backward()
-                if not ghost:
-                    objective.after_backward()
-                loss_sum += float(loss.detach()) * len(idx)
-                seen += len(idx)
-            dp_optimizer.step()
+            loss_sum += run.step(idx)
+            seen += len(idx)
             if progress is not None:
                 progress(step, dp.steps, loss_sum / max(seen, 1))
     finally:
         for h in handles:
             h.remove()
+        if run is not None:
+            run.close()
         loaded.module = original
-        gsm._close()
         for p in module.parameters():
             p.requires_grad_(True)
             p.grad = None
@@ -282,12 +253,107 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     return TrainResult(num_samples=n, steps=dp.steps, loss=loss_sum / max(seen, 1))
 
 
-def _empty_sample(params: list, ghost: bool) -> None:
-    """Per-sample gradients of an empty batch: the optimizer's clipped sum is zero and only noise is added."""
-    import torch
+@dataclass(frozen=True)
+class NoisyStep:
+    """What a step hook is shown of a ghost-clipping step: the attributes Opacus' accountant hook reads."""
 
-    for p in params:
-        if ghost:
-            p.grad = torch.zeros_like(p)
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: int
+    accumulated_iterations: int = 1
+
+
+class _GhostRun:
+    """DP-SGD steps with :class:`~fedclinic.privacy.ghost.GhostClipping`: ``p.grad = (S + N(0, (sigma C)^2 I)) /
+    (q n)`` per trained tensor (noise drawn one tensor at a time), then the optimizer's step. ``S`` adds over
+    examples, so the Poisson sample is processed in parts of at most the task's batch size: a sample larger than
+    expected costs time, not memory beyond what non-private training at that batch size needs."""
+
+    def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
+                 noise, step_hook) -> None:
+        from fedclinic.privacy.ghost import GhostClipping
+        from fedclinic.privacy.per_example import PerExampleObjective
+
+        self.clip = GhostClipping(module, params, noisy.max_grad_norm)
+        self.objective = PerExampleObjective(loaded, module, data.multi_label)
+        self.data, self.device, self.part_size = data, device, max(1, part_size)
+        self.params, self.optimizer, self.noisy, self.noise, self.step_hook = params, optimizer, noisy, noise, step_hook
+
+    def step(self, idx: "torch.Tensor") -> float:
+        """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step, as the accountant assumes);
+        returns the sample's summed loss."""
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)  # p.grad must hold only this step's clipped sum and noise
+        total = 0.0
+        for part in idx.split(self.part_size) if len(idx) else ():
+            inputs, y = self.data.batch(part, self.device)
+            with self.clip.recording():
+                losses = self.objective.per_example(inputs, y)
+            self.clip.add_clipped_sum(losses)
+            total += float(losses.detach().sum())
+            del losses
+        std = self.noisy.noise_multiplier * self.noisy.max_grad_norm
+        for p in self.params:
+            noise = torch.empty_like(p).normal_(0.0, std, generator=self.noise)
+            p.grad = noise if p.grad is None else p.grad.add_(noise)
+            p.grad.div_(self.noisy.expected_batch_size)
+        if self.step_hook is not None:
+            self.step_hook(self.noisy)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def close(self) -> None:
+        self.clip.close()
+
+
+class _OpacusRun:
+    """DP-SGD steps with Opacus' GradSampleModule (one gradient per example and trained tensor) and DPOptimizer."""
+
+    def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
+                 noise, step_hook) -> None:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        from fedclinic.privacy.per_example import PerExampleObjective
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Opacus' notes about secure_mode and full backward hooks
+            self.gsm = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
+            self.optimizer = DPOptimizer(optimizer, noise_multiplier=noisy.noise_multiplier,
+                                         max_grad_norm=noisy.max_grad_norm,
+                                         expected_batch_size=noisy.expected_batch_size, loss_reduction="mean",
+                                         generator=noise)
+        if step_hook is not None:
+            self.optimizer.attach_step_hook(step_hook)
+        self.data, self.device, self.params = data, device, params
+        loaded.module = self.gsm  # loaded.logits(...) now runs through the per-sample gradient hooks
+        self.objective = PerExampleObjective(loaded, module, data.multi_label)
+
+    def step(self, idx: "torch.Tensor") -> float:
+        """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step) in one batch (``part_size`` is
+        not used: Opacus keeps every example's gradient until the step anyway); returns its summed loss."""
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        if len(idx) == 0:
+            for p in self.params:  # the clipped sum of no per-sample gradients is zero; only noise is added
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
         else:
-            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            inputs, y = self.data.batch(idx, self.device)
+            loss = self.objective(inputs, y)
+            with warnings.catch_warnings():
+                # frozen embeddings feed the first trained layer: torch notes that the full backward hooks
+                # then fire on module outputs only, which is all Opacus' per-sample gradients need
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                loss.backward()
+            self.objective.after_backward()
+            total = float(loss.detach()) * len(y)
+        self.optimizer.step()
+        return total
+
+    def close(self) -> None:
+        self.gsm._close()
+
