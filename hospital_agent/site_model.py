@@ -58,12 +58,17 @@ def merge_private(global_package: ModelPackage, global_model_hash: str, store: P
     return SiteModel(merged, global_model_hash, round_, tuple(sorted(tensors)))
 
 
+def check_new_folder(out_dir: Path) -> None:
+    """ConfigError unless ``out_dir`` is absent or an empty folder (a site model never overwrites anything)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} exists and is not an empty folder; choose a new folder for the site model")
+
+
 def write_site_model(model: SiteModel, out_dir: Path, *, task_id: str, site: str) -> Path:
     """Save the package into ``out_dir`` (which must be empty or absent: nothing there is overwritten) with its
     provenance file."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConfigError(f"{out_dir} exists and is not an empty folder; choose a new folder for the site model")
+    check_new_folder(out_dir)
     folder = model.package.save(out_dir)
     provenance = {"task_id": task_id, "site": site, "global_model_hash": model.global_model_hash,
                   "private_round": model.private_round, "private_tensors": list(model.private_tensors),
@@ -86,14 +91,12 @@ def export_site_model(config_path: str, task_id: str, out_dir: str) -> int:
     from hospital_agent.config import AgentConfig
     from hospital_agent.connection import AgentChannel
 
+    out = Path(out_dir)
     try:
         config = AgentConfig.load(config_path)
+        check_new_folder(out)  # before anything is fetched
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"error: {out} exists and is not an empty folder; choose a new folder for the site model", file=sys.stderr)
         return 2
     store = PrivateStore(private_store_folder(config.work_dir))
     conn = AgentChannel(config.aggregator, config.tls, server_name=config.server_name)

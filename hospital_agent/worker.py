@@ -732,10 +732,11 @@ class Agent:
                 log.warning("encoded change unusable", tensor=name, error=str(exc))
                 failed.append(name)
                 continue
-            if tensor_sha256(tensor) != entry.sha256:
+            data = raw_bytes(tensor)
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
                 failed.append(name)
                 continue
-            self.cache.put(raw_bytes(tensor), entry.sha256)
+            self.cache.put(data, entry.sha256, verified=True)  # hashed just above
         return failed
 
     # uploads ------------------------------------------------------------------------------------------------

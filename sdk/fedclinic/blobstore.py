@@ -97,10 +97,12 @@ class BlobStore:
         and only commits when they match ``expected_sha256``, so the writer skips its own second hash."""
         return BlobWriter(self, expected_sha256, expected_nbytes, verified_by_caller)
 
-    def put(self, data: bytes | memoryview, expected_sha256: str | None = None) -> str:
+    def put(self, data: bytes | memoryview, expected_sha256: str | None = None, *, verified: bool = False) -> str:
+        """Store ``data``; returns its sha256. With ``verified`` the caller has just hashed ``data`` to
+        ``expected_sha256``, and the bytes are not hashed a second time."""
         if expected_sha256 is not None and self.has(expected_sha256):
             return expected_sha256
-        w = self.writer(expected_sha256, len(data))
+        w = self.writer(expected_sha256, len(data), verified_by_caller=verified)
         w.write(data)
         return w.commit()
 
