@@ -426,11 +426,7 @@ class Engine:
         why = self._quorum_unreachable(task_id, self.spec(task_id))
         if rnd is None or not why:
             return
-        with self.store.tx() as c:
-            c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
-                      (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd.round))
-            self._fail(c, task_id, f"round {rnd.round}: {why}")
-        self._drop_round_data(task_id)
+        self._fail_round(task_id, rnd.round, f"round {rnd.round}: {why}")
         log.warning("task failed: quorum unreachable", task_id=task_id, round=rnd.round)
 
     def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None:
@@ -466,11 +462,7 @@ class Engine:
             try:
                 acc.strategy.accept(mean, 1.0, site="secure-aggregate")
             except (IntegrityError, ValueError) as exc:
-                with self.store.tx() as c:
-                    c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
-                              (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd))
-                    self._fail(c, task_id, f"round {rnd}: the securely aggregated update was refused: {exc}")
-                self._drop_round_data(task_id)
+                self._fail_round(task_id, rnd, f"round {rnd}: the securely aggregated update was refused: {exc}")
                 return
             self._close_round(task_id, extra_metrics=metrics, closed_with=summary)
             self.changed.notify_all()
@@ -710,13 +702,9 @@ class Engine:
         try:
             new_arrays = acc.strategy.finalize()
         except (IntegrityError, ValueError) as exc:
-            message = f"round {rnd.round}: the {spec.strategy or 'fedavg'} aggregation failed: {exc}"
-            with self.store.tx() as c:
-                c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
-                          (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd.round))
-                self._fail(c, task_id, message)
+            self._fail_round(task_id, rnd.round,
+                             f"round {rnd.round}: the {spec.strategy or 'fedavg'} aggregation failed: {exc}")
             log.error("aggregation failed", task_id=task_id, round=rnd.round, error=str(exc))
-            self._drop_round_data(task_id)
             return
         base = self.store.model(rnd.base_model)
         assert base is not None
@@ -781,6 +769,14 @@ class Engine:
                                           codec_params=codec_wire.header_params(enc))
         return broadcast, tensors_pb2.DownlinkDelta(name=base.name, base_sha256=base.sha256, header=header)
 
+    def _fail_round(self, task_id: str, rnd: int, message: str) -> None:
+        """Round ``rnd`` failed and takes the task with it (``message`` says why); its spilled updates go."""
+        with self.store.tx() as c:
+            c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
+                      (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd))
+            self._fail(c, task_id, message)
+        self._drop_round_data(task_id)
+
     def _fail(self, c, task_id: str, message: str) -> None:
         c.execute("UPDATE tasks SET state=?, error=?, updated_ms=? WHERE task_id=?",
                   (S.TASK_STATE_FAILED, message, now_ms(), task_id))
@@ -820,21 +816,18 @@ class Engine:
             missed += (f"; connected site(s) {', '.join(unable)} did not announce the update codec "
                        f"{spec.update.codec!r} at Hello (upgrade their agents or choose another codec)")
         retry = rc.on_quorum_miss == task_pb2.QUORUM_POLICY_RETRY and rnd.attempt <= rc.max_round_retries
-        with self.store.tx() as c:
-            if retry:
+        if retry:
+            with self.store.tx() as c:
                 self.store.add_event(c, task_id, "round-failed", missed + "; quorum policy is 'retry': reopening",
                                      round=rnd.round, attempt=rnd.attempt)
                 deadline = now_ms() + int(rc.round_timeout_s * 1000)
                 c.execute("UPDATE rounds SET attempt=attempt+1, deadline_ms=? WHERE task_id=? AND round=?",
                           (deadline, task_id, rnd.round))
-            else:
-                policy = "retry, and the retries are used up" if rc.on_quorum_miss == task_pb2.QUORUM_POLICY_RETRY else "fail"
-                c.execute("UPDATE rounds SET state=?, closed_ms=? WHERE task_id=? AND round=?",
-                          (S.ROUND_STATE_FAILED, now_ms(), task_id, rnd.round))
-                self._fail(c, task_id, f"{missed}; quorum policy is '{policy}'. Check that enough agents are "
-                                       "connected and allowed to join (see declined events), or lower min_sites")
-        if not retry:
-            self._drop_round_data(task_id)
+        else:
+            policy = "retry, and the retries are used up" if rc.on_quorum_miss == task_pb2.QUORUM_POLICY_RETRY else "fail"
+            self._fail_round(task_id, rnd.round, f"{missed}; quorum policy is '{policy}'. Check that enough agents "
+                                                 "are connected and allowed to join (see declined events), or lower "
+                                                 "min_sites")
         log.warning("round missed quorum", task_id=task_id, round=rnd.round, updates=n, retry=retry)
 
     def _tick_loop(self) -> None:
