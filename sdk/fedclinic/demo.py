@@ -30,10 +30,12 @@ import time
 from pathlib import Path
 
 DEMO_DATASET = "drugreviews"
+#: the [CLS] pooler's tensors, trained with the head under --pooling cls (a mean-pooled model has no pooler)
+POOLER = r"bert\.pooler\..*"
 # MiniLM has 6 encoder layers; training the top two plus the pooler and the head keeps a round short on CPU.
-TRAINABLE = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.[45]\..*"]
+TRAINABLE = [r"classifier\..*", POOLER, r"bert\.encoder\.layer\.[45]\..*"]
 #: --layers all: every encoder layer, the pooler and the head (the embeddings stay frozen)
-ALL_LAYERS = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.\d+\..*"]
+ALL_LAYERS = [r"classifier\..*", POOLER, r"bert\.encoder\.layer\.\d+\..*"]
 # NER: the same top layers, the tag head and the CRF (a token classifier has no pooler)
 NER_TRAINABLE = [r"classifier\..*", r"crf\..*", r"bert\.encoder\.layer\.[45]\..*"]
 # QA: SmolLM2's top two decoder layers (of 30) and the final norm; the tied embedding/output matrix stays
@@ -81,6 +83,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    "this dense codec (fp16, bf16, int8, int4; default: full tensors)")
     p.add_argument("--layers", choices=("top2", "all"), default="top2",
                    help="classification: train the top 2 encoder layers (default) or all 6 (+ pooler and head)")
+    p.add_argument("--pooling", choices=("cls", "mean"), default="cls",
+                   help="classification: the head reads BERT's [CLS] pooler (default) or the mean of the last layer "
+                        "over the real tokens, the pooling MiniLM was trained with; a mean-pooled model has no "
+                        "pooler to train or send (fedclinic.models.mean_pooling)")
     p.add_argument("--safl-top-k", type=int, default=0,
                    help="classification: attention-selected layers (SAFL): each site trains and sends its K best "
                         "layers of those --layers allows, every round (0 = off)")
@@ -269,8 +275,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
     trainable_patterns = {"classification": ALL_LAYERS if args.layers == "all" else TRAINABLE, "ner": NER_TRAINABLE,
                           "qa": QA_TRAINABLE}[args.task]
-    if (args.safl_top_k or args.lora_rank or args.layers != "top2") and args.task != "classification":
-        raise SystemExit("--layers, --safl-top-k and --lora-rank apply to the classification demo")
+    if (args.safl_top_k or args.lora_rank or args.layers != "top2" or args.pooling != "cls") \
+            and args.task != "classification":
+        raise SystemExit("--layers, --pooling, --safl-top-k and --lora-rank apply to the classification demo")
+    mean_pooled = args.task == "classification" and args.pooling == "mean"
+    model_config = {"pooling": "mean"} if mean_pooled else {}
+    if mean_pooled:
+        trainable_patterns = [p for p in trainable_patterns if p != POOLER]
     if args.safl_top_k and args.lora_rank:
         raise SystemExit("choose one of --safl-top-k and --lora-rank")
     family = {"ner": dict(family="token-classification", architecture="transformer-crf"),
@@ -291,9 +302,9 @@ def run_demo(args: argparse.Namespace) -> int:
         from fedclinic.models import package_pretrained
 
         package = lora.add_adapters(package_pretrained(model_dir, labels=labels, max_length=args.max_length,
-                                                       seed=args.seed),
+                                                       seed=args.seed, config=model_config or None),
                                     lora.LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank, seed=args.seed))
-        trainable_patterns = lora.trainable_patterns(head=(r"classifier\..*", r"bert\.pooler\..*"))
+        trainable_patterns = lora.trainable_patterns(head=(r"classifier\..*",) + (() if mean_pooled else (POOLER,)))
     selection = {"selection": "safl", "safl_top_k": args.safl_top_k} if args.safl_top_k else {}
     batch_size = 8 if qa else 16
     privacy = {}
@@ -304,6 +315,7 @@ def run_demo(args: argparse.Namespace) -> int:
         privacy = {"level": "sample", "target_epsilon": args.privacy_epsilon, "target_delta": DP_DELTA,
                    "max_grad_norm": 1.0}
     task = Task(privacy=privacy, name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
+                model_config=model_config,
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
                 learning_rate=args.learning_rate, optimizer=args.optimizer, max_length=args.max_length, seed=args.seed,
                 trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", codec=args.codec,

@@ -107,3 +107,38 @@ def test_safl_two_rounds_send_selected_layers_only_and_equal_a_replay(tmp_path):
     assert " layers 0:2 1:1" in _headline(dict(final.rounds[0].metrics))  # watch's line for round 1
     full = sum(4 * a.size for a in models[-1].tensors.values())
     assert all(r.uplink_fp32_bytes < full / 2 for s in final.rounds for r in s.reports)  # only a fraction travels
+
+
+def test_safl_on_a_mean_pooled_model_sends_the_chosen_layer_and_the_classifier_only(tmp_path):
+    """With mean pooling the model has no pooler, so a site's update is its chosen layer plus ``classifier.*``:
+    nothing travels every round that the head does not need (issue #6's SAFL byte count)."""
+    from fedclinic.models import package_from_config, wordlevel_tokenizer_json
+    from tests.unit.test_safl import WORDS
+
+    setups = []
+    for site in SITES:
+        path = tmp_path / "data" / site / "train.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps({"text": ex.text, "label": ex.labels[0]}) + "\n" for ex in _rows(site)))
+        setups.append(SiteSetup(site, datasets={"notes": {"path": str(path), "format": "jsonl"}}))
+    config = {"model_type": "bert", "hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,
+              "intermediate_size": 16, "max_position_embeddings": 32, "pooling": "mean"}
+    package = package_from_config(architecture="transformer", labels=LABELS, config=config, max_length=16,
+                                  tokenizer_json=wordlevel_tokenizer_json(WORDS))
+    task = Task(name="safl-mean", dataset="notes", labels=LABELS, architecture="transformer", num_rounds=1,
+                min_sites=3, local_epochs=1, batch_size=8, learning_rate=0.01, optimizer="sgd", max_length=16,
+                round_timeout_s=120, on_quorum_miss="fail", selection="safl", safl_top_k=1, safl_profile_samples=6)
+    with LocalFederation(tmp_path / "fed", setups, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            st = client.submit(task, package=package)
+            final = client.wait(st.task_id, timeout=300, progress=False)
+            assert state_name(final.state) == "completed", final.error
+        stored = stored_update_tensors(fed, st.task_id)
+    reports = {r.site_id: r for r in final.rounds[0].reports}
+    for site in SITES:
+        (layer,) = reports[site].selected_layers
+        layer_names = {n for n in package.tensors if safl.layer_of(n) == layer}
+        assert stored[(site, 1)] == layer_names | {"classifier.weight", "classifier.bias"}, site
+        sent = sum(4 * package.tensors[n].size for n in stored[(site, 1)])
+        assert reports[site].uplink_fp32_bytes == sent

@@ -25,13 +25,15 @@ def _weights(loaded):
     return {n: p.detach().clone() for n, p in loaded.module.named_parameters()}
 
 
-@pytest.mark.parametrize("mode, batch_size, multi", [("hooks", 6, False), ("ghost", 6, False), ("ghost", 4, False),
-                                                      ("ghost", 6, True), ("auto", 6, True)])
-def test_one_step_equals_clipped_per_example_gradients(mode, batch_size, multi):
+@pytest.mark.parametrize("mode, batch_size, multi, pooling", [
+    ("hooks", 6, False, "cls"), ("ghost", 6, False, "cls"), ("ghost", 4, False, "cls"), ("ghost", 6, True, "cls"),
+    ("auto", 6, True, "cls"), ("hooks", 6, False, "mean"), ("ghost", 4, False, "mean")])
+def test_one_step_equals_clipped_per_example_gradients(mode, batch_size, multi, pooling):
     """sample rate 1 (every example in the batch) and negligible noise: the step is -lr * sum_i clip(g_i) / n
     (dropout off, so the per-example reference passes see the same network); ghost clipping processes a sample
-    larger than the batch size in parts (4 + 2) and gives the same step; multi-label too."""
-    _, loaded = model("transformer", multi=multi, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    larger than the batch size in parts (4 + 2) and gives the same step; multi-label and mean pooling too."""
+    _, loaded = model("transformer", multi=multi, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      pooling=pooling)
     data = encode(examples(6, multi=multi), loaded, max_length=16)
     clip = 0.05
     reference = copy.deepcopy(loaded)

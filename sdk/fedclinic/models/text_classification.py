@@ -16,7 +16,9 @@ Architectures
     ``config.json``, so a saved package folder loads with ``from_pretrained(folder)``. Tensor names are the
     HF state-dict keys, e.g. for BERT/MiniLM ``bert.embeddings.word_embeddings.weight``,
     ``bert.encoder.layer.{i}.attention.self.query.weight``, ``bert.pooler.dense.weight``,
-    ``classifier.weight``.
+    ``classifier.weight``. With ``pooling = "mean"`` (a ``config`` key, recorded in ``arch_config``) the head
+    reads the masked mean of the last layer instead of the ``[CLS]`` pooler, and the model has no pooler
+    (:mod:`fedclinic.models.mean_pooling`; sentence encoders such as all-MiniLM-L6-v2 were trained that way).
 ``lstm``
     ``embedding -> (Bi)LSTM -> dropout -> linear``; the feature is the final hidden state of the last
     layer (both directions concatenated when bidirectional), computed on packed sequences so padding never
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.models.mean_pooling import POOLINGS, mean_pooled_classifier_class, sentence_transformers_pooling
 from fedclinic.models.meta import ModelMeta
 from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
 
@@ -464,15 +467,32 @@ def _check_transformer_fits(config, vocab_size: int, max_length: int) -> None:
 def _hf_config_bytes(module) -> bytes:
     d = module.config.to_dict()
     d.pop("_name_or_path", None)
-    d["architectures"] = [type(module).__name__]
+    # a mean-pooled classifier is not a Hugging Face class; its encoder is (the head is fedclinic's)
+    d["architectures"] = [type(getattr(module, "encoder", module)).__name__]
     return (json.dumps(d, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def _build_hf_module(config, seed: int):
+def _pop_pooling(config: dict[str, Any]) -> str:
+    """Remove and check the ``pooling`` key of a transformer ``config`` (default ``cls``)."""
+    pooling = config.pop("pooling", "cls")
+    if pooling not in POOLINGS:
+        raise ConfigError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
+    return pooling
+
+
+def _transformer_arch_config(model_type: str, pooling: str) -> dict[str, Any]:
+    # the [CLS] form records no pooling key, so packages made before mean pooling existed keep their hash
+    return {"model_type": model_type, **({"pooling": pooling} if pooling != "cls" else {})}
+
+
+def _build_hf_module(config, seed: int, pooling: str = "cls"):
     from transformers import AutoModelForSequenceClassification
 
     with _seeded(seed):
-        module = AutoModelForSequenceClassification.from_config(config)
+        if pooling == "mean":
+            module = mean_pooled_classifier_class()(config)
+        else:
+            module = AutoModelForSequenceClassification.from_config(config)
     return module.float()
 
 
@@ -569,7 +589,8 @@ def package_pretrained(
 
     ``transformer``: the encoder weights come from the folder; the new classification head (and a pooler if
     the checkpoint has none) is initialised from ``seed`` (same seed, same package hash). ``config``
-    overrides HF config fields that do not change shapes (e.g. ``{"hidden_dropout_prob": 0.0}``).
+    overrides HF config fields that do not change shapes (e.g. ``{"hidden_dropout_prob": 0.0}``) and may set
+    ``pooling``: ``"cls"`` (default, HF's pooler) or ``"mean"`` (:mod:`fedclinic.models.mean_pooling`).
     ``lstm`` / ``logreg``: only the folder's tokenizer is used; ``config`` sets the architecture's fields.
     Nothing is downloaded; nothing but JSON and safetensors is read.
     """
@@ -598,13 +619,19 @@ def package_pretrained(
     labels = _check_labels(labels, multi_label)
     _check_max_length(max_length)
     merged = {**hf_cfg, **dict(config or {})}
+    pooling = _pop_pooling(merged)
+    declared = sentence_transformers_pooling(folder)
+    if declared is not None and declared != pooling:
+        log.info("%s was trained with %s pooling; set pooling = %r in the model config to use it, or keep %s",
+                 folder, declared, declared, pooling)
     hf_config = _hf_config(merged, labels, multi_label)
     tokenizer = load_tokenizer(tokenizer_json)
     _check_transformer_fits(hf_config, tokenizer.get_vocab_size(with_added_tokens=True), max_length)
     checkpoint = _read_checkpoint(folder)
-    module = _build_hf_module(hf_config, seed)
+    module = _build_hf_module(hf_config, seed, pooling)
     load_tensors(module, _map_checkpoint(module, checkpoint))
-    meta = _meta(architecture, labels, multi_label, max_length, base_model, {"model_type": hf_config.model_type})
+    meta = _meta(architecture, labels, multi_label, max_length, base_model,
+                 _transformer_arch_config(hf_config.model_type, pooling))
     files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
              **side_files}
     return ModelPackage(tensors=module_tensors(module), files=files)
@@ -624,8 +651,9 @@ def package_from_config(
     """A freshly initialised model (seeded) from an architecture config — tiny models for tests and baselines.
 
     ``transformer``: ``config`` is an HF config dict with ``model_type`` (e.g. ``{"model_type": "bert",
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}``);
-    ``vocab_size`` and ``pad_token_id`` default to the tokenizer's. ``lstm``: keys of :data:`LSTM_DEFAULTS`.
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}``, plus
+    an optional ``pooling``: ``"cls"`` or ``"mean"``); ``vocab_size`` and ``pad_token_id`` default to the
+    tokenizer's. ``lstm``: keys of :data:`LSTM_DEFAULTS`.
     ``logreg``: no keys. ``vocab_size`` always comes from the tokenizer for lstm/logreg.
     """
     _check_architecture(architecture)
@@ -641,10 +669,11 @@ def package_from_config(
     if architecture == "transformer":
         config.setdefault("vocab_size", vocab_size)
         config.setdefault("pad_token_id", pad_id)
+        pooling = _pop_pooling(config)
         hf_config = _hf_config(config, labels, multi_label)
         _check_transformer_fits(hf_config, vocab_size, max_length)
-        module = _build_hf_module(hf_config, seed)
-        arch_config: dict[str, Any] = {"model_type": hf_config.model_type}
+        module = _build_hf_module(hf_config, seed, pooling)
+        arch_config: dict[str, Any] = _transformer_arch_config(hf_config.model_type, pooling)
         files[HF_CONFIG_FILE] = _hf_config_bytes(module)
     else:
         arch_config = _arch_config(architecture, config, vocab_size, pad_id)
@@ -719,6 +748,9 @@ def build(package: ModelPackage) -> LoadedModel:
             raise IntegrityError(f"a transformer package needs {HF_CONFIG_FILE}")
         hf = json.loads(raw)
         declared = (meta.get("arch_config") or {}).get("model_type")
+        pooling = (meta.get("arch_config") or {}).get("pooling", "cls")
+        if pooling not in POOLINGS:
+            raise IntegrityError(f"{META_FILE} declares pooling {pooling!r}; this version knows {list(POOLINGS)}")
         _check_model_type(hf.get("model_type"))
         if declared is not None and declared != hf.get("model_type"):
             raise IntegrityError(f"{META_FILE} says model_type {declared!r} but {HF_CONFIG_FILE} says "
@@ -727,7 +759,7 @@ def build(package: ModelPackage) -> LoadedModel:
         if int(config.vocab_size) < vocab_size:
             raise IntegrityError(f"{TOKENIZER_FILE} has {vocab_size} tokens but the model's vocab_size is "
                                  f"{config.vocab_size}")
-        module = _build_hf_module(config, 0)
+        module = _build_hf_module(config, 0, pooling)
     else:
         arch = dict(meta.get("arch_config") or {})
         if int(arch.get("vocab_size", -1)) != vocab_size:
