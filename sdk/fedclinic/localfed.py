@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,13 @@ def wait_until(predicate, timeout: float, what: str, *, interval: float = 0.05, 
 
 
 class LocalFederation:
+    """The services of one local federation; a context manager that stops them on exit.
+
+    The services run in sessions of their own (a terminal's Ctrl-C reaches only the owner, which then stops them
+    in order). While the federation is entered in the main thread, a SIGTERM to the owning process (``timeout``,
+    ``kill``, a CI job ending) raises SystemExit(143) there, so the services are stopped as on any other exit
+    instead of being left running; the previous SIGTERM handling is restored on exit."""
+
     def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
                  aggregator_settings: dict[str, Any] | None = None, log_level: str = "info",
                  metrics_address: str | None = None) -> None:
@@ -93,6 +101,7 @@ class LocalFederation:
         self.agents: dict[str, subprocess.Popen] = {}
         self.address = ""
         self._log_files: list = []
+        self._previous_sigterm: Any = None
 
     # PKI --------------------------------------------------------------------------------------------------
     def make_pki(self) -> None:
@@ -224,7 +233,18 @@ class LocalFederation:
             f.close()
 
     def __enter__(self) -> "LocalFederation":
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+                self._previous_sigterm = None
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)

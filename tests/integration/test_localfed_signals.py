@@ -1,0 +1,60 @@
+"""A SIGTERM to the process that owns a LocalFederation stops the services it started (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fedclinic.localfed import wait_until
+
+pytestmark = pytest.mark.integration
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from fedclinic.localfed import LocalFederation
+    with LocalFederation(sys.argv[1], [], log_level="warning") as fed:
+        fed.make_pki()
+        fed.start_aggregator()
+        print(fed.aggregator.pid, flush=True)
+        while True:
+            time.sleep(0.1)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for this purpose (its parent has not reaped it yet)
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_to_the_owner_stops_the_aggregator_it_started(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "fed")], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    aggregator = 0
+    try:
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), f"the owner printed {line!r}; see {tmp_path / 'fed' / 'logs'}"
+        aggregator = int(line)
+        assert _alive(aggregator)
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(60) == 128 + signal.SIGTERM
+        wait_until(lambda: not _alive(aggregator), 30, "the aggregator to stop after its owner got SIGTERM")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        if aggregator and _alive(aggregator):  # only when the test failed: do not leave it running
+            os.kill(aggregator, signal.SIGKILL)
