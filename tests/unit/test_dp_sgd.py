@@ -26,7 +26,8 @@ def _weights(loaded):
 
 
 @pytest.mark.parametrize("mode, batch_size, multi, pooling", [
-    ("hooks", 6, False, "cls"), ("ghost", 6, False, "cls"), ("ghost", 4, False, "cls"), ("ghost", 6, True, "cls"),
+    ("hooks", 6, False, "cls"), ("hooks", 4, False, "cls"), ("ghost", 6, False, "cls"), ("ghost", 4, False, "cls"),
+    ("ghost", 6, True, "cls"),
     ("auto", 6, True, "cls"), ("hooks", 6, False, "mean"), ("ghost", 4, False, "mean")])
 def test_one_step_equals_clipped_per_example_gradients(mode, batch_size, multi, pooling):
     """sample rate 1 (every example in the batch) and negligible noise: the step is -lr * sum_i clip(g_i) / n

@@ -178,9 +178,9 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     ``"ghost"`` computes the per-example norms and the clipped sum without them, in one backward pass
     (:mod:`fedclinic.privacy.ghost`), so memory and time stay near non-private training; ``"auto"`` (default)
     uses ghost clipping for text and feature classification when every trained tensor is a Linear, LayerNorm or
-    Embedding parameter, and hooks otherwise. Both compute the same clipped sum (tested). Ghost clipping takes a
-    Poisson sample larger than ``cfg.batch_size`` in parts of at most that size (the clipped sum adds over
-    examples), so its memory follows the batch size, not the sample's. ``step_hook(optimizer)``
+    Embedding parameter, and hooks otherwise. Both compute the same clipped sum (tested). Both take a Poisson
+    sample larger than ``cfg.batch_size`` in parts of at most that size (the clipped sum adds over examples), so
+    memory follows the batch size, not the sample's. ``step_hook(optimizer)``
     is called after the noise of every step is drawn with an object carrying ``noise_multiplier``,
     ``max_grad_norm``, ``expected_batch_size`` and ``accumulated_iterations`` (Opacus' accountant hook fits: the
     caller can account what actually ran)."""
@@ -309,7 +309,13 @@ class _GhostRun:
 
 
 class _OpacusRun:
-    """DP-SGD steps with Opacus' GradSampleModule (one gradient per example and trained tensor) and DPOptimizer."""
+    """DP-SGD steps with Opacus' GradSampleModule (one gradient per example and trained tensor) and DPOptimizer.
+
+    A Poisson sample larger than the task's batch size is processed in parts of at most that size: after each
+    part but the last, the optimizer clips that part's per-sample gradients into its running clipped sum
+    (``p.summed_grad``) and skips the noise and the update (Opacus' ``signal_skip_step``), and the part's
+    per-sample gradients are dropped; the last part's step adds the noise once and updates. The clipped sum is
+    the same as in one batch; memory holds one part's per-sample gradients at a time."""
 
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
                  noise, step_hook) -> None:
@@ -327,22 +333,23 @@ class _OpacusRun:
                                          generator=noise)
         if step_hook is not None:
             self.optimizer.attach_step_hook(step_hook)
-        self.data, self.device, self.params = data, device, params
+        self.data, self.device, self.params, self.part_size = data, device, params, max(1, part_size)
         loaded.module = self.gsm  # loaded.logits(...) now runs through the per-sample gradient hooks
         self.objective = PerExampleObjective(loaded, module, data.multi_label)
 
     def step(self, idx: "torch.Tensor") -> float:
-        """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step) in one batch (``part_size`` is
-        not used: Opacus keeps every example's gradient until the step anyway); returns its summed loss."""
+        """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step), in parts of at most
+        ``part_size`` examples; returns the sample's summed loss."""
         import torch
 
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # also drops the clipped sum of the previous step
         total = 0.0
-        if len(idx) == 0:
+        parts = list(idx.split(self.part_size)) if len(idx) else []
+        if not parts:
             for p in self.params:  # the clipped sum of no per-sample gradients is zero; only noise is added
                 p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-        else:
-            inputs, y = self.data.batch(idx, self.device)
+        for k, part in enumerate(parts):
+            inputs, y = self.data.batch(part, self.device)
             loss = self.objective(inputs, y)
             with warnings.catch_warnings():
                 # frozen embeddings feed the first trained layer: torch notes that the full backward hooks
@@ -350,7 +357,11 @@ class _OpacusRun:
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 loss.backward()
             self.objective.after_backward()
-            total = float(loss.detach()) * len(y)
+            total += float(loss.detach()) * len(y)
+            if k < len(parts) - 1:
+                self.optimizer.signal_skip_step(do_skip=True)
+                self.optimizer.step()  # clips this part into p.summed_grad; no noise, no update
+                self.optimizer.zero_grad(set_to_none=True)  # this part's per-sample gradients; the sum stays
         self.optimizer.step()
         return total
 
