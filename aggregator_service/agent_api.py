@@ -210,6 +210,14 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             abort(context, exc)
         return agent_pb2.DeclineResponse()
 
+    def Hold(self, request: agent_pb2.HoldRequest, context) -> agent_pb2.HoldResponse:
+        site = peer_identity(context).name
+        try:
+            self.engine.hold(site, request.task_id, request.round, request.reason)
+        except Refused as exc:
+            abort(context, exc)
+        return agent_pb2.HoldResponse()
+
 
 def read_update_stream(request_iterator, assembler, what: str, consequence: str) -> int:
     """Feed an update stream's tensor chunks to ``assembler`` up to its commit message, check the commit's byte

@@ -3,8 +3,8 @@
 What is recorded, and when:
 
 - every task event the engine journals (task submitted / cancelled / failed / completed, round opened / closed
-  with its model hash / missed quorum, site joined a round / declined, update received with its size and
-  sha256): written right **after** the SQLite transaction that made the change commits
+  with its model hash / missed quorum, site joined a round / declined / held it (e.g. awaiting approval),
+  update received with its size and sha256): written right **after** the SQLite transaction that made the change commits
   (``Store.on_commit``), so the trail never claims a change the state does not hold;
 - agents' work streams opening and closing (``site.connected`` / ``site.disconnected``);
 - models downloaded, by whom (agents and data scientists), after the stream ends;
@@ -38,6 +38,7 @@ EVENT_KINDS = {
     "round-failed": "round.missed_quorum",
     "site-assigned": "site.joined_round",
     "declined": "site.declined",
+    "held": "site.held",
     "update-received": "update.received",
 }
 

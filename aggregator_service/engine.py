@@ -384,6 +384,32 @@ class Engine:
             if not self._stopping:
                 self.changed.wait(timeout)
 
+    def hold(self, site: str, task_id: str, rnd: int, reason: str) -> None:
+        """``site`` holds its assignment to round ``rnd`` without refusing it (``reason``, e.g. awaiting approval by
+        its IT), or no longer does (``reason`` empty). Shown to the task owner while the site has not reported;
+        the round still waits for the site until its deadline. Refused when the site has no open assignment
+        there."""
+        reason = " ".join(reason.split())[:500]
+        with self.lock:
+            self._task(task_id)
+            a = self.store.one("SELECT held FROM assignments a JOIN rounds r ON r.task_id=a.task_id AND "
+                               "r.round=a.round WHERE a.task_id=? AND a.round=? AND a.site=? AND a.declined='' "
+                               "AND r.state=?", (task_id, rnd, site, control_pb2.ROUND_STATE_OPEN))
+            if a is None:
+                raise Refused("FAILED_PRECONDITION", f"{site} has no open assignment to round {rnd} of task "
+                                                     f"{task_id}; nothing to hold")
+            if a.held == reason:
+                return  # the same hold again (the agent repeats it with every copy of the assignment)
+            with self.store.tx() as c:
+                c.execute("UPDATE assignments SET held=? WHERE task_id=? AND round=? AND site=?",
+                          (reason, task_id, rnd, site))
+                message = (f"{site} holds round {rnd}: {reason}" if reason
+                           else f"{site} no longer holds round {rnd}")
+                self.store.add_event(c, task_id, "held", message, actor=site, round=rnd, reason=reason)
+            log.info("site holds its assignment" if reason else "site released its hold", task_id=task_id,
+                     round=rnd, site=site, reason=reason)
+            self.changed.notify_all()
+
     def decline(self, site: str, task_id: str, rnd: int, reason: str, permanent: bool) -> None:
         with self.lock:
             self._task(task_id)
@@ -954,7 +980,7 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
                                  created_unix_ms=t.created_ms, updated_unix_ms=t.updated_ms,
                                  initial_model_hash=t.initial_model, final_model_hash=t.final_model)
     for r in store.all("SELECT * FROM rounds WHERE task_id=? ORDER BY round", (task_id,)):
-        assigned = store.all("SELECT site, declined, downlink_bytes, downlink_wire_bytes FROM assignments "
+        assigned = store.all("SELECT site, declined, held, downlink_bytes, downlink_wire_bytes FROM assignments "
                              "WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round))
         fetched = {a.site: a for a in assigned}
         rs = control_pb2.RoundSummary(
@@ -965,6 +991,7 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
             opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
             model_hash=r.model_hash, downlink_wire_bytes=sum(a.downlink_wire_bytes for a in assigned))
         safl_task = out.spec.update.selection == safl.SAFL
+        reported: set[str] = set()
         for u in store.all("SELECT site, num_samples, nbytes, metrics, eval_metrics, fp32_bytes, wire_bytes, layout "
                            "FROM updates WHERE task_id=? AND round=? ORDER BY site", (task_id, r.round)):
             rs.reports.append(control_pb2.SiteReport(site_id=u.site, num_samples=u.num_samples, uplink_bytes=u.nbytes,
@@ -976,5 +1003,9 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
                                                      if u.site in fetched else 0,
                                                      downlink_wire_bytes=fetched[u.site].downlink_wire_bytes
                                                      if u.site in fetched else 0))
+            reported.add(u.site)
+        if r.state == control_pb2.ROUND_STATE_OPEN:
+            rs.held.extend(f"{a.site}: {a.held}" for a in assigned if a.held and not a.declined
+                           and a.site not in reported)
         out.rounds.append(rs)
     return out

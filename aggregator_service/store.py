@@ -106,6 +106,11 @@ def _to_v5(c: sqlite3.Connection, store: "Store") -> None:
     _add_column(c, "assignments", "downlink_wire_bytes", "INTEGER NOT NULL DEFAULT 0")
 
 
+def _to_v6(c: sqlite3.Connection, store: "Store") -> None:
+    # why a site holds its assignment without refusing it (e.g. awaiting approval by its IT); '' = not held
+    _add_column(c, "assignments", "held", "TEXT NOT NULL DEFAULT ''")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -122,6 +127,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "meta.state_dir, so a moved or restored state folder relocates its spill paths", _to_v3),
     Migration(4, "model_deltas: global tensors also stored as an encoded change (compressed downlink)", _to_v4),
     Migration(5, "assignments.downlink_bytes and downlink_wire_bytes (per-site downlink accounting)", _to_v5),
+    Migration(6, "assignments.held: why a site holds its assignment (e.g. awaiting approval by its IT)", _to_v6),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 

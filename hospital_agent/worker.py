@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     from fedclinic.training import TrainConfig
 
 log = structlog.get_logger("fedclinic.agent")
+#: what the aggregator (and so the task owner) is told while a task waits for approval here
+HOLD_AWAITING_APPROVAL = 'awaiting approval by the site\'s IT (approval = "manual")'
 _UPDATE_TENSOR_FIELD = agent_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["tensor"].number
 
 
@@ -310,6 +312,15 @@ class Agent:
         if permanent:
             self._release_privacy(task_id, f"declined for good by this site: {reason}")
 
+    def _hold_round(self, task_id: str, rnd: int, reason: str) -> None:
+        """Tell the aggregator why this site holds the round's assignment ("" = it no longer does), so the task
+        owner sees it; best effort: the hold itself does not depend on it."""
+        try:
+            self._stub.Hold(agent_pb2.HoldRequest(task_id=task_id, round=rnd, reason=reason), timeout=30)
+        except grpc.RpcError as exc:
+            log.info("could not tell the aggregator about the hold", task_id=task_id, round=rnd,
+                     error=str(explain_rpc_error(exc, self.config.aggregator)))
+
     def _release_privacy(self, task_id: str, why: str) -> None:
         """The task spends nothing more here: give its unspent privacy reservation back (site_privacy)."""
         try:
@@ -352,10 +363,13 @@ class Agent:
             self._decline(a, f"rejected at {site}: {rec.reason}", permanent=True)
             self.metrics.assignment_refused("rejected")
             return False
-        if self._held.get(a.task_id) is None or what:
+        previous = self._held.get(a.task_id)
+        if previous is None or what:
             log.warning("task awaiting approval at this site; nothing is fetched or trained until then",
                         name=a.spec.name, approve=f"hospital-agent tasks approve {a.task_id} --config ...",
                         show=f"hospital-agent tasks show {a.task_id} --config ...")
+        if previous is None or previous.round != a.round:
+            self._hold_round(a.task_id, a.round, HOLD_AWAITING_APPROVAL)
         self._held[a.task_id] = a
         return False
 
@@ -374,6 +388,8 @@ class Agent:
                 log.info("task approved after its round's deadline; waiting for the next assignment",
                          task_id=task_id, round=a.round)
                 continue
+            if states[task_id] == APPROVED:
+                self._hold_round(task_id, a.round, "")
             self._handle_safely(a)
 
     # one assignment -----------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def _client(args):
 
 
 def _print_status(st, as_json: bool) -> None:
-    from fedclinic.client import state_name, waiting_sites
+    from fedclinic.client import held_sites, state_name, waiting_sites
 
     if as_json:
         print(json_format.MessageToJson(st, preserving_proto_field_name=True))
@@ -54,9 +54,13 @@ def _print_status(st, as_json: bool) -> None:
         for d in r.declined:
             print(f"    declined: {d}")
     waiting = waiting_sites(st)
-    if waiting:  # who to ask when a round stalls: training, offline, or held for approval at the site
-        print(f"    waiting for: {', '.join(waiting)} (no update or refusal yet: still training, offline, or "
-              "holding the task for approval by its IT)")
+    held = held_sites(st)
+    for site in waiting:  # who to ask when a round stalls, and why when the site said so
+        if site in held:
+            print(f"    held by {site}: {held[site]}")
+    others = [s for s in waiting if s not in held]
+    if others:
+        print(f"    waiting for: {', '.join(others)} (no update or refusal yet: still training or offline)")
 
 
 def _task_command(args) -> int:

@@ -36,9 +36,9 @@ def state_name(state: int) -> str:
 
 def waiting_sites(status: control_pb2.TaskStatus) -> list[str]:
     """The sites the open round still waits for: assigned, with neither an update nor a refusal yet (sorted).
-    The aggregator cannot tell why: the site may be training, offline, or holding the task for approval by its
-    IT (``approval = "manual"``). Empty when no round is open, and for secure aggregation, whose rounds report
-    no per-site updates."""
+    A site holding the task says so and why (:func:`held_sites`, e.g. awaiting approval by its IT); for the
+    others the aggregator cannot tell whether they are training or offline. Empty when no round is open, and for
+    secure aggregation, whose rounds report no per-site updates."""
     if not status.rounds or status.spec.secure_aggregation.enabled:
         return []
     r = status.rounds[-1]
@@ -46,6 +46,14 @@ def waiting_sites(status: control_pb2.TaskStatus) -> list[str]:
         return []
     done = {rep.site_id for rep in r.reports} | {d.split(":", 1)[0] for d in r.declined}
     return sorted(set(r.sites_assigned) - done)
+
+
+def held_sites(status: control_pb2.TaskStatus) -> dict[str, str]:
+    """Site -> reason, for the sites that hold the open round's assignment without refusing it (e.g. awaiting
+    approval by their IT) and have not reported; empty when no round is open."""
+    if not status.rounds or status.rounds[-1].state != control_pb2.ROUND_STATE_OPEN:
+        return {}
+    return dict(entry.split(": ", 1) for entry in status.rounds[-1].held if ": " in entry)
 
 
 class Client:

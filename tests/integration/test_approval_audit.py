@@ -12,11 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fedclinic.client import state_name, waiting_sites
+from fedclinic.client import held_sites, state_name, waiting_sites
 from fedclinic.localfed import wait_until
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.rpc import TlsFiles, secure_channel
 from fedclinic.task import Task
+from hospital_agent.worker import HOLD_AWAITING_APPROVAL
 
 from tests.integration.conftest import LABELS, tiny_package
 
@@ -98,19 +99,27 @@ def test_manual_approval_holds_the_task_until_approved_and_a_rejection_reaches_t
         assert state_name(status.state) == "running"
         assert status.rounds[0].downlink_bytes == 0 and not status.rounds[0].reports
         assert _cached_files(work) == []
-        # the task's owner sees which site the round waits for (and that approval may be why)
+        # the task's owner sees which site the round waits for, and that the site holds it for approval
         assert waiting_sites(status) == ["site-a"]
+        wait_until(lambda: held_sites(client.status(held.task_id)) == {"site-a": HOLD_AWAITING_APPROVAL}, 30,
+                   "the site's hold to reach the task owner")
         shown = _owner_cli(fed, "task", "status", held.task_id)
         assert shown.returncode == 0, shown.stderr
-        assert "waiting for: site-a (no update or refusal yet" in shown.stdout and "approval" in shown.stdout
+        assert f"held by site-a: {HOLD_AWAITING_APPROVAL}" in shown.stdout and "waiting for" not in shown.stdout
 
         approve = _tasks(fed, "site-a", "approve", held.task_id)
         assert approve.returncode == 0, approve.stderr
         final = client.wait(held.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
         assert [len(r.reports) for r in final.rounds] == [1, 1] and final.rounds[0].downlink_bytes > 0
-        assert waiting_sites(final) == []
+        assert waiting_sites(final) == [] and held_sites(final) == {}
         assert "waiting for" not in _owner_cli(fed, "task", "status", held.task_id).stdout
+        # the aggregator's trail: held, then released on approval, before the site's update arrived
+        agg = [r for r in _records(fed.root / "aggregator-state" / "audit.jsonl") if r["task_id"] == held.task_id]
+        kinds = [r["kind"] for r in agg]
+        holds = [r["details"]["reason"] for r in agg if r["kind"] == "site.held"]
+        assert holds == [HOLD_AWAITING_APPROVAL, ""], holds
+        assert max(i for i, k in enumerate(kinds) if k == "site.held") < kinds.index("update.received"), kinds
 
         # a second task, rejected: declined for good, the reason reaches its owner, nothing is fetched
         rejected = client.submit(_task(name="rejected-it"), package=tiny_package("logreg", seed=1))

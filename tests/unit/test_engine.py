@@ -119,3 +119,31 @@ def test_a_task_fails_at_once_when_its_named_sites_decline_it_below_quorum(tmp_p
     for site in ("s1", "s2"):
         engine.decline(site, open_to_all, b[site].round, "no", permanent=True)
     assert store.one("SELECT state FROM tasks WHERE task_id=?", (open_to_all,)).state == control_pb2.TASK_STATE_RUNNING
+
+
+def test_a_hold_is_shown_until_the_site_reports_and_is_refused_without_an_open_assignment(tmp_path):
+    """A site holding its assignment (awaiting approval) is shown to the owner with its reason, once per change;
+    the hold ends when the site releases it or reports; a hold without an open assignment is refused."""
+    from aggregator_service.engine import status_of
+
+    store, engine = _engine(tmp_path)
+    pkg = ModelPackage({"w": np.zeros(4, np.float32)})
+    task_id = _submit(engine, pkg, min_sites=2, num_rounds=1)
+    a = _assign(engine, ["s1", "s2"])
+    engine.hold("s1", task_id, a["s1"].round, "awaiting approval  by\nits IT")
+    engine.hold("s1", task_id, a["s1"].round, "awaiting approval by its IT")  # the same again: no new event
+    engine.hold("s2", task_id, a["s2"].round, "awaiting approval by its IT")
+    assert list(status_of(store, task_id).rounds[0].held) == ["s1: awaiting approval by its IT",
+                                                            "s2: awaiting approval by its IT"]
+    events = [e.message for e in store.all("SELECT message FROM events WHERE task_id=? AND kind='held'", (task_id,))]
+    assert events == ["s1 holds round 1: awaiting approval by its IT", "s2 holds round 1: awaiting approval by its IT"]
+    engine.hold("s2", task_id, a["s2"].round, "")
+    assert list(status_of(store, task_id).rounds[0].held) == ["s1: awaiting approval by its IT"]
+    _send(engine, "s1", a["s1"], {"w": np.ones(4, np.float32)})  # reported: no longer shown as held
+    assert list(status_of(store, task_id).rounds[0].held) == []
+    with pytest.raises(Refused, match="s3 has no open assignment to round 1 of task .*; nothing to hold"):
+        engine.hold("s3", task_id, 1, "awaiting approval")
+    with pytest.raises(Refused, match="no open assignment to round 2"):
+        engine.hold("s1", task_id, 2, "awaiting approval")
+    with pytest.raises(Refused, match="no task"):
+        engine.hold("s1", "t-000000000000", 1, "awaiting approval")

@@ -375,3 +375,17 @@ class DeclineRequest(_message.Message):
 class DeclineResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("task_id", "round", "reason")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    round: int
+    reason: str
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HoldResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -61,6 +61,11 @@ class AgentServiceStub:
                 request_serializer=fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.SerializeToString,
                 response_deserializer=fedclinic_dot_v1_dot_agent__pb2.DeclineResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/fedclinic.v1.AgentService/Hold',
+                request_serializer=fedclinic_dot_v1_dot_agent__pb2.HoldRequest.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_agent__pb2.HoldResponse.FromString,
+                _registered_method=True)
         self.SecAggRespond = channel.unary_unary(
                 '/fedclinic.v1.AgentService/SecAggRespond',
                 request_serializer=fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.SerializeToString,
@@ -107,6 +112,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """The site holds an assignment without refusing it (e.g. its IT has not approved the task yet); the reason
+        reaches the task owner. An empty reason ends the hold. Not a refusal: the site may still join the round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SecAggRespond(self, request, context):
         """Secure aggregation, agent -> aggregator: join (trained and ready), advertise keys, share keys, unmask
         response (SecAggPhase with one of those bodies). The sender is the caller's certificate, never a field.
@@ -143,6 +156,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Decline,
                     request_deserializer=fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.FromString,
                     response_serializer=fedclinic_dot_v1_dot_agent__pb2.DeclineResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=fedclinic_dot_v1_dot_agent__pb2.HoldRequest.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_agent__pb2.HoldResponse.SerializeToString,
             ),
             'SecAggRespond': grpc.unary_unary_rpc_method_handler(
                     servicer.SecAggRespond,
@@ -285,6 +303,33 @@ class AgentService:
             '/fedclinic.v1.AgentService/Decline',
             fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.SerializeToString,
             fedclinic_dot_v1_dot_agent__pb2.DeclineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedclinic.v1.AgentService/Hold',
+            fedclinic_dot_v1_dot_agent__pb2.HoldRequest.SerializeToString,
+            fedclinic_dot_v1_dot_agent__pb2.HoldResponse.FromString,
             options,
             channel_credentials,
             insecure,

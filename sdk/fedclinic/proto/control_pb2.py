@@ -27,7 +27,7 @@ from fedclinic.proto import task_pb2 as fedclinic_dot_v1_dot_task__pb2
 from fedclinic.proto import tensors_pb2 as fedclinic_dot_v1_dot_tensors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64\x63linic/v1/control.proto\x12\x0c\x66\x65\x64\x63linic.v1\x1a\x17\x66\x65\x64\x63linic/v1/task.proto\x1a\x1a\x66\x65\x64\x63linic/v1/tensors.proto\"}\n\x10SubmitTaskHeader\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.fedclinic.v1.ModelManifest\"\x12\n\x10SubmitTaskCommit\"\xd3\x01\n\x0fSubmitTaskChunk\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskHeaderH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.fedclinic.v1.FileChunkH\x00\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.fedclinic.v1.TensorChunkH\x00\x12\x30\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskCommitH\x00\x42\x06\n\x04item\"\xa9\x03\n\nSiteReport\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x14\n\x0cuplink_bytes\x18\x03 \x01(\x03\x12\x36\n\x07metrics\x18\x04 \x03(\x0b\x32%.fedclinic.v1.SiteReport.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\x05 \x03(\x0b\x32).fedclinic.v1.SiteReport.EvalMetricsEntry\x12\x19\n\x11uplink_fp32_bytes\x18\x06 \x01(\x03\x12\x19\n\x11uplink_wire_bytes\x18\x07 \x01(\x03\x12\x17\n\x0fselected_layers\x18\x08 \x03(\x05\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\n \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd5\x03\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x05\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.fedclinic.v1.RoundState\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x14\n\x0csites_target\x18\x04 \x01(\x05\x12\x16\n\x0esites_assigned\x18\x05 \x03(\t\x12)\n\x07reports\x18\x06 \x03(\x0b\x32\x18.fedclinic.v1.SiteReport\x12\x38\n\x07metrics\x18\x07 \x03(\x0b\x32\'.fedclinic.v1.RoundSummary.MetricsEntry\x12\x14\n\x0cuplink_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x16\n\x0eopened_unix_ms\x18\n \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x0b \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x03\x12\x12\n\nmodel_hash\x18\r \x01(\t\x12\x10\n\x08\x64\x65\x63lined\x18\x0e \x03(\t\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\x0f \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x02\n\nTaskStatus\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.fedclinic.v1.TaskState\x12\x15\n\rcurrent_round\x18\x04 \x01(\x05\x12*\n\x06rounds\x18\x05 \x03(\x0b\x32\x1a.fedclinic.v1.RoundSummary\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\t \x01(\x03\x12\x1a\n\x12initial_model_hash\x18\n \x01(\t\x12\x18\n\x10\x66inal_model_hash\x18\x0b \x01(\t\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\",\n\x10ListTasksRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"<\n\x11ListTasksResponse\x12\'\n\x05tasks\x18\x01 \x03(\x0b\x32\x18.fedclinic.v1.TaskStatus\"6\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"r\n\tTaskEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x06status\x18\x04 \x01(\x0b\x32\x18.fedclinic.v1.TaskStatus\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\"4\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x18\x43ontrolFetchModelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12\x13\n\x0bhave_sha256\x18\x03 \x03(\t*\xa1\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x16\n\x12TASK_STATE_RUNNING\x10\x02\x12\x18\n\x14TASK_STATE_COMPLETED\x10\x03\x12\x15\n\x11TASK_STATE_FAILED\x10\x04\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x05*o\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_OPEN\x10\x01\x12\x16\n\x12ROUND_STATE_CLOSED\x10\x02\x12\x16\n\x12ROUND_STATE_FAILED\x10\x03\x32\xc6\x03\n\x07\x43ontrol\x12G\n\nSubmitTask\x12\x1d.fedclinic.v1.SubmitTaskChunk\x1a\x18.fedclinic.v1.TaskStatus(\x01\x12\x41\n\x07GetTask\x12\x1c.fedclinic.v1.GetTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12L\n\tListTasks\x12\x1e.fedclinic.v1.ListTasksRequest\x1a\x1f.fedclinic.v1.ListTasksResponse\x12\x46\n\tWatchTask\x12\x1e.fedclinic.v1.WatchTaskRequest\x1a\x17.fedclinic.v1.TaskEvent0\x01\x12G\n\nCancelTask\x12\x1f.fedclinic.v1.CancelTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12P\n\nFetchModel\x12&.fedclinic.v1.ControlFetchModelRequest\x1a\x18.fedclinic.v1.ModelChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64\x63linic/v1/control.proto\x12\x0c\x66\x65\x64\x63linic.v1\x1a\x17\x66\x65\x64\x63linic/v1/task.proto\x1a\x1a\x66\x65\x64\x63linic/v1/tensors.proto\"}\n\x10SubmitTaskHeader\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.fedclinic.v1.ModelManifest\"\x12\n\x10SubmitTaskCommit\"\xd3\x01\n\x0fSubmitTaskChunk\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskHeaderH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.fedclinic.v1.FileChunkH\x00\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.fedclinic.v1.TensorChunkH\x00\x12\x30\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskCommitH\x00\x42\x06\n\x04item\"\xa9\x03\n\nSiteReport\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x14\n\x0cuplink_bytes\x18\x03 \x01(\x03\x12\x36\n\x07metrics\x18\x04 \x03(\x0b\x32%.fedclinic.v1.SiteReport.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\x05 \x03(\x0b\x32).fedclinic.v1.SiteReport.EvalMetricsEntry\x12\x19\n\x11uplink_fp32_bytes\x18\x06 \x01(\x03\x12\x19\n\x11uplink_wire_bytes\x18\x07 \x01(\x03\x12\x17\n\x0fselected_layers\x18\x08 \x03(\x05\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\n \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe3\x03\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x05\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.fedclinic.v1.RoundState\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x14\n\x0csites_target\x18\x04 \x01(\x05\x12\x16\n\x0esites_assigned\x18\x05 \x03(\t\x12)\n\x07reports\x18\x06 \x03(\x0b\x32\x18.fedclinic.v1.SiteReport\x12\x38\n\x07metrics\x18\x07 \x03(\x0b\x32\'.fedclinic.v1.RoundSummary.MetricsEntry\x12\x14\n\x0cuplink_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x16\n\x0eopened_unix_ms\x18\n \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x0b \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x03\x12\x12\n\nmodel_hash\x18\r \x01(\t\x12\x10\n\x08\x64\x65\x63lined\x18\x0e \x03(\t\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\x0f \x01(\x03\x12\x0c\n\x04held\x18\x10 \x03(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x02\n\nTaskStatus\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.fedclinic.v1.TaskState\x12\x15\n\rcurrent_round\x18\x04 \x01(\x05\x12*\n\x06rounds\x18\x05 \x03(\x0b\x32\x1a.fedclinic.v1.RoundSummary\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\t \x01(\x03\x12\x1a\n\x12initial_model_hash\x18\n \x01(\t\x12\x18\n\x10\x66inal_model_hash\x18\x0b \x01(\t\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\",\n\x10ListTasksRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"<\n\x11ListTasksResponse\x12\'\n\x05tasks\x18\x01 \x03(\x0b\x32\x18.fedclinic.v1.TaskStatus\"6\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"r\n\tTaskEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x06status\x18\x04 \x01(\x0b\x32\x18.fedclinic.v1.TaskStatus\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\"4\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x18\x43ontrolFetchModelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12\x13\n\x0bhave_sha256\x18\x03 \x03(\t*\xa1\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x16\n\x12TASK_STATE_RUNNING\x10\x02\x12\x18\n\x14TASK_STATE_COMPLETED\x10\x03\x12\x15\n\x11TASK_STATE_FAILED\x10\x04\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x05*o\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_OPEN\x10\x01\x12\x16\n\x12ROUND_STATE_CLOSED\x10\x02\x12\x16\n\x12ROUND_STATE_FAILED\x10\x03\x32\xc6\x03\n\x07\x43ontrol\x12G\n\nSubmitTask\x12\x1d.fedclinic.v1.SubmitTaskChunk\x1a\x18.fedclinic.v1.TaskStatus(\x01\x12\x41\n\x07GetTask\x12\x1c.fedclinic.v1.GetTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12L\n\tListTasks\x12\x1e.fedclinic.v1.ListTasksRequest\x1a\x1f.fedclinic.v1.ListTasksResponse\x12\x46\n\tWatchTask\x12\x1e.fedclinic.v1.WatchTaskRequest\x1a\x17.fedclinic.v1.TaskEvent0\x01\x12G\n\nCancelTask\x12\x1f.fedclinic.v1.CancelTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12P\n\nFetchModel\x12&.fedclinic.v1.ControlFetchModelRequest\x1a\x18.fedclinic.v1.ModelChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_ROUNDSUMMARY_METRICSENTRY']._loaded_options = None
   _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKSTATE']._serialized_start=2120
-  _globals['_TASKSTATE']._serialized_end=2281
-  _globals['_ROUNDSTATE']._serialized_start=2283
-  _globals['_ROUNDSTATE']._serialized_end=2394
+  _globals['_TASKSTATE']._serialized_start=2134
+  _globals['_TASKSTATE']._serialized_end=2295
+  _globals['_ROUNDSTATE']._serialized_start=2297
+  _globals['_ROUNDSTATE']._serialized_end=2408
   _globals['_SUBMITTASKHEADER']._serialized_start=97
   _globals['_SUBMITTASKHEADER']._serialized_end=222
   _globals['_SUBMITTASKCOMMIT']._serialized_start=224
@@ -57,25 +57,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_start=834
   _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_end=884
   _globals['_ROUNDSUMMARY']._serialized_start=887
-  _globals['_ROUNDSUMMARY']._serialized_end=1356
+  _globals['_ROUNDSUMMARY']._serialized_end=1370
   _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_start=786
   _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_end=832
-  _globals['_TASKSTATUS']._serialized_start=1359
-  _globals['_TASKSTATUS']._serialized_end=1667
-  _globals['_GETTASKREQUEST']._serialized_start=1669
-  _globals['_GETTASKREQUEST']._serialized_end=1702
-  _globals['_LISTTASKSREQUEST']._serialized_start=1704
-  _globals['_LISTTASKSREQUEST']._serialized_end=1748
-  _globals['_LISTTASKSRESPONSE']._serialized_start=1750
-  _globals['_LISTTASKSRESPONSE']._serialized_end=1810
-  _globals['_WATCHTASKREQUEST']._serialized_start=1812
-  _globals['_WATCHTASKREQUEST']._serialized_end=1866
-  _globals['_TASKEVENT']._serialized_start=1868
-  _globals['_TASKEVENT']._serialized_end=1982
-  _globals['_CANCELTASKREQUEST']._serialized_start=1984
-  _globals['_CANCELTASKREQUEST']._serialized_end=2036
-  _globals['_CONTROLFETCHMODELREQUEST']._serialized_start=2038
-  _globals['_CONTROLFETCHMODELREQUEST']._serialized_end=2117
-  _globals['_CONTROL']._serialized_start=2397
-  _globals['_CONTROL']._serialized_end=2851
+  _globals['_TASKSTATUS']._serialized_start=1373
+  _globals['_TASKSTATUS']._serialized_end=1681
+  _globals['_GETTASKREQUEST']._serialized_start=1683
+  _globals['_GETTASKREQUEST']._serialized_end=1716
+  _globals['_LISTTASKSREQUEST']._serialized_start=1718
+  _globals['_LISTTASKSREQUEST']._serialized_end=1762
+  _globals['_LISTTASKSRESPONSE']._serialized_start=1764
+  _globals['_LISTTASKSRESPONSE']._serialized_end=1824
+  _globals['_WATCHTASKREQUEST']._serialized_start=1826
+  _globals['_WATCHTASKREQUEST']._serialized_end=1880
+  _globals['_TASKEVENT']._serialized_start=1882
+  _globals['_TASKEVENT']._serialized_end=1996
+  _globals['_CANCELTASKREQUEST']._serialized_start=1998
+  _globals['_CANCELTASKREQUEST']._serialized_end=2050
+  _globals['_CONTROLFETCHMODELREQUEST']._serialized_start=2052
+  _globals['_CONTROLFETCHMODELREQUEST']._serialized_end=2131
+  _globals['_CONTROL']._serialized_start=2411
+  _globals['_CONTROL']._serialized_end=2865
 # @@protoc_insertion_point(module_scope)
