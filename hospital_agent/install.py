@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from fedclinic.durable_file import write_atomically
 from fedclinic.errors import FedclinicError
 
 USER = "hospital-agent"
@@ -113,16 +114,7 @@ def plan(root: Path, unit_src: Path, *, site: str, aggregator: str) -> tuple[lis
     def write_file(path: Path, text: str, mode: int, *, keep_existing: bool) -> None:
         if path.exists() and keep_existing:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.write(fd, text.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        write_atomically(path, text.encode(), mode=mode)
 
     def make_dir(path: Path, mode: int) -> None:
         path.mkdir(parents=True, exist_ok=True)

@@ -224,7 +224,8 @@ def write_atomically(path: str | os.PathLike[str], data: bytes, *, mode: int = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         try:
-            os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
+            if os.fstat(fd).st_mode & 0o7777 != mode:
+                os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask (which can only have narrowed it)
             _write_all(fd, memoryview(data))
             os.fsync(fd)
         finally:

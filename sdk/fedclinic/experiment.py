@@ -46,6 +46,7 @@ The config (TOML)::
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from fedclinic.durable_file import write_atomically
 from fedclinic.errors import ConfigError
 from fedclinic.tomlconfig import load_toml
 
@@ -217,13 +219,11 @@ def _run_path(out: Path, data_name: str, algorithm: str, seed: int) -> Path:
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=ROUND_COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=ROUND_COLUMNS)
+    w.writeheader()
+    w.writerows(rows)
+    write_atomically(path, text.getvalue().encode("utf-8"), mode=0o644)
 
 
 def _read_csv(path: Path) -> list[dict]:

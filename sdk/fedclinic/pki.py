@@ -54,6 +54,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedclinic.durable_file import write_atomically
 from fedclinic.errors import FedclinicError
 
 __all__ = [
@@ -217,40 +218,17 @@ def _validate_ips(values: Iterable[Any]) -> list[ipaddress.IPv4Address | ipaddre
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` atomically; the file has ``mode`` from the moment it is created."""
+    """Write ``data`` to ``path`` atomically (:func:`fedclinic.durable_file.write_atomically`: the file has
+    ``mode`` from the moment it is created); OSError becomes a PkiError that says what to check."""
     path = Path(path)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    if not path.parent.is_dir():
+        raise PkiError(f"cannot create {path}: {path.parent} does not exist; create it or choose another folder")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+        write_atomically(path, data, mode=mode)
     except OSError as exc:
-        raise PkiError(f"cannot create {path}: {exc.strerror}; check that {path.parent} exists and is "
-                       "writable by this user") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise PkiError(f"cannot write {path}: {exc.strerror}; check free space and permissions in "
                        f"{path.parent}") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _mkdir(path: Path) -> Path:

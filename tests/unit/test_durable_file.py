@@ -144,3 +144,36 @@ def _has_direct(fd: int) -> bool:
     import fcntl
 
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o077, 0o644), (0o000, 0o600), (0o022, 0o600)])
+def test_write_atomically_gives_exactly_the_mode_whatever_the_umask(tmp_path, umask, mode):
+    """The file has ``mode`` (a umask can narrow the creation mode; it is widened back on the empty file,
+    before any byte is written) and replaces an older file whole; no temporary file is left."""
+    from fedclinic.durable_file import write_atomically
+
+    path = tmp_path / "sub" / "file.txt"
+    old = os.umask(umask)
+    try:
+        write_atomically(path, b"first")
+        write_atomically(path, b"second version", mode=mode)
+    finally:
+        os.umask(old)
+    assert path.read_bytes() == b"second version"
+    assert path.stat().st_mode & 0o7777 == mode
+    assert [p.name for p in path.parent.iterdir()] == ["file.txt"]
+
+
+def test_write_atomically_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    from fedclinic.durable_file import write_atomically
+
+    path = tmp_path / "file.txt"
+    write_atomically(path, b"kept")
+
+    def full_disk(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(durable_file, "_write_all", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(path, b"lost")
+    assert path.read_bytes() == b"kept" and [p.name for p in tmp_path.iterdir()] == ["file.txt"]

@@ -67,12 +67,12 @@ import bisect
 import json
 import os
 import re
-import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from fedclinic.data_ner import EntitySpan, NerExample
+from fedclinic.durable_file import write_atomically
 from fedclinic.datasets.drugreview import SPLITS, _usable_condition, load_drug_reviews
 from fedclinic.errors import ConfigError
 
@@ -344,21 +344,10 @@ def silver_ner(split: str) -> list[NerExample]:
 
 def write_ner_jsonl(examples: Iterable[NerExample], path: str | os.PathLike[str]) -> None:
     """Write ``{"text", "entities": [{"start", "end", "label"}]}`` per line (the JSONL that
-    :func:`fedclinic.data_ner.read_ner` reads), atomically: a temporary file beside ``path``, then
-    ``os.replace``. Non-ASCII characters are written as JSON escapes, so no line can hold a stray line break.
+    :func:`fedclinic.data_ner.read_ner` reads), atomically (:func:`fedclinic.durable_file.write_atomically`).
+    Non-ASCII characters are written as JSON escapes, so no line can hold a stray line break.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8", newline="\n") as fh:
-            for ex in examples:
-                row = {"text": ex.text,
-                       "entities": [{"start": s.start, "end": s.end, "label": s.label} for s in ex.entities]}
-                fh.write(json.dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    lines = (json.dumps({"text": ex.text,
+                         "entities": [{"start": s.start, "end": s.end, "label": s.label} for s in ex.entities]}) + "\n"
+             for ex in examples)
+    write_atomically(path, "".join(lines).encode("utf-8"), mode=0o644)
