@@ -13,6 +13,8 @@ pooling all-MiniLM-L6-v2 was trained with); that model has no pooler, so no sett
 - ``top1%+int8+EF``: the same with int8 values;
 - ``SAFL top-2``: each site profiles attention every round and trains and sends its 2 best of the 6 layers
   (plus pooler and head);
+- ``SAFL top-2 + fp16``: the same layers, their deltas sent in 16 bits (not the issue's SAFL line, which is
+  about layer selection alone);
 - ``LoRA r=8``: rank-8 adapters on query/value of every layer (plus pooler and head); the encoder is frozen;
   learning rate 1e-3 instead of 2e-4 (adapters start at zero);
 - ``LoRA r=8+int8``: the same adapters' deltas sent as int8;
@@ -49,6 +51,7 @@ SETTINGS: dict[str, list[str]] = {
     "top1%+EF": ["--codec", "topk:0.01"],
     "top1%+int8+EF": ["--codec", "topk:0.01+int8"],
     "SAFL top-2": ["--safl-top-k", "2"],
+    "SAFL top-2 + fp16": ["--safl-top-k", "2", "--codec", "fp16"],
     # adapters start at zero and have few parameters: LoRA is trained at 5x the rate (the usual practice)
     "LoRA r=8": ["--lora-rank", "8", "--learning-rate", "1e-3"],
     "LoRA r=8+int8": ["--lora-rank", "8", "--learning-rate", "1e-3", "--codec", "int8"],
