@@ -6,7 +6,8 @@ rounding. Each site's update is generated, then, interleaved so both see the sam
 
 - plain: the server folds the float32 vector into a float32 running sum (``np.add(acc, x, out=acc)``, the
   streaming FedAvg fold; "quantize-free float sum of the same vectors");
-- secure: the client quantizes and masks it (k = 9 pairwise masks + 1 self mask), the server folds the
+- secure: the client quantizes and masks it (k = 9 pairwise masks + 1 self mask, on ``MASK_WORKERS``
+  threads over disjoint parts of its vector), the server folds the
   uint32 masked vector into its ring accumulator; after the unmask phase the server rebuilds the self-mask
   seeds and, in one pass over cache-sized chunks on ``MASK_WORKERS`` threads (2 here), removes the masks
   and dequantizes.
@@ -15,7 +16,8 @@ Only one update and one masked vector exist at a time (streaming), so memory sta
 A second session drops one site after share-keys, to show the cost of dropout recovery (the server then
 expands k more pairwise masks).
 
-The no-dropout session runs 5 times with the default mask workers and 5 times with one, interleaved; each
+The no-dropout session runs 5 times with the default mask workers and 5 times with one (clients and server),
+interleaved; each
 figure is the minimum over its runs, because the benchmark machine's 2 cores are shared with other work
 (the 1-minute load average is printed). Prints client ns per parameter per neighbour (client time / (P * k),
 k = 9 neighbours; the self mask and quantization are charged to them), server wall time vs plain, server
@@ -82,7 +84,8 @@ def session(drop_after_share: set[str], mask_workers: int = MASK_WORKERS) -> dic
         return out
 
     server = timed("server", lambda: ServerSession(params, mask_workers=mask_workers))
-    clients = {c: timed("client", lambda c=c: ClientSession(c, params, committed_model_hash=model_hash))
+    clients = {c: timed("client", lambda c=c: ClientSession(c, params, committed_model_hash=model_hash,
+                                                            mask_workers=mask_workers))
                for c in cohort}
     for c, s in clients.items():
         adv = timed("client", s.advertise)
@@ -162,9 +165,10 @@ def main() -> int:
           f"{r['plain_cpu'] * 1e3:.1f} ms "
           f"-> {r['server_cpu'] / r['plain_cpu']:.2f}x (the work; wall time above also depends on a free second core)")
     if runs1:
-        s1, p1, f1 = (min(x[key] for x in runs1) for key in ("server", "plain", "finish"))
+        s1, p1, f1, c1 = (min(x[key] for x in runs1) for key in ("server", "plain", "finish", "client"))
         print(f"  same with 1 mask worker:       server {s1 * 1e3:.1f} ms vs plain {p1 * 1e3:.1f} ms -> {s1 / p1:.2f}x "
-              f"(unmask {f1 * 1e3:.1f} ms)")
+              f"(unmask {f1 * 1e3:.1f} ms); client {c1 / N * 1e3:.1f} ms = {c1 / N / (P * k) * 1e9:.3f} "
+              "ns/param/neighbour")
     print(f"uplink bytes: secure {r['up_secure'] / 1e6:.2f} MB vs plain {plain_up / 1e6:.2f} MB "
           f"({r['up_secure'] / plain_up:.5f}x); downlink secure control messages {r['down_secure'] / 1e3:.1f} kB")
     print(f"accuracy: max |secure - exact| = {r['max_err']:.2e} (bound {r['bound']:.2e}, within: "

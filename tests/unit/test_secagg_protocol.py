@@ -220,12 +220,15 @@ def test_end_to_end_floats_within_documented_bound():
 
 
 @pytest.mark.parametrize("mask_workers", [1, 2])
-def test_threaded_unmasking_gives_the_exact_sum(mask_workers):
-    """A vector long enough for the server to unmask and dequantize on worker threads, with one site dropped
-    after share-keys (its pairwise masks are expanded too): the exact ring sum of the survivors."""
+def test_threaded_masking_and_unmasking_give_the_exact_sum(mask_workers):
+    """A vector long enough for the clients to mask and the server to unmask and dequantize on worker threads,
+    with one site dropped after share-keys (its pairwise masks are expanded too): the exact ring sum of the
+    survivors (a wrongly expanded mask piece would not cancel)."""
     p = make_params(4, length=2 * MIN_PIECE_WORDS + 3)
     r = Run(p)
     r.server = ServerSession(p, mask_workers=mask_workers)
+    for client in r.clients.values():
+        client.mask_workers = mask_workers
     reqs = r.to_masked_input()
     survivors = [c for c in p.cohort if c != "site-02"]
     for c in survivors:
@@ -237,6 +240,13 @@ def test_threaded_unmasking_gives_the_exact_sum(mask_workers):
     want = expected_ring_sum(p, r.updates, survivors)
     assert res.survivors == tuple(survivors) and np.array_equal(res.quantized_sum, want)
     assert np.array_equal(res.total, p.quantizer.dequantize(want, len(survivors)))
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
+def test_mask_workers_must_be_a_positive_integer(workers):
+    p = make_params(3)
+    with pytest.raises(SecAggConfigError, match="mask_workers must be a positive integer"):
+        ClientSession(p.cohort[0], p, committed_model_hash=MODEL, mask_workers=workers)
 
 
 def test_server_never_holds_both_shares_of_one_client():

@@ -45,11 +45,12 @@ import numpy as np
 
 from fedclinic.secagg import shamir
 from fedclinic.secagg.config import ClientPolicy, SessionParams
-from fedclinic.secagg.errors import SecAggError, SecAggInputError, SecAggProtocolError, SecAggRefusal
+from fedclinic.secagg.errors import (SecAggConfigError, SecAggError, SecAggInputError, SecAggProtocolError,
+                                     SecAggRefusal)
 from fedclinic.secagg.graph import NeighbourGraph
 from fedclinic.secagg.keys import (PAIRWISE_MASK, SHARE_ENCRYPTION, agree, generate_private_key,
                                    is_valid_public_key, private_bytes, public_bytes, self_mask_key)
-from fedclinic.secagg.masks import apply_masks
+from fedclinic.secagg.masks import MASK_WORKERS, apply_masks
 from fedclinic.secagg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, MaskedInputRequest, Phase,
                                        ShareKeys, UnmaskRequest, UnmaskResponse)
 from fedclinic.secagg.share_crypto import SharePayload, decrypt_share, encrypt_share
@@ -62,7 +63,11 @@ class ClientSession:
     """One site's state for one session. Create a new one per round; never reuse or persist it."""
 
     def __init__(self, site_id: str, params: SessionParams, *, committed_model_hash: bytes,
-                 policy: ClientPolicy | None = None) -> None:
+                 policy: ClientPolicy | None = None, mask_workers: int = MASK_WORKERS) -> None:
+        if not isinstance(mask_workers, int) or isinstance(mask_workers, bool) or mask_workers < 1:
+            raise SecAggConfigError(f"mask_workers must be a positive integer, got {mask_workers!r}")
+        #: threads that expand this site's masks over disjoint parts of its vector (the result does not depend on it)
+        self.mask_workers = mask_workers
         self.site_id = site_id
         self.params = params
         self.policy = policy or ClientPolicy()
@@ -241,7 +246,7 @@ class ClientSession:
             k = agree(self._mask_sk, self._directory[v].mask_public_key, session_id=p.session_id,
                       purpose=PAIRWISE_MASK, me=me, peer=v)
             (add if me > v else sub).append(k)
-        apply_masks(q, add=add, subtract=sub)
+        apply_masks(q, add=add, subtract=sub, workers=self.mask_workers)
         self._alive = alive
         self._phase = Phase.UNMASK
         return MaskedInput(p.session_id, me, q)
