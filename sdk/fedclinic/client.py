@@ -251,11 +251,13 @@ class ProgressDisplay:
             filled = int(width * done / total)
             bar = "#" * filled + "-" * (width - filled)
             waiting = waiting_sites(st) if reported else []  # once some sites are in: who the round waits for
-            wait_txt = f" (waiting for {', '.join(waiting)})" if waiting else ""
+            held = held_sites(st)
+            wait_txt = (f" (waiting for {', '.join(s + ' [held]' if s in held else s for s in waiting)})"
+                        if waiting else "")
             line = (f"\r{st.task_id} [{bar}] round {min(done + 1, total)}/{total} sites {reported}/{target}"
                     f"{wait_txt}{acc_txt} {state_name(st.state)}")
             self.out.write(line.ljust(100))
-            if event.kind in ("declined", "round-failed", "failed"):
+            if event.kind in ("declined", "held", "round-failed", "failed"):
                 self.out.write(f"\n  {event.message}\n")
         else:
             suffix = acc_txt if event.kind == "round-closed" else ""
