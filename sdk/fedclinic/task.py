@@ -198,6 +198,8 @@ class Task:
                 p.append(str(exc))
         if not isinstance(self.model_config, dict) or not all(isinstance(k, str) for k in self.model_config):
             p.append("model_config must be a table of settings (e.g. [model_config] lstm_hidden = 100)")
+        elif "pooling" in self.model_config:
+            p.extend(_pooling_problems(self.model_config["pooling"], self.family, self.architecture))
         for pat in [*self.trainable, *self.frozen, *self.private]:
             try:
                 re.compile(pat)
@@ -381,6 +383,17 @@ def package_for_task(task: Task):
     return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
                               multi_label=task.multi_label, max_length=task.max_length, seed=task.seed,
                               config=task.model_config or None)
+
+
+def _pooling_problems(pooling: Any, family: str, architecture: str) -> list[str]:
+    from fedclinic.models.mean_pooling import POOLINGS
+
+    if (family, architecture) != ("text-classification", "transformer"):
+        return [f"[model_config] pooling applies to text-classification transformer models only, not {family} "
+                f"{architecture}; remove it"]
+    if pooling not in POOLINGS:
+        return [f"[model_config] pooling must be one of {list(POOLINGS)}, got {pooling!r}"]
+    return []
 
 
 def canonical_codec(spec: str) -> str:

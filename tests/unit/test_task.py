@@ -129,3 +129,16 @@ def test_secure_aggregation_refuses_strategies_that_need_each_update():
                  secure_aggregation={"enabled": True}, **extra).validate()
     Task(name="x", dataset="d", labels=["a", "b"], min_sites=3, strategy="fedadam",
          secure_aggregation={"enabled": True}).validate()  # works on the sum: accepted
+
+
+def test_pooling_is_checked_at_the_task_for_the_family_it_applies_to():
+    """[model_config] pooling: only a text-classification transformer has it; an unknown value is named."""
+    Task(name="t", dataset="d", labels=["a", "b"], model_config={"pooling": "mean"}).validate()
+    with pytest.raises(ConfigError, match=r"pooling must be one of \['cls', 'mean'\], got 'max'"):
+        Task(name="t", dataset="d", labels=["a", "b"], model_config={"pooling": "max"}).validate()
+    with pytest.raises(ConfigError, match="pooling applies to text-classification transformer models only, not "
+                                          "token-classification transformer-crf; remove it"):
+        Task(name="t", dataset="d", labels=["DRUG"], family="token-classification", architecture="transformer-crf",
+             model_config={"pooling": "mean"}).validate()
+    with pytest.raises(ConfigError, match="not text-classification lstm"):
+        Task(name="t", dataset="d", labels=["a", "b"], architecture="lstm", model_config={"pooling": "mean"}).validate()
