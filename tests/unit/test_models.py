@@ -321,12 +321,15 @@ def test_allowlist_is_the_documented_one():
     ("electra", {"embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "intermediate_size": 32, "max_position_embeddings": 40}),
 ])
-def test_other_allowed_encoders_build(tok_json, model_type, extra):
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_other_allowed_encoders_build(tok_json, model_type, extra, pooling):
     pkg = package_from_config(architecture="transformer", labels=LABELS, tokenizer_json=tok_json,
-                              config={"model_type": model_type, **extra}, max_length=16)
+                              config={"model_type": model_type, **extra, "pooling": pooling}, max_length=16)
     loaded = build_model(pkg)
     ids, mask = _ids(loaded, ["fever cough", "rash"])
     assert loaded.logits(ids, mask).shape == (2, 3)
+    if pooling == "mean":  # no pooler tensor, whatever the base class calls it
+        assert not [n for n in pkg.tensors if "pooler" in n] and "classifier.weight" in pkg.tensors
 
 
 # --------------------------------------------------------------------------------------------- build errors
