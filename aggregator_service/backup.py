@@ -11,6 +11,8 @@ A backup is a folder::
     updates/T/R/u-*.bin  the spill files of the durable updates of rounds that are open in the snapshot
                          (the engine folds them again when it starts on the restored folder)
     audit.jsonl          the audit trail up to its last complete line
+    manifest.sig         (backups taken with --config) the aggregator's signature of manifest.json, made with
+    manifest.crt         its TLS key, and its certificate: ``--ca`` checks them (fedclinic.pki.verify_detached)
 
 Consistency: the snapshot fixes what is referenced. Blobs are immutable once published, so copying them
 after the snapshot is safe. A spill file can disappear after the snapshot when its round closes; the backup
@@ -19,6 +21,11 @@ then starts over from a new snapshot (a few attempts), so it never holds a round
 The backup is written into a hidden sibling folder and renamed into place once verified: a folder named
 DEST with a manifest.json is complete, anything else is not. ``restore`` verifies every file first and writes
 only into an empty or new folder.
+
+Signed backups: the manifest names every file with its sha256, so its signature covers the whole backup. Without
+``--ca``, verify and restore check the backup's integrity (against accidents: a truncated copy, a flipped bit);
+with ``--ca`` they also require a valid aggregator signature, so someone who can write the backup folder but does
+not hold an aggregator key cannot change the state it restores.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ log = structlog.get_logger("fedclinic.aggregator.backup")
 FORMAT = "fedclinic-aggregator-backup"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
+SIGNER_CERT = "manifest.crt"
 DB_NAME = "aggregator.sqlite"
 AUDIT_NAME = "audit.jsonl"
 _COPY_CHUNK = 1 << 20
@@ -255,9 +264,11 @@ def _last_complete_line(path: Path) -> int:
 
 
 def create_backup(state_dir: str | os.PathLike[str], dest: str | os.PathLike[str], *,
-                  attempts: int = 5) -> BackupManifest:
+                  attempts: int = 5, signer: tuple[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
+                  ) -> BackupManifest:
     """Back up the aggregator state in ``state_dir`` (the service may be running) into the new or empty
-    folder ``dest``; verify the copy; return its manifest. See the module docstring for what is copied."""
+    folder ``dest``; verify the copy; return its manifest. See the module docstring for what is copied.
+    ``signer``: ``(certificate, key)`` of the aggregator, which signs the manifest (``manifest.sig``)."""
     state_dir, dest = Path(state_dir), Path(dest)
     if not (state_dir / DB_NAME).is_file():
         raise BackupError(f"{state_dir} holds no aggregator state ({DB_NAME} is missing); give the state_dir of "
@@ -275,6 +286,8 @@ def create_backup(state_dir: str | os.PathLike[str], dest: str | os.PathLike[str
         try:
             manifest = _copy_state(state_dir, tmp)
             write_atomically(tmp / MANIFEST, manifest.to_json().encode(), mode=0o600)
+            if signer is not None:
+                _sign(tmp, *signer)
             _fsync_tree(tmp)
             verify_backup(tmp)
             _publish(tmp, dest)
@@ -290,6 +303,22 @@ def create_backup(state_dir: str | os.PathLike[str], dest: str | os.PathLike[str
         return manifest
     raise BackupError(f"rounds kept closing while the backup copied their updates ({attempts} attempts); run the "
                       "backup again (nothing was written)")
+
+
+def _sign(folder: Path, cert_path: str | os.PathLike[str], key_path: str | os.PathLike[str]) -> None:
+    from fedclinic.pki import PkiError, identity_from_pem, sign_detached
+
+    try:
+        signature, cert_pem = sign_detached((folder / MANIFEST).read_bytes(), key_path=key_path,
+                                            cert_path=cert_path)
+        identity = identity_from_pem(cert_pem)
+    except PkiError as exc:
+        raise BackupError(f"cannot sign the backup: {exc}") from None
+    if identity.role != "aggregator":
+        raise BackupError(f"cannot sign the backup with {cert_path}: it is the {identity.role} {identity.name!r}'s "
+                          "certificate; give the aggregator's (the [tls] of aggregator.toml)")
+    write_atomically(folder / SIGNATURE, signature, mode=0o600)
+    write_atomically(folder / SIGNER_CERT, cert_pem, mode=0o600)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -326,12 +355,15 @@ def _load_manifest(src: Path) -> BackupManifest:
     return manifest
 
 
-def verify_backup(src: str | os.PathLike[str]) -> BackupManifest:
+def verify_backup(src: str | os.PathLike[str], *, ca: str | os.PathLike[str] | None = None) -> BackupManifest:
     """Check a backup folder: the manifest, every listed file's presence, size and sha256 (blobs also against
-    their names), and the database's integrity and schema version. Returns the manifest; raises
-    :class:`BackupError` naming the first problem."""
+    their names), and the database's integrity and schema version; with ``ca`` (the fedclinic CA certificate)
+    first the aggregator's signature of the manifest. Returns the manifest; raises :class:`BackupError` naming
+    the first problem."""
     src = Path(src)
     manifest = _load_manifest(src)
+    if ca is not None:
+        signed_by(src, ca)
     for f in manifest.files:
         path = src / f.path
         if not path.is_file():
@@ -360,12 +392,34 @@ def verify_backup(src: str | os.PathLike[str]) -> BackupManifest:
     return manifest
 
 
-def restore_backup(src: str | os.PathLike[str], state_dir: str | os.PathLike[str]) -> BackupManifest:
-    """Verify the backup in ``src`` and restore it into ``state_dir``, which must be new or empty. The copy is
-    made in a hidden sibling folder and renamed into place, then opened once as a store (applying schema
-    migrations and pointing spill paths at the new folder). Returns the manifest."""
+def signed_by(src: str | os.PathLike[str], ca: str | os.PathLike[str]) -> str:
+    """The name of the aggregator whose valid signature (certificate issued by ``ca``) the backup's manifest
+    carries; BackupError when it carries none or it does not verify."""
+    from fedclinic.pki import PkiError, verify_detached
+
+    src = Path(src)
+    signature, cert = src / SIGNATURE, src / SIGNER_CERT
+    if not (signature.is_file() and cert.is_file()):
+        raise BackupError(f"{src} is not signed (no {SIGNATURE} and {SIGNER_CERT}): it was taken with --state-dir, "
+                          "or by a release before signed backups. Take a new backup with --config, or check its "
+                          "integrity only by leaving out --ca")
+    try:
+        identity = verify_detached((src / MANIFEST).read_bytes(), signature.read_bytes(), cert.read_bytes(),
+                                   ca_path=ca, role="aggregator")
+    except PkiError as exc:
+        raise BackupError(f"{src} fails its signature check: {exc}; do not restore it") from None
+    except OSError as exc:
+        raise BackupError(f"{src} cannot be read ({exc.strerror}): {exc.filename}") from None
+    return identity.name
+
+
+def restore_backup(src: str | os.PathLike[str], state_dir: str | os.PathLike[str], *,
+                   ca: str | os.PathLike[str] | None = None) -> BackupManifest:
+    """Verify the backup in ``src`` (with ``ca``: its signature too) and restore it into ``state_dir``, which
+    must be new or empty. The copy is made in a hidden sibling folder and renamed into place, then opened once
+    as a store (applying schema migrations and pointing spill paths at the new folder). Returns the manifest."""
     src, state_dir = Path(src), Path(state_dir)
-    manifest = verify_backup(src)
+    manifest = verify_backup(src, ca=ca)
     if manifest.schema_version > SCHEMA_VERSION:
         raise BackupError(f"{src} holds schema version {manifest.schema_version}, newer than this fedclinic-aggregator "
                           f"knows ({SCHEMA_VERSION}); restore it with the release that took it, or a newer one")

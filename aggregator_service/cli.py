@@ -21,25 +21,40 @@ def _state_dir(args: argparse.Namespace) -> Path:
 def _backup(args: argparse.Namespace) -> int:
     from aggregator_service.backup import create_backup
 
-    m = create_backup(_state_dir(args), args.dest)
+    signer = None
+    if args.config is not None:  # the aggregator's own TLS pair signs the manifest
+        from aggregator_service.config import AggregatorConfig
+
+        tls = AggregatorConfig.load(args.config).tls
+        signer = (tls.cert, tls.key)
+    m = create_backup(_state_dir(args), args.dest, signer=signer)
+    how = "signed by the aggregator" if signer else "not signed (--state-dir: no key; back up with --config to sign)"
     print(f"backup written to {args.dest}: {len(m.files)} files, {m.nbytes} bytes, schema version "
-          f"{m.schema_version}, taken {m.created}; verified")
+          f"{m.schema_version}, taken {m.created}; verified; {how}")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from aggregator_service.backup import verify_backup
 
-    m = verify_backup(args.src)
+    m = verify_backup(args.src, ca=args.ca)
+    signed = (f"; signed by the aggregator {_signer(args)!r} (certificate from {args.ca})" if args.ca
+              else "; signature not checked (give --ca CA_CERT to require the aggregator's signature)")
     print(f"backup {args.src} is complete and intact: {len(m.files)} files, {m.nbytes} bytes, schema version "
-          f"{m.schema_version}, taken {m.created} from {m.source_state_dir}")
+          f"{m.schema_version}, taken {m.created} from {m.source_state_dir}{signed}")
     return 0
+
+
+def _signer(args: argparse.Namespace) -> str:
+    from aggregator_service.backup import signed_by
+
+    return signed_by(args.src, args.ca)
 
 
 def _restore(args: argparse.Namespace) -> int:
     from aggregator_service.backup import restore_backup
 
-    m = restore_backup(args.src, args.state_dir)
+    m = restore_backup(args.src, args.state_dir, ca=args.ca)
     print(f"restored {len(m.files)} files ({m.nbytes} bytes, taken {m.created}) into {args.state_dir}; point the "
           "aggregator's state_dir at it and start it")
     return 0
@@ -62,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     restore = sub.add_parser("restore", help="verify a backup and restore it into a new or empty state folder")
     restore.add_argument("src", help="the backup folder")
     restore.add_argument("state_dir", help="the new state folder (must not exist, or be empty)")
+    for command in (verify, restore):
+        command.add_argument("--ca", metavar="CA_CERT", help="the fedclinic CA certificate: also require the "
+                             "aggregator's signature of the backup (backups taken with --config are signed)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from aggregator_service.config import AggregatorConfig

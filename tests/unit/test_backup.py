@@ -181,3 +181,92 @@ def test_cli_backup_verify_restore_and_a_corrupt_backup(tmp_path):
     run = cli("verify-backup", tmp_path / "b")
     assert run.returncode == 2 and "is corrupt: aggregator.sqlite" in run.stderr
     store.close()
+
+
+# ---------------------------------------------------------------------------------------------- signatures
+
+
+@pytest.fixture
+def pki_dir(tmp_path):
+    """A real CA with an aggregator and an agent certificate, and a second, foreign CA with an aggregator."""
+    from fedclinic import pki
+
+    pki.init_ca(tmp_path / "ca")
+    pki.issue(tmp_path / "ca", role="aggregator", name="aggregator", out_dir=tmp_path / "agg")
+    pki.issue(tmp_path / "ca", role="agent", name="st-mary", out_dir=tmp_path / "mary")
+    pki.init_ca(tmp_path / "other-ca")
+    pki.issue(tmp_path / "other-ca", role="aggregator", name="aggregator", out_dir=tmp_path / "other-agg")
+    return tmp_path
+
+
+def _pair(folder, name):
+    return folder / f"{name}.crt", folder / f"{name}.key"
+
+
+def test_a_signed_backup_verifies_with_the_ca_and_a_changed_manifest_does_not(tmp_path, pki_dir):
+    from aggregator_service.backup import SIGNATURE, signed_by
+
+    store, *_ = _mid_round_two(tmp_path / "live")
+    create_backup(tmp_path / "live", tmp_path / "b", signer=_pair(pki_dir / "agg", "aggregator"))
+    ca = pki_dir / "ca" / "ca.crt"
+    assert signed_by(tmp_path / "b", ca) == "aggregator"
+    verify_backup(tmp_path / "b", ca=ca)
+    restore_backup(tmp_path / "b", tmp_path / "r1", ca=ca)
+    assert not (tmp_path / "r1" / SIGNATURE).exists()  # the signature belongs to the backup, not to the state
+    with pytest.raises(BackupError, match="was not issued by the CA"):
+        verify_backup(tmp_path / "b", ca=pki_dir / "other-ca" / "ca.crt")
+    # someone who can write the backup changes a file and, consistently, the manifest: integrity still holds,
+    # the signature does not
+    doc = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    doc["source_state_dir"] = "/somewhere/else"
+    (tmp_path / "b" / MANIFEST).write_text(json.dumps(doc))
+    verify_backup(tmp_path / "b")
+    with pytest.raises(BackupError, match="fails its signature check: the signature does not match the data: it "
+                                          "was changed after the aggregator 'aggregator' signed it; do not restore"):
+        restore_backup(tmp_path / "b", tmp_path / "r2", ca=ca)
+    assert not (tmp_path / "r2").exists()
+    store.close()
+
+
+def test_unsigned_and_wrongly_signed_backups_are_refused_under_ca(tmp_path, pki_dir):
+    store, *_ = _mid_round_two(tmp_path / "live")
+    ca = pki_dir / "ca" / "ca.crt"
+    create_backup(tmp_path / "live", tmp_path / "unsigned")
+    with pytest.raises(BackupError, match="is not signed .*Take a new backup with --config, or check its integrity "
+                                          "only by leaving out --ca"):
+        verify_backup(tmp_path / "unsigned", ca=ca)
+    with pytest.raises(BackupError, match="it is the agent 'st-mary''s certificate; give the aggregator's"):
+        create_backup(tmp_path / "live", tmp_path / "by-agent", signer=_pair(pki_dir / "mary", "st-mary"))
+    assert not (tmp_path / "by-agent").exists()
+    crt, _ = _pair(pki_dir / "agg", "aggregator")
+    _, other_key = _pair(pki_dir / "other-agg", "aggregator")
+    with pytest.raises(BackupError, match="does not belong to the certificate"):
+        create_backup(tmp_path / "live", tmp_path / "mismatch", signer=(crt, other_key))
+    store.close()
+
+
+def test_cli_signs_with_the_configured_aggregator_and_checks_with_ca(tmp_path, pki_dir):
+    store, *_ = _mid_round_two(tmp_path / "live")
+    crt, key = _pair(pki_dir / "agg", "aggregator")
+    ca = pki_dir / "ca" / "ca.crt"
+    config = tmp_path / "aggregator.toml"
+    config.write_text(f'listen = "127.0.0.1:0"\nstate_dir = "{tmp_path / "live"}"\n\n[tls]\ncert = "{crt}"\n'
+                      f'key = "{key}"\nca = "{ca}"\n')
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "aggregator_service.cli", *map(str, args)], capture_output=True,
+                              text=True, timeout=120)
+
+    run = cli("backup", "--config", config, tmp_path / "b")
+    assert run.returncode == 0, run.stderr
+    assert "signed by the aggregator" in run.stdout
+    run = cli("verify-backup", tmp_path / "b", "--ca", ca)
+    assert run.returncode == 0, run.stderr
+    assert "signed by the aggregator 'aggregator'" in run.stdout
+    run = cli("verify-backup", tmp_path / "b")
+    assert run.returncode == 0 and "signature not checked (give --ca" in run.stdout
+    run = cli("backup", "--state-dir", tmp_path / "live", tmp_path / "u")
+    assert run.returncode == 0 and "not signed" in run.stdout
+    run = cli("restore", tmp_path / "u", tmp_path / "r", "--ca", ca)
+    assert run.returncode == 2 and "is not signed" in run.stderr and not (tmp_path / "r").exists()
+    store.close()
