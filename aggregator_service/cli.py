@@ -37,18 +37,14 @@ def _backup(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from aggregator_service.backup import verify_backup
 
-    m = verify_backup(args.src, ca=args.ca)
-    signed = (f"; signed by the aggregator {_signer(args)!r} (certificate from {args.ca})" if args.ca
-              else "; signature not checked (give --ca CA_CERT to require the aggregator's signature)")
+    from aggregator_service.backup import signed_by
+
+    m = verify_backup(args.src)
+    signed = (f"; signed by the aggregator {signed_by(args.src, args.ca)!r} (certificate from {args.ca})"
+              if args.ca else "; signature not checked (give --ca CA_CERT to require the aggregator's signature)")
     print(f"backup {args.src} is complete and intact: {len(m.files)} files, {m.nbytes} bytes, schema version "
           f"{m.schema_version}, taken {m.created} from {m.source_state_dir}{signed}")
     return 0
-
-
-def _signer(args: argparse.Namespace) -> str:
-    from aggregator_service.backup import signed_by
-
-    return signed_by(args.src, args.ca)
 
 
 def _restore(args: argparse.Namespace) -> int:

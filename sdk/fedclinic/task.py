@@ -386,14 +386,13 @@ def package_for_task(task: Task):
 
 
 def _pooling_problems(pooling: Any, family: str, architecture: str) -> list[str]:
-    from fedclinic.models.mean_pooling import POOLINGS
+    from fedclinic.models.mean_pooling import pooling_problem
 
     if (family, architecture) != ("text-classification", "transformer"):
         return [f"[model_config] pooling applies to text-classification transformer models only, not {family} "
                 f"{architecture}; remove it"]
-    if pooling not in POOLINGS:
-        return [f"[model_config] pooling must be one of {list(POOLINGS)}, got {pooling!r}"]
-    return []
+    problem = pooling_problem(pooling)
+    return [f"[model_config] {problem}"] if problem else []
 
 
 def canonical_codec(spec: str) -> str:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -16,14 +15,13 @@ from fedclinic.localfed import wait_until
 pytestmark = pytest.mark.integration
 
 OWNER = textwrap.dedent("""
-    import sys, time
+    import signal, sys
     from fedclinic.localfed import LocalFederation
     with LocalFederation(sys.argv[1], [], log_level="warning") as fed:
         fed.make_pki()
         fed.start_aggregator()
         print(fed.aggregator.pid, flush=True)
-        while True:
-            time.sleep(0.1)
+        signal.pause()  # until a signal arrives: the test sends SIGTERM
 """)
 
 

@@ -18,6 +18,7 @@ the head learns its own scale.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,13 @@ from typing import Any
 POOLINGS = ("cls", "mean")
 #: model types whose base class takes ``add_pooling_layer``
 _WITH_POOLER_FLAG = ("bert", "roberta")
+
+
+def pooling_problem(pooling: Any) -> str | None:
+    """Why ``pooling`` is not a pooling form (None when it is one of :data:`POOLINGS`)."""
+    if pooling not in POOLINGS:
+        return f"pooling must be one of {list(POOLINGS)}, got {pooling!r}"
+    return None
 
 
 def sentence_transformers_pooling(folder: str | Path) -> str | None:
@@ -45,8 +53,9 @@ def sentence_transformers_pooling(folder: str | Path) -> str | None:
             frozenset({"pooling_mode_cls_token"}): "cls"}.get(frozenset(modes))
 
 
+@functools.cache
 def mean_pooled_classifier_class():
-    """The torch module class (built lazily so importing fedclinic does not import torch)."""
+    """The torch module class (built once, lazily, so importing fedclinic does not import torch)."""
     import torch
     from torch import nn
     from transformers import AutoModel

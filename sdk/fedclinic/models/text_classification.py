@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.models.mean_pooling import POOLINGS, mean_pooled_classifier_class, sentence_transformers_pooling
+from fedclinic.models.mean_pooling import (POOLINGS, mean_pooled_classifier_class, pooling_problem,
+                                           sentence_transformers_pooling)
 from fedclinic.models.meta import ModelMeta
 from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
 
@@ -464,19 +465,25 @@ def _check_transformer_fits(config, vocab_size: int, max_length: int) -> None:
                           f"lower max_length")
 
 
-def _hf_config_bytes(module) -> bytes:
+def _hf_config_bytes(module, architecture: str | None = None) -> bytes:
+    """The module's HF ``config.json``; ``architectures`` names ``architecture`` or else the module's class."""
     d = module.config.to_dict()
     d.pop("_name_or_path", None)
-    # a mean-pooled classifier is not a Hugging Face class; its encoder is (the head is fedclinic's)
-    d["architectures"] = [type(getattr(module, "encoder", module)).__name__]
+    d["architectures"] = [architecture or type(module).__name__]
     return (json.dumps(d, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _transformer_config_bytes(module, pooling: str) -> bytes:
+    # a mean-pooled classifier is not a Hugging Face class; its encoder is (the head is fedclinic's)
+    return _hf_config_bytes(module, type(module.encoder).__name__ if pooling == "mean" else None)
 
 
 def _pop_pooling(config: dict[str, Any]) -> str:
     """Remove and check the ``pooling`` key of a transformer ``config`` (default ``cls``)."""
     pooling = config.pop("pooling", "cls")
-    if pooling not in POOLINGS:
-        raise ConfigError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
+    problem = pooling_problem(pooling)
+    if problem:
+        raise ConfigError(problem)
     return pooling
 
 
@@ -632,7 +639,8 @@ def package_pretrained(
     load_tensors(module, _map_checkpoint(module, checkpoint))
     meta = _meta(architecture, labels, multi_label, max_length, base_model,
                  _transformer_arch_config(hf_config.model_type, pooling))
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
+    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json,
+             HF_CONFIG_FILE: _transformer_config_bytes(module, pooling),
              **side_files}
     return ModelPackage(tensors=module_tensors(module), files=files)
 
@@ -674,7 +682,7 @@ def package_from_config(
         _check_transformer_fits(hf_config, vocab_size, max_length)
         module = _build_hf_module(hf_config, seed, pooling)
         arch_config: dict[str, Any] = _transformer_arch_config(hf_config.model_type, pooling)
-        files[HF_CONFIG_FILE] = _hf_config_bytes(module)
+        files[HF_CONFIG_FILE] = _transformer_config_bytes(module, pooling)
     else:
         arch_config = _arch_config(architecture, config, vocab_size, pad_id)
         with _seeded(seed):
