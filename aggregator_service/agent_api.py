@@ -13,7 +13,7 @@ import fedclinic
 from fedclinic.codecs import available_codecs
 from fedclinic.errors import IntegrityError
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
-from fedclinic.wire import ChunkAssembler, PipelinedAssembler
+from fedclinic.transport.wire import ChunkAssembler, PipelinedAssembler
 
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity

@@ -43,8 +43,8 @@ from typing import Any
 
 import structlog
 
-from fedclinic.durable_file import fsync_dir, write_atomically
-from fedclinic.blobstore import blob_relpath
+from fedclinic.runtime.durable_file import fsync_dir, write_atomically
+from fedclinic.runtime.blobstore import blob_relpath
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.proto import control_pb2
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedclinic import logs
+from fedclinic.runtime import logs
 from fedclinic.errors import FedclinicError
 
 

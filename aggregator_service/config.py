@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fedclinic.errors import ConfigError
-from fedclinic.metrics_endpoint import MetricsAddress, parse_metrics_address
-from fedclinic.rpc import TlsFiles
-from fedclinic.tomlconfig import env_overrides, load_toml, refuse_unknown, require
+from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_address
+from fedclinic.transport.rpc import TlsFiles
+from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
 ENV_PREFIX = "FEDCLINIC_AGGREGATOR"
 #: the settings aggregator.toml may hold; anything else is refused (a misspelt ``[tls] crl`` must not silently
@@ -45,7 +45,7 @@ class AggregatorConfig:
     log_level: str = "info"
     max_workers: int = 64
     heartbeat_s: float = 15.0
-    #: where the Prometheus endpoint listens (fedclinic.metrics_endpoint); None: no endpoint
+    #: where the Prometheus endpoint listens (fedclinic.runtime.metrics_endpoint); None: no endpoint
     metrics_address: MetricsAddress | None = None
 
     @classmethod

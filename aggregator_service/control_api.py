@@ -12,7 +12,7 @@ import structlog
 
 from fedclinic.errors import IntegrityError
 from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
-from fedclinic.wire import manifest_from_proto
+from fedclinic.transport.wire import manifest_from_proto
 
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity

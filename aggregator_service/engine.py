@@ -27,19 +27,22 @@ from typing import Callable, Iterable
 import numpy as np
 import structlog
 
-from fedclinic.blobstore import BlobStore, fsync_dir
-from fedclinic.audit import update_digest
+from fedclinic.runtime.blobstore import BlobStore, fsync_dir
+from fedclinic.runtime.audit_trail import update_digest
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.package import Manifest, TensorEntry, raw_bytes
+from fedclinic.transport.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2, tensors_pb2
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
-from fedclinic.selection import select_names
+from fedclinic.spec.selection import select_names
 from fedclinic.strategies import ClientDP, Strategy, make_strategy
 from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor, dense_blocks
-from fedclinic import codec_wire, downlink, private_modules, safl
+from fedclinic.transport import codec_wire
+from fedclinic.transport import downlink
+from fedclinic.training import private_modules
+from fedclinic.training import safl
 from fedclinic.codecs import open_payload
-from fedclinic.durable_file import DurableFile
-from fedclinic.wire import manifest_to_proto
+from fedclinic.runtime.durable_file import DurableFile
+from fedclinic.transport.wire import manifest_to_proto
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.store import Store, now_ms
@@ -126,7 +129,7 @@ def uplink_metrics(reports) -> dict[str, float]:
 
 
 def update_layers(layout_json: str) -> list[int]:
-    """The transformer layers a stored update carried (from its tensor names; fedclinic.safl.layer_of)."""
+    """The transformer layers a stored update carried (from its tensor names; fedclinic.training.safl.layer_of)."""
     return safl.layers_in_update(t[0] for t in UpdateLayout.from_json(layout_json).tensors)
 
 
@@ -785,7 +788,7 @@ class Engine:
 
     def _broadcast_delta(self, task_id: str, rnd: int, base: TensorEntry, new: np.ndarray, codec
                          ) -> tuple[np.ndarray, tensors_pb2.DownlinkDelta]:
-        """Round ``rnd``'s global tensor under the task's downlink codec (fedclinic.downlink): the base tensor plus
+        """Round ``rnd``'s global tensor under the task's downlink codec (fedclinic.transport.downlink): the base tensor plus
         the decoded change, and that change as agents fetch it (its payload stored as a blob)."""
         broadcast, enc = downlink.compress(self.blobs.array(base.sha256, base.dtype, base.shape), new, codec,
                                            downlink.tensor_rng(task_id, rnd, base.name))
@@ -874,7 +877,7 @@ def strategy_of(spec: task_pb2.TaskSpec):
 
 
 def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
-    """The task's privacy settings, checked as fedclinic.task.Task checks them (the SDK may be another version)."""
+    """The task's privacy settings, checked as fedclinic.spec.task.Task checks them (the SDK may be another version)."""
     pc = spec.privacy
     if not pc.level:
         return []
@@ -902,7 +905,7 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
 
 
 def selection_problems(spec: task_pb2.TaskSpec, strategy, names: list[str]) -> list[str]:
-    """The task's layer selection, checked as fedclinic.task.Task checks it, plus against the model's tensors."""
+    """The task's layer selection, checked as fedclinic.spec.task.Task checks it, plus against the model's tensors."""
     u = spec.update
     problems = safl.config_problems(u.selection, u.select_top_k_layers, u.safl_profile_samples, u.safl_token,
                                     spec.family, spec.architecture)

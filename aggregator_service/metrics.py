@@ -1,4 +1,4 @@
-"""The aggregator's Prometheus metrics, in a registry of its own (served by fedclinic.metrics_endpoint).
+"""The aggregator's Prometheus metrics, in a registry of its own (served by fedclinic.runtime.metrics_endpoint).
 
 Counters and histograms are updated where things happen: task and round lifecycle from the store's committed
 events (``on_commit``: counted only once the change is durable), bytes and updates from the engine, update
@@ -39,7 +39,7 @@ Gauges, read at scrape time:
   site reported (DP-SGD at the sites)
 
 Cardinality: ``reason``, ``outcome`` and ``state`` take a fixed set of values; ``site`` only names that hold
-an agent certificate of the federation's CA; ``task_id`` is bounded by fedclinic.metrics_endpoint.TaskSeries
+an agent certificate of the federation's CA; ``task_id`` is bounded by fedclinic.runtime.metrics_endpoint.TaskSeries
 (running tasks plus the last ``KEEP_ENDED_TASKS`` ended ones). A task id from an unauthenticated or refused
 request never becomes a label.
 """
@@ -53,7 +53,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fedclinic.metrics_endpoint import TaskSeries
+from fedclinic.runtime.metrics_endpoint import TaskSeries
 from fedclinic.proto import control_pb2
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 S = control_pb2
 P = "fedclinic_aggregator_"
-#: ended tasks whose task_id-labelled series stay visible (fedclinic.metrics_endpoint.TaskSeries)
+#: ended tasks whose task_id-labelled series stay visible (fedclinic.runtime.metrics_endpoint.TaskSeries)
 KEEP_ENDED_TASKS = 20
 _ENDED_EVENTS = {"completed": "completed", "failed": "failed", "cancelled": "cancelled"}
 _ROUND_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, float("inf"))

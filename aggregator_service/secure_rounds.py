@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import structlog
 
-from fedclinic.failpoints import failpoint
+from fedclinic.runtime.failpoints import failpoint
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase, SecAggAbort, SecAggConfigError,
                               SecAggError, SecAggIntegrityError, SecAggProtocolError, ServerSession, ShareKeys,
                               UnmaskResponse)
 from fedclinic.secagg.task_config import floor_of, session_params
-from fedclinic.selection import select_names
+from fedclinic.spec.selection import select_names
 
 from aggregator_service.store import now_ms
 

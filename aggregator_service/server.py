@@ -12,12 +12,12 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedclinic.blobstore import BlobStore
-from fedclinic.metrics_endpoint import MetricsServer
+from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.runtime.metrics_endpoint import MetricsServer
 from fedclinic.pki import RevocationList
 from fedclinic.proto import agent_pb2_grpc, control_pb2_grpc
 from fedclinic.credentials import WatchedCredentials, reloading_server_credentials
-from fedclinic.rpc import SERVER_OPTIONS
+from fedclinic.transport.rpc import SERVER_OPTIONS
 
 from aggregator_service.agent_api import AgentApi
 from aggregator_service.audit_trail import AuditTrail

@@ -27,7 +27,7 @@ from google.protobuf import json_format
 
 import fedclinic
 from fedclinic.errors import FedclinicError
-from fedclinic.package import FileEntry, Manifest, TensorEntry
+from fedclinic.transport.package import FileEntry, Manifest, TensorEntry
 from fedclinic.proto import tensors_pb2
 
 log = structlog.get_logger("fedclinic.aggregator.store")
@@ -95,7 +95,7 @@ def _to_v3(c: sqlite3.Connection, store: "Store") -> None:
 
 
 def _to_v4(c: sqlite3.Connection, store: "Store") -> None:
-    # compressed downlink (fedclinic.downlink): tensors of a model also kept as an encoded change from a base tensor
+    # compressed downlink (fedclinic.transport.downlink): tensors of a model also kept as an encoded change from a base tensor
     c.execute("CREATE TABLE IF NOT EXISTS model_deltas (model_hash TEXT NOT NULL, name TEXT NOT NULL, "
               "base_sha256 TEXT NOT NULL, header TEXT NOT NULL, PRIMARY KEY (model_hash, name))")
 

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from fedclinic.blobstore import BlobStore, fsync_dir
-from fedclinic.durable_file import DurableFile
+from fedclinic.runtime.blobstore import BlobStore, fsync_dir
+from fedclinic.runtime.durable_file import DurableFile
 from fedclinic.errors import IntegrityError
-from fedclinic.package import Manifest
+from fedclinic.transport.package import Manifest
 from fedclinic.proto import tensors_pb2
-from fedclinic.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
+from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
 
 from aggregator_service.engine import UpdateLayout
 
@@ -19,7 +19,7 @@ from aggregator_service.engine import UpdateLayout
 class SpillWriter:
     """Writes an update's tensors back to back into one file; one fsync makes the whole update durable.
 
-    The file is a :class:`~fedclinic.durable_file.DurableFile` (O_DIRECT where the filesystem allows it)."""
+    The file is a :class:`~fedclinic.runtime.durable_file.DurableFile` (O_DIRECT where the filesystem allows it)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -88,7 +88,7 @@ def send_model(blobs: BlobStore, manifest: Manifest, *, have: set[str], include_
                counter: list[int] | None = None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None,
                wire: list[int] | None = None) -> Iterator[tensors_pb2.ModelChunk]:
     """Manifest first, then files (optional), then every tensor whose sha256 is not in ``have``: in full, or as
-    its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.downlink).
+    its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.transport.downlink).
 
     ``counter[0]`` adds up the payload bytes sent, ``wire[0]`` the serialized messages (plus gRPC's 5-byte
     prefix each)."""

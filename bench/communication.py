@@ -19,7 +19,7 @@ pooling all-MiniLM-L6-v2 was trained with); that model has no pooler, so no sett
   learning rate 1e-3 instead of 2e-4 (adapters start at zero);
 - ``LoRA r=8+int8``: the same adapters' deltas sent as int8;
 - ``int8 + int8 downlink``: int8 deltas up, and each round's change of the global model broadcast as int8
-  (``--downlink-codec int8``, fedclinic.downlink) instead of float32 tensors.
+  (``--downlink-codec int8``, fedclinic.transport.downlink) instead of float32 tensors.
 
 Per setting the table gives the mean uplink payload bytes per round (all sites, tensors as sent), the
 reduction against fp32 (payload bytes), the mean downlink bytes per round after the first (all sites; round 1

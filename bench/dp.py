@@ -7,7 +7,7 @@ head) and, with ``--all-layers``, every tensor. ``--examples`` training reviews,
 Modes:
 
 ``plain``
-    :func:`fedclinic.training.train_local` for one epoch (``ceil(n / 16)`` steps of 16), what a non-private
+    :func:`fedclinic.training.trainer.train_local` for one epoch (``ceil(n / 16)`` steps of 16), what a non-private
     task runs.
 ``dp``
     :func:`fedclinic.privacy.dp_sgd.train_local_private` for the same number of steps at sampling rate
@@ -62,8 +62,8 @@ def _setup(examples: int, all_layers: bool, threads: int):
     import torch
 
     torch.set_num_threads(threads)
-    from fedclinic import training
-    from fedclinic.datasets.drugreview import condition_classification, minilm_path
+    from fedclinic.training import trainer as training
+    from fedclinic.assets.drugreview import condition_classification, minilm_path
     from fedclinic.models import build_model, package_pretrained
     from fedclinic.privacy.dp_sgd import DPSGD, train_local_private
 

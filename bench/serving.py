@@ -51,7 +51,7 @@ def child(kind: str, folder: Path, threads: int, repeats: int, clock: str = "wal
 
         from fedclinic.models import build_model
         from fedclinic.models.text_classification import encode_texts
-        from fedclinic.package import ModelPackage
+        from fedclinic.transport.package import ModelPackage
 
         torch.set_num_threads(threads)
         loaded = build_model(ModelPackage.load(folder / "model"))
@@ -64,7 +64,7 @@ def child(kind: str, folder: Path, threads: int, repeats: int, clock: str = "wal
                 return loaded.logits(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         labels = loaded.labels
     else:
-        from fedclinic.serving import ClassifierBundle
+        from fedclinic.serving.bundle import ClassifierBundle
 
         bundle = ClassifierBundle(folder / "onnx", int8=(kind == "onnx-int8"), threads=threads)
 
@@ -95,9 +95,9 @@ def child(kind: str, folder: Path, threads: int, repeats: int, clock: str = "wal
 def prepare(folder: Path, epochs: int, seed: int) -> None:
     import torch
 
-    from fedclinic import training
-    from fedclinic.datasets.drugreview import condition_classification, minilm_path
-    from fedclinic.export import export_onnx
+    from fedclinic.training import trainer as training
+    from fedclinic.assets.drugreview import condition_classification, minilm_path
+    from fedclinic.export.onnx_export import export_onnx
     from fedclinic.models import build_model, package_pretrained
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -112,7 +112,7 @@ def prepare(folder: Path, epochs: int, seed: int) -> None:
     print(f"trained MiniLM on {len(train)} reviews for {epochs} epoch(s) in {time.perf_counter() - t0:.0f} s "
           f"(loss {result.loss:.3f})", flush=True)
     from fedclinic.models import module_tensors
-    from fedclinic.package import ModelPackage
+    from fedclinic.transport.package import ModelPackage
 
     trained = ModelPackage(tensors={**pkg.tensors, **module_tensors(loaded.module, names)}, files=pkg.files)
     trained.save(folder / "model")

@@ -7,7 +7,7 @@ messages: a bare gRPC server process whose stream handler only counts the bytes 
 
 A third figure, same run: the disk's own rate for writing and fsyncing the same bytes as 4 MB files, through
 the page cache and with O_DIRECT (blobs use O_DIRECT where the filesystem allows it, see
-fedclinic.durable_file), because an upload is acknowledged only once durable; and the end-to-end run once more with the aggregator
+fedclinic.runtime.durable_file), because an upload is acknowledged only once durable; and the end-to-end run once more with the aggregator
 state on tmpfs (/dev/shm), which shows the software path without the disk.
 
 CPU accounting, same run: the core-seconds per GB that the bare stream's client and server processes use,
@@ -41,7 +41,7 @@ REPEATS = 3
 
 
 def bare_server(tls_dir: Path) -> None:
-    from fedclinic.rpc import SERVER_OPTIONS, TlsFiles, server_credentials
+    from fedclinic.transport.rpc import SERVER_OPTIONS, TlsFiles, server_credentials
 
     busy = [0.0]  # CPU seconds of this process while a stream was open (all threads: gRPC's included)
 
@@ -82,8 +82,8 @@ def sha256_gbs(nbytes: int = 256 << 20) -> float:
 
 def disk_rate(folder: Path, nbytes: int, *, direct: bool, file_bytes: int = 4 << 20) -> float:
     """GB/s for writing ``nbytes`` as files of ``file_bytes``, each made durable (fsync) the way blobs are
-    (:class:`fedclinic.durable_file.DurableFile`), through the page cache or with O_DIRECT."""
-    from fedclinic.durable_file import DurableFile
+    (:class:`fedclinic.runtime.durable_file.DurableFile`), through the page cache or with O_DIRECT."""
+    from fedclinic.runtime.durable_file import DurableFile
 
     data = os.urandom(file_bytes)
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def disk_rate(folder: Path, nbytes: int, *, direct: bool, file_bytes: int = 4 <<
 
 
 def submit_rate(state_root: Path, package, task) -> float:
-    from fedclinic.localfed import LocalFederation
+    from fedclinic.federation.local_federation import LocalFederation
 
     times = []
     with LocalFederation(state_root / "fed", [], log_level="warning") as fed:
@@ -120,13 +120,13 @@ def main() -> int:
         bare_server(Path(args.bare_server))
         return 0
 
-    from fedclinic.localfed import LocalFederation
-    from fedclinic.package import ModelPackage
+    from fedclinic.federation.local_federation import LocalFederation
+    from fedclinic.transport.package import ModelPackage
     from fedclinic.proto import control_pb2
-    from fedclinic.rpc import TlsFiles, secure_channel
-    from fedclinic.task import Task
-    from fedclinic.package import raw_bytes
-    from fedclinic.wire import encoded_tensor_chunks, header_of
+    from fedclinic.transport.rpc import TlsFiles, secure_channel
+    from fedclinic.spec.task import Task
+    from fedclinic.transport.package import raw_bytes
+    from fedclinic.transport.wire import encoded_tensor_chunks, header_of
 
     rng = np.random.default_rng(0)
     per = MODEL_MB * (1 << 20) // 4 // TENSORS

@@ -1,7 +1,7 @@
 """CancersQA reproduction (issue #4): WeiPro vs FedAvg vs FedProx on a small causal-LM QA task, ROUGE-L and METEOR.
 
 CancersQA's Chinese cancer QA corpora are not available offline. This uses the QA set the project builds from
-real patient drug reviews (``fedclinic demo --task qa``, :func:`fedclinic.demo._qa_data`): the context is a
+real patient drug reviews (``fedclinic demo --task qa``, :func:`fedclinic.federation.demo._qa_data`): the context is a
 review's first 300 characters; "Which condition is the reviewer treating?" is answered by the review's
 ``condition`` field and, when the drug's name appears in the context, "Which medicine does the reviewer take?"
 by its ``drugName``.
@@ -24,7 +24,7 @@ Algorithms: ``fedavg`` (sample-weighted; the paper's Eq. 3 is the uniform mean, 
 
 After every round the global model's teacher-forced test loss and token accuracy and, for ``gpt2`` (cheap to
 generate with), greedy answers to every test question scored with ROUGE-L F, METEOR (no WordNet synonyms), BLEU
-and exact match (:mod:`fedclinic.generation_metrics`); for ``smollm2`` the answers are generated after the last
+and exact match (:mod:`fedclinic.evaluation.generation`); for ``smollm2`` the answers are generated after the last
 round only.
 
 Run: ``.venv/bin/python experiments/cancersqa_weipro.py`` (defaults = the study in docs/results/cancersqa.md).
@@ -67,7 +67,7 @@ def bpe_tokenizer_json(texts: list[str], vocab_size: int) -> bytes:
 
 def make_package(args, train, test_size: int):
     """(package, trainable patterns, generate every round?) for ``args.model``."""
-    from fedclinic.demo import QA_TRAINABLE
+    from fedclinic.federation.demo import QA_TRAINABLE
     from fedclinic.models.causal_lm import package_qa_from_config, package_qa_pretrained
 
     if args.model == "gpt2":
@@ -77,7 +77,7 @@ def make_package(args, train, test_size: int):
                                          max_length=MAX_LENGTH, seed=args.model_seed, eos_token=EOS, prompt="plain",
                                          max_new_tokens=args.max_new_tokens, eval_examples=test_size)
         return package, (), True
-    from fedclinic.datasets.smollm2 import smollm2_folder
+    from fedclinic.assets.smollm2 import smollm2_folder
 
     package = package_qa_pretrained(smollm2_folder(args.cache), max_length=MAX_LENGTH,
                                     max_new_tokens=args.max_new_tokens, eval_examples=0)
@@ -85,7 +85,7 @@ def make_package(args, train, test_size: int):
 
 
 def split(train, setting: str, sites: int, alpha: float, seed: int) -> list[list[int]]:
-    from fedclinic.partition import dirichlet_label_skew, iid
+    from fedclinic.data.partition import dirichlet_label_skew, iid
 
     if setting == "d2":
         return iid(len(train), sites, seed)
@@ -175,7 +175,7 @@ def prepare(args):
     """(args, train pairs, test pairs, package, trainable patterns, generate every round?) in this process."""
     import torch
 
-    from fedclinic.demo import _qa_data
+    from fedclinic.federation.demo import _qa_data
 
     torch.set_num_threads(args.threads)
     # one fixed draw of pairs (data seed 0): the seeds vary the site split and the training randomness
@@ -185,9 +185,9 @@ def prepare(args):
 
 
 def generation_scores(package, test) -> dict[str, float]:
-    """Greedy answers to every test question, scored (fedclinic.generation_metrics), plus loss and token accuracy."""
+    """Greedy answers to every test question, scored (fedclinic.evaluation.generation), plus loss and token accuracy."""
     from fedclinic.models import build_model
-    from fedclinic.training import encode
+    from fedclinic.training.trainer import encode
 
     loaded = build_model(package)
     data = encode(test, loaded, max_length=MAX_LENGTH)
@@ -197,9 +197,9 @@ def generation_scores(package, test) -> dict[str, float]:
 
 def run_one(args, setting: str, seed: int, algo: str) -> dict[str, Any]:
     """One (data setting, seed, algorithm) simulation; its per-round record and final scores."""
-    from fedclinic.simulate import simulate
+    from fedclinic.federation.simulate import simulate
     from fedclinic.strategies import make_strategy
-    from fedclinic.training import TrainConfig
+    from fedclinic.training.trainer import TrainConfig
 
     t0 = time.perf_counter()
     _, train, test, package, trainable, every_round = prepare(args)

@@ -62,12 +62,12 @@ def main() -> int:
 
     import numpy as np
 
-    from fedclinic.datasets.silver_ner import NER_LABELS, silver_ner
+    from fedclinic.assets.silver_ner import NER_LABELS, silver_ner
     from fedclinic.models.fedner import PAPER_PRIVATE_PATTERNS
     from fedclinic.models.token_classification import package_ner_from_config
-    from fedclinic.partition import iid
-    from fedclinic.simulate import simulate
-    from fedclinic.training import TrainConfig
+    from fedclinic.data.partition import iid
+    from fedclinic.federation.simulate import simulate
+    from fedclinic.training.trainer import TrainConfig
 
     train, test = silver_ner("train"), silver_ner("test")[:args.test_reviews]
     shards = iid(len(train), len(SITE_TYPES), args.seed)

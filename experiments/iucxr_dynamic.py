@@ -1,6 +1,6 @@
 """IU-CXR (CS59-2) reproduction: dynamic weighting by update magnitude vs sample-weighted FedAvg (issue #4).
 
-**The data is a stand-in, not chest X-rays**: :mod:`fedclinic.datasets.imaging_standin` (augmented CT/MR slices
+**The data is a stand-in, not chest X-rays**: :mod:`fedclinic.assets.imaging_standin` (augmented CT/MR slices
 from pydicom's bundled test files with template reports; labels ``ct``/``mr``/``marker``). No chest X-ray set is
 available offline. Numbers here say how the aggregation rules compare on a small multi-label image + text task,
 not how a model reads X-rays.
@@ -82,14 +82,14 @@ def main() -> int:
 
     import torch
 
-    from fedclinic.data import read_dataset
-    from fedclinic.datasets.imaging_standin import STANDIN_LABELS, standin_tokenizer_json, write_standin
+    from fedclinic.data.text import read_dataset
+    from fedclinic.assets.imaging_standin import STANDIN_LABELS, standin_tokenizer_json, write_standin
     from fedclinic.models import build_model, load_tensors
     from fedclinic.models.image_text import FAMILY, package_image_text_from_config
-    from fedclinic.partition import dirichlet_label_skew
-    from fedclinic.simulate import simulate
+    from fedclinic.data.partition import dirichlet_label_skew
+    from fedclinic.federation.simulate import simulate
     from fedclinic.strategies import make_strategy
-    from fedclinic.training import TrainConfig, encode, evaluate
+    from fedclinic.training.trainer import TrainConfig, encode, evaluate
 
     torch.set_num_threads(args.threads)
     labels = list(STANDIN_LABELS)

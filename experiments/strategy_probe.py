@@ -1,6 +1,6 @@
 """A recording wrapper around a real aggregation strategy, for experiment scripts that run the simulator.
 
-:func:`fedclinic.simulate.simulate` builds its strategy by name (``fedclinic.strategies.make_strategy``) and
+:func:`fedclinic.federation.simulate.simulate` builds its strategy by name (``fedclinic.strategies.make_strategy``) and
 returns only the global model's metrics. The reproduction studies also need what happened *inside* a round:
 each site's effective aggregation weight and, for the IU-CXR protocol, each client model after local training
 (before aggregation). :class:`RecordingStrategy` delegates every call to the real strategy unchanged and records

@@ -10,7 +10,7 @@ import tempfile
 
 import structlog
 
-from fedclinic import logs
+from fedclinic.runtime import logs
 from fedclinic.errors import FedclinicError
 
 log = structlog.get_logger("fedclinic.agent")
@@ -95,7 +95,7 @@ def privacy_finish(config_path: str, task_id: str) -> int:
     round of it would be withheld and declined). Audited; no network."""
     import getpass
 
-    from fedclinic.audit import AuditLog
+    from fedclinic.runtime.audit_trail import AuditLog
 
     from hospital_agent.config import AgentConfig
     from hospital_agent.privacy_ledger import PrivacyLedger
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from hospital_agent.config import AgentConfig
     from hospital_agent.worker import Agent
 
-    from fedclinic.metrics_endpoint import MetricsServer
+    from fedclinic.runtime.metrics_endpoint import MetricsServer
 
     try:
         config = AgentConfig.load(args.config)

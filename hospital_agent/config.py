@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from fedclinic.errors import ConfigError
-from fedclinic.metrics_endpoint import MetricsAddress, parse_metrics_address
+from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_address
 from fedclinic.proto import task_pb2
-from fedclinic.rpc import TlsFiles
-from fedclinic.tomlconfig import env_overrides, load_toml, refuse_unknown, require
+from fedclinic.transport.rpc import TlsFiles
+from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
 FORMATS = ("jsonl", "csv", "tsv", "conll")
@@ -148,7 +148,7 @@ class AgentConfig:
     mixed_precision: bool = False
     log_level: str = "info"
     source: str = ""
-    #: where the Prometheus endpoint listens (fedclinic.metrics_endpoint); None: no endpoint, no open port
+    #: where the Prometheus endpoint listens (fedclinic.runtime.metrics_endpoint); None: no endpoint, no open port
     metrics_address: MetricsAddress | None = None
 
     @classmethod

@@ -19,7 +19,7 @@ import grpc
 
 from fedclinic.credentials import WatchedCredentials
 from fedclinic.proto import agent_pb2, agent_pb2_grpc
-from fedclinic.rpc import TlsFiles, secure_channel_pem
+from fedclinic.transport.rpc import TlsFiles, secure_channel_pem
 
 
 class AgentChannel:

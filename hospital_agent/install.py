@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fedclinic.durable_file import write_atomically
+from fedclinic.runtime.durable_file import write_atomically
 from fedclinic.errors import FedclinicError
 
 USER = "hospital-agent"

@@ -1,4 +1,4 @@
-"""The agent's Prometheus metrics, in a registry of its own (served by fedclinic.metrics_endpoint when the agent
+"""The agent's Prometheus metrics, in a registry of its own (served by fedclinic.runtime.metrics_endpoint when the agent
 config sets ``metrics_address``; nothing is ever pushed: no telemetry leaves the site unless a scraper the site
 runs reads it).
 
@@ -28,7 +28,7 @@ Gauges, read at scrape time:
   still spend) and ``privacy_epsilon_budget{dataset}``: the site's privacy ledger (hospital_agent.privacy_ledger)
 
 Cardinality: ``reason`` takes a fixed set of values, ``dataset`` the datasets of the site configuration, and
-``task_id`` is bounded by fedclinic.metrics_endpoint.TaskSeries (tasks seen recently: the last
+``task_id`` is bounded by fedclinic.runtime.metrics_endpoint.TaskSeries (tasks seen recently: the last
 ``KEEP_TASKS``).
 """
 
@@ -40,13 +40,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fedclinic.metrics_endpoint import TaskSeries
+from fedclinic.runtime.metrics_endpoint import TaskSeries
 from hospital_agent.outbox import Outbox
 from hospital_agent.privacy_ledger import PrivacyLedger
 
 P = "fedclinic_agent_"
 #: tasks whose task_id-labelled series stay visible; the agent does not learn when a task ends, so every
-#: task counts as ended once it has been trained (fedclinic.metrics_endpoint.TaskSeries)
+#: task counts as ended once it has been trained (fedclinic.runtime.metrics_endpoint.TaskSeries)
 KEEP_TASKS = 20
 _TRAIN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, float("inf"))
 REFUSAL_REASONS = ("policy", "privacy_budget", "rejected", "data", "error")

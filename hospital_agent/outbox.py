@@ -16,8 +16,8 @@ from typing import Iterator
 
 import numpy as np
 
-from fedclinic.blobstore import fsync_dir
-from fedclinic.package import raw_bytes
+from fedclinic.runtime.blobstore import fsync_dir
+from fedclinic.transport.package import raw_bytes
 from fedclinic.proto import agent_pb2
 
 

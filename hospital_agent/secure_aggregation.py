@@ -39,10 +39,10 @@ import grpc
 import numpy as np
 import structlog
 
-from fedclinic.failpoints import failpoint
-from fedclinic.package import tensor_sha256
+from fedclinic.runtime.failpoints import failpoint
+from fedclinic.transport.package import tensor_sha256
 from fedclinic.proto import agent_pb2, tensors_pb2
-from fedclinic.rpc import explain_rpc_error
+from fedclinic.transport.rpc import explain_rpc_error
 from fedclinic.secagg import (AdvertiseKeys, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer, SecAggError,
                               SessionParams, UnmaskRequest)
 

@@ -1,10 +1,10 @@
 """The site's own model of a task: the aggregator's newest global model with this site's private modules in place.
 
-Under a task with ``private_patterns`` (FedNER's private modules, fedclinic.private_modules) the global model
+Under a task with ``private_patterns`` (FedNER's private modules, fedclinic.training.private_modules) the global model
 holds the private tensors' initial values; only the site has its trained ones, under
 ``WORK_DIR/private-modules/<task_id>.safetensors``. ``hospital-agent model export TASK OUT_DIR`` fetches the task's
 final (or newest) global model over the agent's own mTLS channel, puts the site's private tensors into it and
-writes a package folder that ``fedclinic export onnx`` and ``fedclinic.serving`` take, with ``site_model.json``
+writes a package folder that ``fedclinic export onnx`` and ``fedclinic.serving.bundle`` take, with ``site_model.json``
 saying what it is made of. Nothing leaves the site: the private tensors are read from disk and written to
 ``OUT_DIR`` only.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.package import ModelPackage
-from fedclinic.private_modules import PrivateStore
+from fedclinic.transport.package import ModelPackage
+from fedclinic.training.private_modules import PrivateStore
 
 PRIVATE_FOLDER = "private-modules"
 PROVENANCE_FILE = "site_model.json"
@@ -85,8 +85,8 @@ def export_site_model(config_path: str, task_id: str, out_dir: str) -> int:
 
     from fedclinic.pki import identity_from_pem
     from fedclinic.proto import agent_pb2
-    from fedclinic.rpc import explain_rpc_error
-    from fedclinic.wire import receive_package
+    from fedclinic.transport.rpc import explain_rpc_error
+    from fedclinic.transport.wire import receive_package
 
     from hospital_agent.config import AgentConfig
     from hospital_agent.connection import AgentChannel

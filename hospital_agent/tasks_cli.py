@@ -50,7 +50,7 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
     if entry is None:
         return f"not computable: this site has no dataset {spec.dataset!r}"
     try:
-        from fedclinic.data import read_dataset
+        from fedclinic.data.text import read_dataset
         from fedclinic.privacy.accounting import plan_task
 
         rows = read_dataset(spec.family, entry.path, format=entry.format, text_field=entry.text_field,
@@ -144,7 +144,7 @@ def show_task(config, task_id: str) -> int:
 
 
 def decide(config, task_id: str, *, approve: bool, reason: str = "") -> int:
-    from fedclinic.audit import AuditLog
+    from fedclinic.runtime.audit_trail import AuditLog
 
     by = f"site-admin:{getpass.getuser()}"
     r = _store(config).decide(task_id, approve=approve, by=by, reason=reason)

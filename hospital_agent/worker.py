@@ -35,18 +35,18 @@ import numpy as np
 import structlog
 
 import fedclinic
-from fedclinic.audit import AuditError, AuditLog, update_digest
-from fedclinic import codec_wire
-from fedclinic.blobstore import BlobStore
+from fedclinic.runtime.audit_trail import AuditError, AuditLog, update_digest
+from fedclinic.transport import codec_wire
+from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.codecs import CodecInputError, ErrorFeedback, available_codecs, parse_codec
-from fedclinic.failpoints import failpoint
+from fedclinic.runtime.failpoints import failpoint
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError
-from fedclinic.package import Manifest, ModelPackage, raw_bytes, tensor_sha256
-from fedclinic import private_modules
-from fedclinic.private_modules import PrivateStore
+from fedclinic.transport.package import Manifest, ModelPackage, raw_bytes, tensor_sha256
+from fedclinic.training import private_modules
+from fedclinic.training.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
-from fedclinic.rpc import explain_rpc_error
-from fedclinic.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, MemoryWriter, encode_tensor_chunk_in,
+from fedclinic.transport.rpc import explain_rpc_error
+from fedclinic.transport.wire import (CHUNK_BYTES, ChunkAssembler, FileAssembler, MemoryWriter, encode_tensor_chunk_in,
                             header_of, manifest_from_proto)
 
 from hospital_agent.approvals import APPROVED, REJECTED, ApprovalStore
@@ -60,7 +60,7 @@ from hospital_agent.site_model import private_store_folder
 from hospital_agent.site_privacy import PrivatePlan, SitePrivacy
 
 if TYPE_CHECKING:
-    from fedclinic.training import TrainConfig
+    from fedclinic.training.trainer import TrainConfig
 
 log = structlog.get_logger("fedclinic.agent")
 #: what the aggregator (and so the task owner) is told while a task waits for approval here
@@ -78,9 +78,9 @@ class _TaskState:
 
     loaded: object = None                       # fedclinic.models.LoadedModel
     tensor_sha: dict[str, str] = field(default_factory=dict)
-    raw_train: list | None = None               # validated rows: fedclinic.data.Example or data_ner.NerExample
+    raw_train: list | None = None               # validated rows: fedclinic.data.text.Example or data_ner.NerExample
     raw_eval: list | None = None
-    train_data: object = None                   # fedclinic.training.EncodedData
+    train_data: object = None                   # fedclinic.training.trainer.EncodedData
     eval_data: object = None
     #: local optimizer moments by tensor name, for tasks with optimizer_state = "keep" (memory only: an agent
     #: restart starts them afresh, as "reset" would)
@@ -98,7 +98,7 @@ class _Trained:
 
     delta: dict[str, np.ndarray]
     send: list[str]
-    result: object                              # fedclinic.training.TrainResult
+    result: object                              # fedclinic.training.trainer.TrainResult
     metrics: dict[str, float]
     eval_metrics: dict[str, float]
 
@@ -123,7 +123,7 @@ class Agent:
         self.private_store = PrivateStore(private_store_folder(config.work_dir))
         #: tasks seen and their approval (hospital_agent.approvals; shared with `hospital-agent tasks`)
         self.approvals = ApprovalStore(config.work_dir / "approvals.sqlite")
-        #: the site's audit trail (fedclinic.audit); the `hospital-agent tasks` CLI appends to it too
+        #: the site's audit trail (fedclinic.runtime.audit_trail); the `hospital-agent tasks` CLI appends to it too
         self.audit_log = AuditLog(config.work_dir / "audit.jsonl", on_torn_tail="quarantine")
         self._cert_name = _certificate_name(config)  # the site's name before Hello has confirmed it
         #: the latest assignment of each task waiting for approval (re-checked by the main loop)
@@ -187,7 +187,7 @@ class Agent:
             self._drain_outbox()
 
     def hello(self) -> agent_pb2.HelloResponse:
-        from fedclinic.training import select_device
+        from fedclinic.training.trainer import select_device
 
         device = select_device(self.config.device)
         caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw", *available_codecs()], secure_aggregation=True,
@@ -414,7 +414,7 @@ class Agent:
         elif pending is not None:
             self._upload(pending)
             return
-        from fedclinic import training
+        from fedclinic.training import trainer as training
 
         manifest = manifest_from_proto(a.model)
         declared = {f.path: f.sha256 for f in manifest.files}.get("tokenizer.json", "")
@@ -493,7 +493,8 @@ class Agent:
         split, train one round (SAFL's layers when the task selects them, and the private tensors), keep the
         private tensors (memory and the private store) and return the delta of the tensors to send. The last
         gate before anything is written: IntegrityError if a private tensor is among them."""
-        from fedclinic import safl, training
+        from fedclinic.training import safl
+        from fedclinic.training import trainer as training
         from fedclinic.models import module_tensors
 
         loaded = state.loaded
@@ -542,7 +543,7 @@ class Agent:
                    **(selection.metrics() if selection is not None else {})}
         return _Trained(delta, send, result, metrics, eval_metrics)
 
-    # update codecs (fedclinic.codec_wire) -------------------------------------------------------------------
+    # update codecs (fedclinic.transport.codec_wire) -------------------------------------------------------------------
     def _feedback_path(self, task_id: str) -> Path:
         return self.config.work_dir / "codec-state" / f"{task_id}.error-feedback.safetensors"
 
@@ -614,7 +615,7 @@ class Agent:
         return report
 
     def _prepare_data(self, a: agent_pb2.Assignment, state: _TaskState) -> None:
-        from fedclinic.data import read_dataset
+        from fedclinic.data.text import read_dataset
 
         entry = self.config.datasets[a.spec.dataset]
         kwargs = dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
@@ -648,7 +649,7 @@ class Agent:
         if missing or need_files:
             self._fetch(a.task_id, manifest, need_files, deltas=self._usable_deltas(a, {t.name for t in missing}))
         from fedclinic.models import build_model, load_tensors
-        from fedclinic import training
+        from fedclinic.training import trainer as training
 
         if state.loaded is None:
             package = ModelPackage(
@@ -670,7 +671,7 @@ class Agent:
     def _usable_deltas(self, a: agent_pb2.Assignment, missing: set[str]) -> dict[str, tensors_pb2.DownlinkDelta]:
         """The assignment's encoded changes (compressed downlink) for missing tensors whose base this agent holds
         and whose codec is a downlink codec it knows; the other missing tensors are fetched in full."""
-        from fedclinic import downlink
+        from fedclinic.transport import downlink
 
         return {d.name: d for d in a.downlink_deltas
                 if d.name in missing and self.cache.has(d.base_sha256) and not downlink.spec_problems(d.header.codec)
@@ -679,7 +680,7 @@ class Agent:
     def _fetch(self, task_id: str, manifest: Manifest, include_files: bool,
                deltas: dict[str, tensors_pb2.DownlinkDelta] | None = None) -> None:
         """Download the tensors (and files) of ``manifest`` this agent does not hold; those in ``deltas`` as their
-        encoded change, rebuilt on the base tensor (fedclinic.downlink.apply) and checked against the manifest's
+        encoded change, rebuilt on the base tensor (fedclinic.transport.downlink.apply) and checked against the manifest's
         sha256; a change that does not rebuild the tensor exactly is fetched again in full."""
         deltas = deltas or {}
         have = [t.sha256 for t in manifest.tensors if self.cache.has(t.sha256)]
@@ -734,7 +735,7 @@ class Agent:
                               changes: dict[str, MemoryWriter]) -> list[str]:
         """Cache each tensor fetched as an encoded change: base + decode(change), when it hashes to the manifest's
         sha256. Returns the names that did not (left uncached)."""
-        from fedclinic import downlink
+        from fedclinic.transport import downlink
 
         failed = []
         for name, writer in changes.items():

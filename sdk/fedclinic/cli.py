@@ -65,7 +65,7 @@ def _print_status(st, as_json: bool) -> None:
 
 def _task_command(args) -> int:
     from fedclinic.client import state_name
-    from fedclinic.task import Task
+    from fedclinic.spec.task import Task
 
     with _client(args) as client:
         if args.task_cmd == "submit":
@@ -128,21 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)
 
-    from fedclinic.experiment import add_experiment_commands
-    from fedclinic.export import add_export_commands
+    from fedclinic.federation.experiment import add_experiment_commands
+    from fedclinic.export.onnx_export import add_export_commands
 
-    from fedclinic.serve import add_serve_command
+    from fedclinic.serving.http_server import add_serve_command
 
     add_experiment_commands(sub)
     add_export_commands(sub)
     add_serve_command(sub)
 
-    from fedclinic.audit import add_audit_commands
+    from fedclinic.runtime.audit_trail import add_audit_commands
 
     add_audit_commands(sub)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
-    from fedclinic.demo import add_demo_arguments, run_demo
+    from fedclinic.federation.demo import add_demo_arguments, run_demo
 
     add_demo_arguments(demo)
     demo.set_defaults(func=run_demo)

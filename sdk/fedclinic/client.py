@@ -19,12 +19,12 @@ from typing import Callable, Iterator
 import grpc
 
 from fedclinic.errors import FedclinicError
-from fedclinic.package import Manifest, ModelPackage
+from fedclinic.transport.package import Manifest, ModelPackage
 from fedclinic.proto import control_pb2, control_pb2_grpc
-from fedclinic.rpc import TlsFiles, explain_rpc_error, secure_channel
-from fedclinic.task import Task, package_for_task
-from fedclinic.package import raw_bytes
-from fedclinic.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto, receive_package
+from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
+from fedclinic.spec.task import Task, package_for_task
+from fedclinic.transport.package import raw_bytes
+from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto, receive_package
 
 _SUBMIT_TENSOR_FIELD = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
 TERMINAL = (control_pb2.TASK_STATE_COMPLETED, control_pb2.TASK_STATE_FAILED, control_pb2.TASK_STATE_CANCELLED)
@@ -172,12 +172,12 @@ class Client:
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
                  status: control_pb2.TaskStatus | None = None) -> Path:
         """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card
-        (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.model_card`) beside the files.
+        (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.spec.model_card`) beside the files.
 
         The card is built from ``status`` when given, else from the task's status fetched after the model (so
         it knows every round that went into it).
         """
-        from fedclinic.model_card import build_card, write_card
+        from fedclinic.spec.model_card import build_card, write_card
 
         package, model_hash = self._fetch(task_id, round)
         folder = package.save(out_dir)

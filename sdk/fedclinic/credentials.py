@@ -23,7 +23,7 @@ import structlog
 
 from fedclinic.errors import FedclinicError
 from fedclinic.pki import PeerIdentity, check_own_certificate, identity_from_pem
-from fedclinic.rpc import TlsFiles
+from fedclinic.transport.rpc import TlsFiles
 
 log = structlog.get_logger("fedclinic.credentials")
 

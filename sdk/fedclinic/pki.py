@@ -54,7 +54,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedclinic.durable_file import write_atomically
+from fedclinic.runtime.durable_file import write_atomically
 from fedclinic.errors import FedclinicError
 
 __all__ = [
@@ -221,7 +221,7 @@ def _validate_ips(values: Iterable[Any]) -> list[ipaddress.IPv4Address | ipaddre
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`fedclinic.durable_file.write_atomically`: the file has
+    """Write ``data`` to ``path`` atomically (:func:`fedclinic.runtime.durable_file.write_atomically`: the file has
     ``mode`` from the moment it is created); OSError becomes a PkiError that says what to check."""
     path = Path(path)
     if not path.parent.is_dir():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedclinic.localfed import LocalFederation, SiteSetup
+from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +89,7 @@ def run_task(root: Path, sites, task, package):
 def replay_site_delta(start_package, examples, spec):
     """What a site computes in one round (delta over every tensor, its sample count), recomputed here with the
     same shared code from the task's spec: the reference the family federation tests compare against."""
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
 
     loaded = build_model(start_package)

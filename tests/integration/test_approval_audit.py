@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from fedclinic.client import held_sites, state_name, waiting_sites
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 from fedclinic.proto import control_pb2, control_pb2_grpc
-from fedclinic.rpc import TlsFiles, secure_channel
-from fedclinic.task import Task
+from fedclinic.transport.rpc import TlsFiles, secure_channel
+from fedclinic.spec.task import Task
 from hospital_agent.worker import HOLD_AWAITING_APPROVAL
 
 from tests.integration.conftest import LABELS, tiny_package

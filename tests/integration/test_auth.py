@@ -12,7 +12,7 @@ import pytest
 from fedclinic import pki
 from fedclinic.errors import FedclinicError
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, control_pb2, control_pb2_grpc
-from fedclinic.rpc import TlsFiles, secure_channel
+from fedclinic.transport.rpc import TlsFiles, secure_channel
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 
 from tests.integration.conftest import tiny_package
 from tests.integration.test_federation import _task

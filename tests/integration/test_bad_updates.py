@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
-from fedclinic.rpc import TlsFiles, secure_channel
+from fedclinic.transport.rpc import TlsFiles, secure_channel
 
 from tests.integration.conftest import tiny_package
 from tests.integration.test_federation import _task
@@ -127,7 +127,7 @@ def _encoded_stream(a: agent_pb2.Assignment, payloads: dict[str, tuple[bytes, di
 
 
 def test_malformed_encoded_updates_are_refused_and_nothing_is_stored(federation_factory):
-    from fedclinic.codec_wire import header_params
+    from fedclinic.transport.codec_wire import header_params
     from fedclinic.codecs import available_codecs, parse_codec
 
     fed = federation_factory(3, start=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.codec_wire import tensor_rng, uses_error_feedback
+from fedclinic.transport.codec_wire import tensor_rng, uses_error_feedback
 from fedclinic.codecs import ErrorFeedback, decode, parse_codec
 
 from tests.integration.conftest import make_examples, tiny_package

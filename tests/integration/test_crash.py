@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 
 from tests.integration.conftest import tiny_package
 from tests.integration.test_federation import _task

@@ -10,10 +10,10 @@ import sqlite3
 import numpy as np
 import pytest
 
-from fedclinic import downlink
-from fedclinic.blobstore import blob_relpath
+from fedclinic.transport import downlink
+from fedclinic.runtime.blobstore import blob_relpath
 from fedclinic.client import state_name
-from fedclinic.codec_wire import params_of
+from fedclinic.transport.codec_wire import params_of
 from fedclinic.codecs import parse_codec
 
 from tests.integration.conftest import make_examples, tiny_package
@@ -83,7 +83,7 @@ def test_agents_fetch_encoded_changes_and_rebuild_the_broadcast_model_exactly(fe
         # the manifest and the message framing travel too; a site holding every tensor already does not fetch at all
         # (round 1 of the task submitted second: its initial model is the first task's)
         assert rnd.downlink_wire_bytes > rnd.downlink_bytes or rnd.downlink_wire_bytes == rnd.downlink_bytes == 0
-    from fedclinic.model_card import build_card
+    from fedclinic.spec.model_card import build_card
 
     card = build_card(ours[ROUNDS].meta, model_hash=finals["int8"].final_model_hash, status=finals["int8"])
     assert card["update"]["downlink_codec"] == "int8"

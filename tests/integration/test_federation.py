@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.package import ModelPackage
-from fedclinic.task import Task
+from fedclinic.transport.package import ModelPackage
+from fedclinic.spec.task import Task
 
 from tests.integration.conftest import LABELS, make_examples, tiny_package
 
@@ -26,8 +26,8 @@ def _task(**kw) -> Task:
 
 def _replay_site(package, rows, spec, optimizer_state=None, result_out=None):
     """What a site computes for one round, recomputed here with the same shared code."""
-    from fedclinic import training
-    from fedclinic.data import Example
+    from fedclinic.training import trainer as training
+    from fedclinic.data.text import Example
     from fedclinic.models import build_model, module_tensors
 
     loaded = build_model(package)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedclinic.data import read_dataset
-from fedclinic.datasets.imaging_standin import STANDIN_LABELS, write_standin
-from fedclinic.localfed import SiteSetup
-from fedclinic.task import Task
+from fedclinic.data.text import read_dataset
+from fedclinic.assets.imaging_standin import STANDIN_LABELS, write_standin
+from fedclinic.federation.local_federation import SiteSetup
+from fedclinic.spec.task import Task
 
 from tests.integration.conftest import replay_site_delta, run_task
 from tests.unit.test_image_text import FAMILY, package
@@ -50,7 +50,7 @@ def test_image_text_task_trains_across_agents_with_dicom_and_png_sites(tmp_path)
             dict(r.metrics)
         assert all(0.0 <= r.metrics[k] <= 1.0 for k in per_label | {"eval_macro_f1", "eval_macro_auc"})
     # round 2's sites evaluated round 1's global model: their mean equals evaluating it here on the same split
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model
 
     model = build_model(round1)

@@ -10,13 +10,13 @@ import textwrap
 
 import pytest
 
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 
 pytestmark = pytest.mark.integration
 
 OWNER = textwrap.dedent("""
     import signal, sys
-    from fedclinic.localfed import LocalFederation
+    from fedclinic.federation.local_federation import LocalFederation
     with LocalFederation(sys.argv[1], [], log_level="warning") as fed:
         fed.make_pki()
         fed.start_aggregator()

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedclinic.client import state_name
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 
 from tests.integration.conftest import tiny_package
 from tests.integration.test_federation import _task
@@ -118,7 +118,7 @@ def test_metrics_are_scraped_during_a_task_and_match_its_round_summaries(federat
 
 def test_refused_calls_are_counted_by_kind(federation_factory):
     from fedclinic.proto import agent_pb2, agent_pb2_grpc
-    from fedclinic.rpc import TlsFiles, secure_channel
+    from fedclinic.transport.rpc import TlsFiles, secure_channel
 
     fed = federation_factory(1, metrics_address="127.0.0.1:0")
     c = fed.creds("scientist")  # a scientist's certificate may not call the agent service

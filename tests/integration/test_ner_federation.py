@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic.localfed import SiteSetup
-from fedclinic.task import Task
+from fedclinic.federation.local_federation import SiteSetup
+from fedclinic.spec.task import Task
 
 from tests.unit.test_token_classification import LABELS, make_examples, package
 
@@ -65,7 +65,7 @@ def test_ner_task_trains_across_agents_with_conll_and_jsonl_sites(tmp_path):
         assert {"eval_strict_f1", "eval_relaxed_f1", "eval_token_accuracy"} <= set(r.metrics), dict(r.metrics)
         assert all(0.0 <= r.metrics[k] <= 1.0 for k in ("eval_strict_f1", "eval_relaxed_f1", "eval_token_accuracy"))
     # round 2's sites evaluated round 1's global model: their mean equals evaluating it here on the same split
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model
 
     model = build_model(round1)

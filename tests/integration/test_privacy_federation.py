@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.localfed import LocalFederation, SiteSetup, wait_until
-from fedclinic.task import Task
+from fedclinic.federation.local_federation import LocalFederation, SiteSetup, wait_until
+from fedclinic.spec.task import Task
 from hospital_agent.privacy_ledger import PrivacyLedger
 
 from tests.integration.conftest import LABELS, tiny_package, write_site_data

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.localfed import LocalFederation, SiteSetup
+from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 from fedclinic.models.fedner import PAPER_PRIVATE_PATTERNS
-from fedclinic.package import ModelPackage
-from fedclinic.task import Task
+from fedclinic.transport.package import ModelPackage
+from fedclinic.spec.task import Task
 
 from tests.integration.conftest import stored_update_tensors
 from tests.integration.test_ner_federation import NER_POLICY, _write_jsonl
@@ -38,7 +38,7 @@ def _replay(start: ModelPackage, spec, rounds: int):
     ones), keeps its private tensors, and sends its shared delta; sample-weighted FedAvg of the shared deltas.
     Returns the global tensors after each round, each site's private tensors after the last round and each
     site's evaluation per round (and of its own final model, round "final")."""
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model, load_tensors, module_tensors
 
     cfg = training.TrainConfig.from_proto(spec.training)
@@ -118,7 +118,7 @@ def test_private_modules_stay_at_each_site_for_two_rounds_and_the_site_exports_i
             assert reports[site].eval_metrics["eval_strict_f1"] == pytest.approx(evals[(site, rnd)]["strict_f1"],
                                                                                   abs=1e-9), (site, rnd)
     # each site keeps its trained private tensors on disk (0600), different per site, as the replay says
-    from fedclinic.private_modules import PrivateStore
+    from fedclinic.training.private_modules import PrivateStore
 
     held = {}
     for site, path in kept.items():
@@ -143,14 +143,14 @@ def test_private_modules_stay_at_each_site_for_two_rounds_and_the_site_exports_i
     assert (provenance["site"], provenance["private_round"]) == ("site-a", 2)
     assert provenance["global_model_hash"] == final.final_model_hash
     assert again.returncode == 2 and "not an empty folder" in again.stderr  # nothing already written is replaced
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model
 
     loaded = build_model(own)
     f1 = training.evaluate(loaded, training.encode(_data("site-a")[1], loaded, max_length=32))["strict_f1"]
     assert f1 == pytest.approx(evals[("site-a", "final")]["strict_f1"], abs=1e-9)
     # the global model card tells a reader that the sites hold the private modules
-    from fedclinic.model_card import PRIVATE_NOTE, build_card
+    from fedclinic.spec.model_card import PRIVATE_NOTE, build_card
 
     card = build_card(models[2].meta, model_hash=final.final_model_hash, status=final)
     assert PRIVATE_NOTE in card["notes"] and card["update"]["private"] == list(PAPER_PRIVATE_PATTERNS)

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic.data_qa import QAExample
-from fedclinic.localfed import SiteSetup
-from fedclinic.task import Task
+from fedclinic.data.qa import QAExample
+from fedclinic.federation.local_federation import SiteSetup
+from fedclinic.spec.task import Task
 
 from tests.unit.test_causal_lm import package, toy_examples
 
@@ -53,7 +53,7 @@ def test_qa_task_trains_across_agents_and_reports_generation_metrics(tmp_path):
         assert all(0.0 <= r.metrics[k] <= 1.0 for k in keys)
         assert r.metrics["eval_n_generated"] == len(toy)
     # round 2's sites evaluated round 1's global model: their mean equals evaluating it here on the same split
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model
 
     model = build_model(round1)

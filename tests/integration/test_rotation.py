@@ -15,10 +15,10 @@ import pytest
 from cryptography import x509
 
 from fedclinic.client import state_name
-from fedclinic.localfed import wait_until
+from fedclinic.federation.local_federation import wait_until
 from fedclinic.pki import identity_from_pem
 from fedclinic.proto import agent_pb2, agent_pb2_grpc
-from fedclinic.rpc import TlsFiles, secure_channel
+from fedclinic.transport.rpc import TlsFiles, secure_channel
 
 from tests.integration.conftest import tiny_package
 from tests.integration.test_federation import _task

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic import safl
+from fedclinic.training import safl
 from fedclinic.client import state_name
-from fedclinic.localfed import LocalFederation, SiteSetup
-from fedclinic.task import Task
+from fedclinic.federation.local_federation import LocalFederation, SiteSetup
+from fedclinic.spec.task import Task
 
 from tests.integration.conftest import stored_update_tensors
 from tests.unit.test_safl import FLIP_CLS, FLIP_SEP, LABELS, constructed_package, length_examples
@@ -30,7 +30,7 @@ def _rows(site: str):
 def _replay(start, spec, rnd):
     """Round ``rnd`` recomputed here: each site's SAFL choice (same profiling seed as the agent), training and
     delta on the chosen tensors, then sample-weighted FedAvg per tensor over the sites that sent it."""
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
 
     cfg = training.TrainConfig.from_proto(spec.training)
@@ -99,7 +99,7 @@ def test_safl_two_rounds_send_selected_layers_only_and_equal_a_replay(tmp_path):
                                        err_msg=f"round {rnd} tensor {name}")
         start = models[rnd]
     from fedclinic.client import _headline
-    from fedclinic.model_card import build_card
+    from fedclinic.spec.model_card import build_card
 
     card = build_card(models[2].meta, model_hash=final.final_model_hash, status=final)
     assert card["update"]["selection"] == {"method": "safl", "top_k": 1, "profile_samples": 6, "token": "cls"}

@@ -12,8 +12,8 @@ import pytest
 
 from fedclinic.client import state_name
 from fedclinic.errors import ConfigError, FedclinicError
-from fedclinic.localfed import wait_until
-from fedclinic.task import Task
+from fedclinic.federation.local_federation import wait_until
+from fedclinic.spec.task import Task
 
 from tests.integration.conftest import make_examples, tiny_package
 from tests.integration.test_federation import _replay_site, _task
@@ -139,7 +139,7 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
 
 
 def test_a_site_whose_policy_refuses_the_session_declines_with_the_reason(tmp_path):
-    from fedclinic.localfed import LocalFederation, SiteSetup
+    from fedclinic.federation.local_federation import LocalFederation, SiteSetup
     from tests.integration.conftest import write_site_data
 
     sites = []

@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from fedclinic.export import export_onnx
-from fedclinic.localfed import wait_until
+from fedclinic.export.onnx_export import export_onnx
+from fedclinic.federation.local_federation import wait_until
 from fedclinic.models.feature_classification import package_feature_model
 
 from tests.integration.conftest import LABELS, tiny_package
@@ -102,7 +102,7 @@ def test_grpc_inference_with_mutual_tls(tmp_path, serve):
 
     from fedclinic import pki
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
-    from fedclinic.rpc import TlsFiles, secure_channel
+    from fedclinic.transport.rpc import TlsFiles, secure_channel
 
     ca = tmp_path / "ca"
     pki.init_ca(ca)
@@ -143,9 +143,9 @@ def test_partial_tls_flags_are_refused(tmp_path):
 
 def _trained_ner_bundle(tmp_path, architecture: str = "transformer-crf"):
     """A tiny NER model trained to recognise the test vocabulary's drugs and conditions, exported to ONNX."""
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
-    from fedclinic.package import ModelPackage
+    from fedclinic.transport.package import ModelPackage
 
     from tests.unit.test_token_classification import make_examples, package
 
@@ -162,7 +162,7 @@ def _trained_ner_bundle(tmp_path, architecture: str = "transformer-crf"):
 def test_ner_bundle_over_http_and_grpc(tmp_path, serve):
     from fedclinic import pki
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
-    from fedclinic.rpc import TlsFiles, secure_channel
+    from fedclinic.transport.rpc import TlsFiles, secure_channel
 
     bundle = _trained_ner_bundle(tmp_path)
     ca = tmp_path / "ca"
@@ -195,7 +195,7 @@ def _trained_qa_bundle(tmp_path):
     key/values, and the PyTorch model it came from."""
     from fedclinic.models import build_model, module_tensors
     from fedclinic.models.causal_lm import stored_names
-    from fedclinic.package import ModelPackage
+    from fedclinic.transport.package import ModelPackage
 
     from tests.unit.test_causal_lm import package, toy_examples, train
 
@@ -263,7 +263,7 @@ def _trained_image_text_bundle(tmp_path):
     import torch
 
     from fedclinic.models import build_model
-    from fedclinic.package import ModelPackage
+    from fedclinic.transport.package import ModelPackage
 
     from tests.unit.test_export_image_text import trained_package
 
@@ -283,7 +283,7 @@ def test_image_text_bundle_over_http_and_grpc(tmp_path, serve):
     import grpc
     import numpy as np
 
-    from fedclinic.datasets.imaging_standin import write_standin
+    from fedclinic.assets.imaging_standin import write_standin
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
 
     bundle, model = _trained_image_text_bundle(tmp_path)

@@ -13,7 +13,7 @@ import pytest
 
 from aggregator_service.backup import MANIFEST, BackupError, create_backup, restore_backup, verify_backup
 from aggregator_service.store import SCHEMA_VERSION
-from fedclinic.package import ModelPackage
+from fedclinic.transport.package import ModelPackage
 
 from tests.unit.test_engine import _assign, _engine, _send, _submit
 

@@ -4,9 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from fedclinic.blobstore import BlobStore
+from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.errors import IntegrityError
-from fedclinic.package import ModelPackage, raw_bytes, tensor_sha256
+from fedclinic.transport.package import ModelPackage, raw_bytes, tensor_sha256
 
 
 def test_put_read_and_memory_map(tmp_path):

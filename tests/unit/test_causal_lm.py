@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic import training
-from fedclinic.data_qa import QAExample
+from fedclinic.training import trainer as training
+from fedclinic.data.qa import QAExample
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models import build_model
 from fedclinic.models.causal_lm import (
@@ -20,9 +20,9 @@ from fedclinic.models.causal_lm import (
     package_qa_pretrained,
     prompt_budget,
 )
-from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage
-from fedclinic.simulate import simulate
-from fedclinic.task import Task, package_for_task
+from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage
+from fedclinic.federation.simulate import simulate
+from fedclinic.spec.task import Task, package_for_task
 
 TREATS = {"headache": "aspirin", "diabetes": "metformin", "depression": "sertraline", "infection": "amoxicillin",
           "reflux": "omeprazole", "hypertension": "lisinopril"}
@@ -152,7 +152,7 @@ def test_long_prompts_are_cut_from_the_left_and_leave_room_for_the_answer():
 
 
 def test_encode_rejects_other_examples():
-    from fedclinic.data import Example
+    from fedclinic.data.text import Example
 
     model = build_model(package())
     with pytest.raises(DatasetError, match="read_qa"):
@@ -214,7 +214,7 @@ def test_batched_left_padded_generation_equals_one_by_one(config):
 
 
 def test_metrics_against_hand_computed_values():
-    from fedclinic.generation_metrics import bleu, exact_match, generation_scores, meteor, metric_tokens, rouge_l
+    from fedclinic.evaluation.generation import bleu, exact_match, generation_scores, meteor, metric_tokens, rouge_l
 
     assert metric_tokens("Take Aspirin, 2x daily! 胃癌ok") == ["take", "aspirin", "2x", "daily", "胃", "癌", "ok"]
     # ROUGE-L: LCS(a c e f, a b c d e) = "a c e" = 3; P = 3/4, R = 3/5, F = 2PR/(P+R) = 2/3
@@ -428,7 +428,7 @@ def test_simulator_trains_the_family_two_sites_two_rounds():
 
 
 def test_model_card_states_the_prompt():
-    from fedclinic.model_card import build_card, render_markdown
+    from fedclinic.spec.model_card import build_card, render_markdown
 
     pkg = package(chat_template=CHATML)
     card = build_card(pkg.meta, model_hash=pkg.manifest().model_hash)

@@ -1,4 +1,4 @@
-"""Update codecs on the wire (fedclinic.codec_wire): task codecs, TensorHeader codec fields and their checks."""
+"""Update codecs on the wire (fedclinic.transport.codec_wire): task codecs, TensorHeader codec fields and their checks."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic import codec_wire
+from fedclinic.transport import codec_wire
 from fedclinic.codecs import decode, parse_codec
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.proto import tensors_pb2
 from fedclinic.strategies.fedavg import FedAvg
 from fedclinic.strategies.tensorsource import EncodedTensor, blocks
-from fedclinic.task import Task
-from fedclinic.wire import ChunkAssembler, MemoryWriter, tensor_chunks, validate_header
+from fedclinic.spec.task import Task
+from fedclinic.transport.wire import ChunkAssembler, MemoryWriter, tensor_chunks, validate_header
 
 
 def _encoded_header(spec: str, x: np.ndarray, name: str = "w"):
@@ -165,7 +165,7 @@ def test_watch_and_model_card_show_uplink_bytes_against_fp32():
     import io
 
     from fedclinic.client import ProgressDisplay
-    from fedclinic.model_card import uplink_text
+    from fedclinic.spec.model_card import uplink_text
     from fedclinic.proto import control_pb2
 
     metrics = {"eval_accuracy": 0.75, "uplink_payload_bytes": 48.0, "uplink_fp32_bytes": 744.0,

@@ -8,7 +8,7 @@ import pytest
 
 from fedclinic import pki
 from fedclinic.credentials import WatchedCredentials
-from fedclinic.rpc import TlsFiles
+from fedclinic.transport.rpc import TlsFiles
 
 
 @pytest.fixture

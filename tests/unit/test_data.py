@@ -1,4 +1,4 @@
-"""fedclinic.data: site dataset readers accept the documented formats and reject bad rows clearly."""
+"""fedclinic.data.text: site dataset readers accept the documented formats and reject bad rows clearly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedclinic.data import Example, infer_format, read_classification
+from fedclinic.data.text import Example, infer_format, read_classification
 from fedclinic.errors import ConfigError, DatasetError
 
 LABELS = ["flu", "rash", "ulcer"]

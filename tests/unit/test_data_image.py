@@ -1,4 +1,4 @@
-"""fedclinic.data_image: image + text manifests (CSV/JSONL; PNG, JPEG, DICOM) read exactly as documented, and
+"""fedclinic.data.image: image + text manifests (CSV/JSONL; PNG, JPEG, DICOM) read exactly as documented, and
 every bad input is refused with an error naming the manifest, the row and the image file."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 from pydicom.data import get_testdata_file
 
-from fedclinic.data import read_dataset
-from fedclinic.data_image import (ImageTextExample, decode_image, load_image, preprocess, read_image_text,
+from fedclinic.data.text import read_dataset
+from fedclinic.data.image import (ImageTextExample, decode_image, load_image, preprocess, read_image_text,
                                   sniff_image_kind, voi_window)
 from fedclinic.errors import ConfigError, DatasetError
 
@@ -292,7 +292,7 @@ def test_the_agent_refuses_a_bad_manifest_before_any_model_is_fetched(site, tmp_
     """The agent reads the data contract first: a bad row stops the assignment (DatasetError names file and
     row; the agent declines it permanently) before anything is downloaded or trained."""
     from fedclinic.proto import agent_pb2
-    from fedclinic.task import Task
+    from fedclinic.spec.task import Task
     from hospital_agent.config import AgentConfig
     from hospital_agent.worker import Agent, _TaskState
 

@@ -1,4 +1,4 @@
-"""fedclinic.data_ner: NER dataset readers accept JSONL and CoNLL files and reject bad rows clearly."""
+"""fedclinic.data.ner: NER dataset readers accept JSONL and CoNLL files and reject bad rows clearly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fedclinic.data_ner import NER_FORMATS, EntitySpan, NerExample, infer_ner_format, read_ner
+from fedclinic.data.ner import NER_FORMATS, EntitySpan, NerExample, infer_ner_format, read_ner
 from fedclinic.errors import ConfigError, DatasetError
 
 LABELS = ["DRUG", "DOSE", "DISEASE"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fedclinic.data import read_dataset
-from fedclinic.data_qa import QAExample, read_qa
+from fedclinic.data.text import read_dataset
+from fedclinic.data.qa import QAExample, read_qa
 from fedclinic.errors import DatasetError
 
 

@@ -262,7 +262,7 @@ def test_aggregator_runs_a_round_under_wx_and_answers_the_health_probe(tmp_path)
     """MemoryDenyWriteExecute=yes in the aggregator's unit is safe: a real aggregator process under W^X
     serves a full federated round over mTLS; fedclinic-healthcheck (the Kubernetes probe) reports SERVING."""
     from fedclinic.client import state_name
-    from fedclinic.localfed import LocalFederation, SiteSetup
+    from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 
     from tests.integration.conftest import tiny_package, write_site_data
     from tests.integration.test_federation import _task

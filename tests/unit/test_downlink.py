@@ -1,4 +1,4 @@
-"""Compressed downlink (fedclinic.downlink): which codecs a task may broadcast with, the broadcast tensor and its
+"""Compressed downlink (fedclinic.transport.downlink): which codecs a task may broadcast with, the broadcast tensor and its
 rebuild being the same bits, the error bound, the store's record of the changes and the agent's rebuild check."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fedclinic import downlink
-from fedclinic.codec_wire import header_params, params_of
+from fedclinic.transport import downlink
+from fedclinic.transport.codec_wire import header_params, params_of
 from fedclinic.codecs import parse_codec
 from fedclinic.errors import ConfigError
-from fedclinic.package import ModelPackage, raw_bytes, tensor_sha256
+from fedclinic.transport.package import ModelPackage, raw_bytes, tensor_sha256
 from fedclinic.proto import tensors_pb2
-from fedclinic.task import Task
+from fedclinic.spec.task import Task
 
 
 @pytest.mark.parametrize("spec", ["", "raw", "fp16", "bf16", "int8", "int4", "int8:block=64"])
@@ -95,7 +95,7 @@ def test_the_store_keeps_each_model_s_changes_and_a_backup_copies_their_payloads
 def test_an_agent_caches_only_the_tensors_a_change_rebuilds_exactly(tmp_path):
     """A change that does not rebuild the manifest's tensor (another base, a corrupt payload) is not cached: the
     agent fetches that tensor again in full."""
-    from fedclinic.wire import MemoryWriter
+    from fedclinic.transport.wire import MemoryWriter
     from hospital_agent.config import AgentConfig
     from hospital_agent.worker import Agent
 

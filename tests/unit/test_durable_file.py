@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fedclinic import durable_file
-from fedclinic.durable_file import ALIGN, DurableFile
+from fedclinic.runtime import durable_file
+from fedclinic.runtime.durable_file import ALIGN, DurableFile
 
 SMALL_BUFFER = 4 * ALIGN  # several flushes even for small test files
 
@@ -150,7 +150,7 @@ def _has_direct(fd: int) -> bool:
 def test_write_atomically_gives_exactly_the_mode_whatever_the_umask(tmp_path, umask, mode):
     """The file has ``mode`` (a umask can narrow the creation mode; it is widened back on the empty file,
     before any byte is written) and replaces an older file whole; no temporary file is left."""
-    from fedclinic.durable_file import write_atomically
+    from fedclinic.runtime.durable_file import write_atomically
 
     path = tmp_path / "sub" / "file.txt"
     old = os.umask(umask)
@@ -165,7 +165,7 @@ def test_write_atomically_gives_exactly_the_mode_whatever_the_umask(tmp_path, um
 
 
 def test_write_atomically_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
-    from fedclinic.durable_file import write_atomically
+    from fedclinic.runtime.durable_file import write_atomically
 
     path = tmp_path / "file.txt"
     write_atomically(path, b"kept")

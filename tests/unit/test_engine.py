@@ -8,10 +8,10 @@ import pytest
 from aggregator_service.engine import Engine, Refused
 from aggregator_service.store import Store
 from aggregator_service.transfer import SpillWriter
-from fedclinic.blobstore import BlobStore
-from fedclinic.package import ModelPackage, raw_bytes, tensor_sha256
+from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.transport.package import ModelPackage, raw_bytes, tensor_sha256
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2, tensors_pb2
-from fedclinic.task import Task
+from fedclinic.spec.task import Task
 
 
 def _engine(root):

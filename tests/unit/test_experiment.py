@@ -10,7 +10,7 @@ import pytest
 
 from fedclinic.cli import main
 from fedclinic.errors import ConfigError
-from fedclinic.experiment import PRESETS, load_experiment, report, run_experiment
+from fedclinic.federation.experiment import PRESETS, load_experiment, report, run_experiment
 
 TINY = """
 [experiment]
@@ -112,10 +112,10 @@ def test_cli_run_and_report(tmp_path, capsys):
 
 
 def test_simulate_keeps_each_sites_optimizer_state_and_evaluates_named_sets():
-    from fedclinic.datasets.synthetic import synthetic
+    from fedclinic.assets.synthetic import synthetic
     from fedclinic.models.feature_classification import build, encode_features, package_feature_model
-    from fedclinic.simulate import simulate
-    from fedclinic.training import TrainConfig
+    from fedclinic.federation.simulate import simulate
+    from fedclinic.training.trainer import TrainConfig
 
     pkg = package_feature_model(num_features=60, labels=[str(i) for i in range(10)])
     model = build(pkg)

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedclinic.data import Example
+from fedclinic.data.text import Example
 from fedclinic.models import build_model, module_tensors, package_from_config, wordlevel_tokenizer_json
-from fedclinic.simulate import simulate, site_seed
+from fedclinic.federation.simulate import simulate, site_seed
 from fedclinic.strategies import STRATEGIES, make_strategy
-from fedclinic.training import TrainConfig, encode, train_local
+from fedclinic.training.trainer import TrainConfig, encode, train_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 from strategy_probe import RecordingStrategy, registered  # noqa: E402

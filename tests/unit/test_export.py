@@ -9,7 +9,7 @@ import pytest
 
 from fedclinic.cli import main
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.export import ParityError, check_parity, export_onnx
+from fedclinic.export.onnx_export import ParityError, check_parity, export_onnx
 from fedclinic.models.feature_classification import package_feature_model
 
 from tests.integration.conftest import tiny_package
@@ -60,7 +60,7 @@ def test_an_encoder_whose_attention_does_not_fuse_keeps_the_plain_graph(tmp_path
     still matches PyTorch."""
     import onnx
 
-    from fedclinic import onnx_encoder_fusion
+    from fedclinic.export import encoder_fusion as onnx_encoder_fusion
 
     monkeypatch.setattr(onnx_encoder_fusion, "_scale_by_division", lambda model: None)  # the matcher then fails
     tiny_package("transformer", seed=3).save(tmp_path / "pkg")
@@ -72,15 +72,15 @@ def test_an_encoder_whose_attention_does_not_fuse_keeps_the_plain_graph(tmp_path
 
 
 def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
-    """The rewrites made before int8 quantization (fedclinic.onnx_encoder_int8), on a padded batch: unpacking each
+    """The rewrites made before int8 quantization (fedclinic.export.encoder_int8), on a padded batch: unpacking each
     fused attention changes the fp32 logits by float rounding only, and quantized it gives the logits of the fused
     op quantized whole (QAttention); computing the last layer at the first token only changes the fp32 logits by
     float rounding only too."""
     import onnx
     import onnxruntime as ort
 
-    from fedclinic import onnx_encoder_int8
-    from fedclinic.export import _quantize_dynamic
+    from fedclinic.export import encoder_int8 as onnx_encoder_int8
+    from fedclinic.export.onnx_export import _quantize_dynamic
     from fedclinic.models import build_model, package_from_config
 
     from tests.integration.conftest import LABELS, tiny_tokenizer_json
@@ -128,7 +128,7 @@ def test_the_first_token_rewrite_leaves_a_graph_that_reads_every_token(tmp_path)
     """A graph that also outputs the last layer's every position is not rewritten."""
     import onnx
 
-    from fedclinic import onnx_encoder_int8
+    from fedclinic.export import encoder_int8 as onnx_encoder_int8
 
     tiny_package("transformer", seed=5).save(tmp_path / "pkg")
     export_onnx(tmp_path / "pkg", tmp_path / "out")
@@ -146,7 +146,7 @@ def test_an_onnxruntime_without_the_onnx_attention_kernel_gets_qattention(tmp_pa
     """When the installed onnxruntime cannot load the unpacked graph, --int8 quantizes the fused attention whole."""
     import onnx
 
-    from fedclinic import export
+    from fedclinic.export import onnx_export as export
 
     tiny_package("transformer", seed=3).save(tmp_path / "pkg")
     loads = export._loads_in_onnxruntime
@@ -167,7 +167,7 @@ def test_the_onnxruntime_probe_refuses_an_op_without_a_kernel(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from fedclinic.export import _loads_in_onnxruntime
+    from fedclinic.export.onnx_export import _loads_in_onnxruntime
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
     for op, domain, path in (("Relu", "", tmp_path / "ok.onnx"), ("NoSuchOp", "com.example", tmp_path / "bad.onnx")):
@@ -252,10 +252,10 @@ def test_lstm_export_path_equals_the_packed_path(config):
 def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
     import torch
 
-    from fedclinic import training
-    from fedclinic.data import Example
+    from fedclinic.training import trainer as training
+    from fedclinic.data.text import Example
     from fedclinic.models import build_model
-    from fedclinic.serving import ClassifierBundle
+    from fedclinic.serving.bundle import ClassifierBundle
 
     pkg = tiny_package("transformer", seed=5)
     pkg.save(tmp_path / "pkg")
@@ -341,7 +341,7 @@ def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
     with torch.no_grad():
         for p in (loaded.module.crf.transitions, loaded.module.crf.start_transitions, loaded.module.crf.end_transitions):
             p.normal_(0, 2.0)
-    from fedclinic.onnx_crf import append_viterbi
+    from fedclinic.export.crf import append_viterbi
     import onnx
     from onnx import TensorProto, helper
 
@@ -371,7 +371,7 @@ def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
 
     import onnxruntime as ort
 
-    from fedclinic.export import check_paths, torch_paths
+    from fedclinic.export.onnx_export import check_paths, torch_paths
     from fedclinic.models import build_model
 
     from tests.unit.test_token_classification import make_examples, package
@@ -386,7 +386,7 @@ def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
             init.CopyFrom(numpy_helper.from_array(-10 * np.eye(size, dtype=np.float32), init.name))
     onnx.save(model, str(tmp_path / "wrong.onnx"))
     loaded = build_model(pkg)
-    from fedclinic.export import parity_inputs
+    from fedclinic.export.onnx_export import parity_inputs
 
     batches = parity_inputs(loaded, texts=[e.text for e in make_examples(16, seed=8)])
     with pytest.raises(ParityError, match="CRF path equals PyTorch's Viterbi path on"):
@@ -396,8 +396,8 @@ def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
 
 def test_bundle_card_carries_the_package_card_and_the_export_parity(tmp_path):
     """The bundle's model card: the package's card plus an export section equal to export_report.json."""
-    from fedclinic.model_card import build_card, write_card
-    from fedclinic.package import ModelPackage
+    from fedclinic.spec.model_card import build_card, write_card
+    from fedclinic.transport.package import ModelPackage
     from fedclinic.proto import control_pb2, task_pb2
 
     pkg = tiny_package("logreg", seed=2)
@@ -436,7 +436,7 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
     import torch
 
     from fedclinic.models import build_model
-    from fedclinic.serving import ClassifierBundle
+    from fedclinic.serving.bundle import ClassifierBundle
 
     from tests.unit.test_fedner_model import package as fedner_package
     from tests.unit.test_token_classification import make_examples
@@ -469,7 +469,7 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
 def test_a_mislabelled_question_answering_package_is_refused_before_any_export(tmp_path):
     """Question-answering models export (tests/unit/test_export_causal_lm.py); a package that only claims the
     family is refused with the reason, and nothing is written."""
-    from fedclinic.package import META_FILE, ModelPackage
+    from fedclinic.transport.package import META_FILE, ModelPackage
 
     pkg = tiny_package("logreg")
     meta = json.loads(pkg.files[META_FILE])

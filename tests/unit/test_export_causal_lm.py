@@ -1,7 +1,7 @@
 """ONNX export of question-answering (causal LM) models: a decoder graph with past key/values, checked by generation.
 
 Real exports of tiny GPT-2 and Llama models built from config, run by the numpy generation loop on
-onnxruntime (fedclinic.onnx_generate) and compared with PyTorch's greedy generation (CausalLMModel.generate).
+onnxruntime (fedclinic.serving.generate) and compared with PyTorch's greedy generation (CausalLMModel.generate).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from fedclinic.errors import ConfigError, DatasetError
-from fedclinic.export import QA_FP32_TOLERANCE, ParityError, export_onnx
+from fedclinic.export.onnx_export import QA_FP32_TOLERANCE, ParityError, export_onnx
 from fedclinic.models import build_model, module_tensors
 from fedclinic.models.causal_lm import stored_names
-from fedclinic.package import ModelPackage
+from fedclinic.transport.package import ModelPackage
 
 from tests.unit.test_causal_lm import TINY, TINY_LLAMA, package, toy_examples, train
 
@@ -53,13 +53,13 @@ def exported(tmp_path_factory):
 def test_onnx_greedy_answers_are_pytorch_answers_token_for_token(exported, name):
     import onnxruntime as ort
 
-    from fedclinic.onnx_generate import OnnxCausalLM, OnnxQAModel
+    from fedclinic.serving.generate import OnnxCausalLM, OnnxQAModel
 
     pkg, bundle, report = exported[name]
     fp32 = report.fp32
     assert report.family == "question-answering" and report.opset == 18
     assert fp32.max_abs_diff <= 1e-4 and fp32.token_agreement == 1.0 and fp32.inputs == 3
-    assert fp32.tolerance == QA_FP32_TOLERANCE == 1e-3  # the default for LMs (see fedclinic.export)
+    assert fp32.tolerance == QA_FP32_TOLERANCE == 1e-3  # the default for LMs (see fedclinic.export.onnx_export)
     assert fp32.generated_tokens > fp32.inputs  # the answers have tokens, not only their EOS
     loaded = build_model(pkg)
     qa = OnnxQAModel.load(bundle)
@@ -125,7 +125,7 @@ def test_graph_interface_and_bundle_files(exported, name):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_int8_reports_token_agreement_against_pytorch(exported, name):
-    from fedclinic.onnx_generate import OnnxQAModel
+    from fedclinic.serving.generate import OnnxQAModel
 
     pkg, bundle, report = exported[name]
     int8 = report.int8
@@ -136,7 +136,7 @@ def test_int8_reports_token_agreement_against_pytorch(exported, name):
     answers = OnnxQAModel.load(bundle, int8=True).generate(QUESTIONS)
     assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
     # the reported agreement is the one these answers show against PyTorch's greedy tokens
-    from fedclinic.onnx_causal_lm import token_agreement
+    from fedclinic.export.causal_lm import token_agreement
 
     prompts = loaded.prompt_ids(QUESTIONS)
     qa8 = OnnxQAModel.load(bundle, int8=True)
@@ -145,7 +145,7 @@ def test_int8_reports_token_agreement_against_pytorch(exported, name):
 
 
 def test_token_agreement_counts_the_common_prefix_and_the_end():
-    from fedclinic.onnx_causal_lm import token_agreement
+    from fedclinic.export.causal_lm import token_agreement
 
     assert token_agreement([[1, 2, 3]], [[1, 2, 3]]) == (1.0, 4)          # 3 tokens + the end
     assert token_agreement([[1, 9, 3]], [[1, 2, 3]]) == (0.25, 4)         # nothing counts after a divergence
@@ -159,8 +159,8 @@ def test_a_wrong_graph_or_different_tokens_fail_the_check(exported, tmp_path):
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from fedclinic.onnx_causal_lm import check_decoder
-    from fedclinic.onnx_generate import OnnxCausalLM
+    from fedclinic.export.causal_lm import check_decoder
+    from fedclinic.serving.generate import OnnxCausalLM
 
     pkg, bundle, _ = exported["gpt2"]
     loaded = build_model(pkg)
@@ -227,8 +227,8 @@ def test_the_serving_loop_needs_no_torch(exported):
         "import json, sys\n"
         "sys.modules['torch'] = None\n"
         "sys.modules['transformers'] = None\n"
-        "from fedclinic.onnx_generate import OnnxQAModel\n"
-        "from fedclinic.serving import ClassifierBundle\n"
+        "from fedclinic.serving.generate import OnnxQAModel\n"
+        "from fedclinic.serving.bundle import ClassifierBundle\n"
         "q = json.loads(sys.argv[2])\n"
         "b = ClassifierBundle(sys.argv[1], threads=1)\n"
         "out = b.predict(q, contexts=['', 'patient needs drug', ''])\n"
@@ -243,7 +243,7 @@ def test_the_serving_loop_needs_no_torch(exported):
 
 
 def test_served_bundle_refuses_bad_questions(exported):
-    from fedclinic.serving import ClassifierBundle
+    from fedclinic.serving.bundle import ClassifierBundle
 
     _, bundle, _ = exported["gpt2"]
     b = ClassifierBundle(bundle, threads=1)
@@ -263,7 +263,7 @@ def test_served_bundle_refuses_bad_questions(exported):
 
 
 def test_sampling_is_seeded_and_draws_from_the_nucleus(exported):
-    from fedclinic.onnx_generate import OnnxQAModel, next_token
+    from fedclinic.serving.generate import OnnxQAModel, next_token
 
     _, bundle, _ = exported["llama"]
     qa = OnnxQAModel.load(bundle)

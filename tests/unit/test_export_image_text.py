@@ -11,9 +11,9 @@ import pytest
 
 from fedclinic.cli import main
 from fedclinic.errors import ConfigError
-from fedclinic.export import FP32_TOLERANCE, ParityError, check_parity, export_onnx
+from fedclinic.export.onnx_export import FP32_TOLERANCE, ParityError, check_parity, export_onnx
 from fedclinic.models import build_model
-from fedclinic.package import ModelPackage
+from fedclinic.transport.package import ModelPackage
 
 from tests.unit.test_image_text import LABELS
 from tests.unit.test_image_text import package as image_text_package
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 def trained_package(folder, seed: int = 3) -> ModelPackage:
     """A tiny image-text model trained briefly on 32 stand-in examples (so that its label decisions differ between
     inputs; an untrained model says the same for everything), as a package."""
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import module_tensors
 
     from tests.unit.test_image_text import examples
@@ -42,7 +42,7 @@ def trained_package(folder, seed: int = 3) -> ModelPackage:
 def exported(tmp_path_factory):
     """(package folder, bundle folder, held-out manifest rows, manifest folder): exported once with --int8 and the
     held-out rows (8 PNG + 4 DICOM stand-in images with their reports) as parity inputs."""
-    from fedclinic.datasets.imaging_standin import write_standin
+    from fedclinic.assets.imaging_standin import write_standin
 
     root = tmp_path_factory.mktemp("image-text-export")
     trained_package(root / "train").save(root / "pkg")
@@ -132,7 +132,7 @@ def test_bundle_files_let_any_binding_make_the_inputs(exported):
 
 
 def test_served_bundle_predicts_like_pytorch_from_file_bytes(exported):
-    from fedclinic.serving import ClassifierBundle
+    from fedclinic.serving.bundle import ClassifierBundle
 
     pkg, bundle, rows, data = exported
     loaded = build_model(ModelPackage.load(pkg))
@@ -205,7 +205,7 @@ def test_multi_label_parity_checks_the_label_decisions():
 
 @pytest.fixture(scope="module")
 def served(exported):
-    from fedclinic.serving import ClassifierBundle
+    from fedclinic.serving.bundle import ClassifierBundle
 
     return ClassifierBundle(exported[1], threads=1)
 
@@ -260,7 +260,7 @@ def test_bundle_refuses_bad_inputs_with_what_to_send(exported, served):
 def test_an_incomplete_or_inconsistent_bundle_is_refused(exported, tmp_path):
     import shutil
 
-    from fedclinic.serving import ClassifierBundle
+    from fedclinic.serving.bundle import ClassifierBundle
 
     bundle = tmp_path / "bundle"
     shutil.copytree(exported[1], bundle)
@@ -283,7 +283,7 @@ def test_an_incomplete_or_inconsistent_bundle_is_refused(exported, tmp_path):
 def http_server(served):
     import threading
 
-    from fedclinic.serve import make_server
+    from fedclinic.serving.http_server import make_server
 
     server = make_server(served, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -337,7 +337,7 @@ def test_grpc_takes_image_bytes_and_refuses_bad_ones(exported, served):
     import grpc
 
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
-    from fedclinic.serve import make_grpc_server
+    from fedclinic.serving.http_server import make_grpc_server
 
     png = image_bytes(exported, 8)  # a DICOM stand-in image
     server, port = make_grpc_server(served, "127.0.0.1:0")

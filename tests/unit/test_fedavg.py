@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.selection import select_names
+from fedclinic.spec.selection import select_names
 from fedclinic.strategies import FedAvg, make_strategy
 from fedclinic.strategies.fedavg import weighted_add
 

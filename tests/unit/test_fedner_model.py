@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from fedclinic import training
+from fedclinic.training import trainer as training
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models import build_model
 from fedclinic.models import fedner
 from fedclinic.models.token_classification import package_ner_from_config, package_ner_pretrained
-from fedclinic.package import META_FILE, ModelPackage
-from fedclinic.simulate import simulate
+from fedclinic.transport.package import META_FILE, ModelPackage
+from fedclinic.federation.simulate import simulate
 
 from tests.unit.test_token_classification import LABELS, make_examples, tokenizer
 
@@ -57,7 +57,7 @@ def test_package_holds_the_documented_tensors_and_builds():
     assert em.shape == (2, 4, 5)
     assert model.decode(ids, mask).shape == (2, 4)
     # the shared/private split of the paper, as patterns over the names
-    from fedclinic.selection import select_names
+    from fedclinic.spec.selection import select_names
 
     assert select_names(list(pkg.tensors), private=fedner.PAPER_PRIVATE_PATTERNS) == [
         n for n in pkg.tensors if n in SHARED]

@@ -1,6 +1,6 @@
 """The image-text-classification family: metrics, packaging, building, training, evaluation, simulation.
 
-Data is the stand-in set of :mod:`fedclinic.datasets.imaging_standin` (real CT/MR slices from pydicom's
+Data is the stand-in set of :mod:`fedclinic.assets.imaging_standin` (real CT/MR slices from pydicom's
 bundled test files, augmented, with template reports; not chest X-rays)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import math
 import numpy as np
 import pytest
 
-from fedclinic import training
-from fedclinic.data import read_dataset
-from fedclinic.datasets.imaging_standin import STANDIN_LABELS, generate, standin_tokenizer_json, write_standin
+from fedclinic.training import trainer as training
+from fedclinic.data.text import read_dataset
+from fedclinic.assets.imaging_standin import STANDIN_LABELS, generate, standin_tokenizer_json, write_standin
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models import FAMILIES, build_model
 from fedclinic.models.image_text import (FAMILY, IMAGE_TEXT_DEFAULTS, ImageTextModel, package_image_text_from_config,
                                          package_image_text_pretrained)
-from fedclinic.multilabel_metrics import midranks, multilabel_scores, roc_auc
-from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.evaluation.multilabel import midranks, multilabel_scores, roc_auc
+from fedclinic.transport.package import META_FILE, ModelPackage
 
 LABELS = list(STANDIN_LABELS)
 TINY = {"image_size": 32, "resnet_embedding_size": 8, "resnet_hidden_sizes": [8, 16], "resnet_depths": [1, 1],
@@ -233,8 +233,8 @@ def test_training_learns_the_standin_set(tmp_path):
 
 
 def test_encode_refuses_rows_of_other_families_and_unknown_labels(tmp_path):
-    from fedclinic.data import Example
-    from fedclinic.data_image import ImageTextExample
+    from fedclinic.data.text import Example
+    from fedclinic.data.image import ImageTextExample
 
     model = build_model(package())
     with pytest.raises(DatasetError, match="example 0 is not an image \\+ text example"):
@@ -247,7 +247,7 @@ def test_encode_refuses_rows_of_other_families_and_unknown_labels(tmp_path):
 
 
 def test_simulation_with_fedavg_and_dynamic_weighting(tmp_path):
-    from fedclinic.simulate import simulate
+    from fedclinic.federation.simulate import simulate
 
     sites = [examples(tmp_path / f"s{i}", 12 + 4 * i, seed=10 + i, image_format="dicom" if i == 0 else "png")
              for i in range(3)]
@@ -326,7 +326,7 @@ def test_pretrained_folder_problems_are_named(tmp_path):
 
 
 def test_task_validation_and_packaging_for_a_task(tmp_path):
-    from fedclinic.task import Task, package_for_task
+    from fedclinic.spec.task import Task, package_for_task
 
     kw = dict(name="cxr", dataset="cxr", family=FAMILY, architecture="resnet-bilstm", labels=LABELS)
     with pytest.raises(ConfigError, match="is multi-label .* set multi_label = true"):
@@ -352,7 +352,7 @@ def test_standin_generator_is_deterministic_and_labelled():
 
 def test_model_card_and_watch_line_show_the_family():
     from fedclinic.client import _headline
-    from fedclinic.model_card import build_card, render_markdown
+    from fedclinic.spec.model_card import build_card, render_markdown
 
     pkg = package()
     card = build_card(pkg.meta, model_hash=pkg.manifest().model_hash)

@@ -1,4 +1,4 @@
-"""LoRA adapters (fedclinic.lora): the adapted model starts as the base model, only adapters and head train,
+"""LoRA adapters (fedclinic.models.lora): the adapted model starts as the base model, only adapters and head train,
 merging computes the same function, export merges, and every malformed package or spec is refused."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedclinic import lora
+from fedclinic.models import lora
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models import build_model, module_tensors, package_from_config
-from fedclinic.package import META_FILE, ModelPackage
-from fedclinic.training import TrainConfig, encode, select_tensors, train_local
+from fedclinic.transport.package import META_FILE, ModelPackage
+from fedclinic.training.trainer import TrainConfig, encode, select_tensors, train_local
 
 from tests.unit.test_training import LABELS, TINY_BERT, TOK, examples
 
@@ -80,7 +80,7 @@ def test_only_adapters_and_head_train_and_the_merged_model_computes_the_same_fun
 def test_export_merges_the_adapters_and_matches_the_adapted_model(tmp_path):
     import onnxruntime as ort
 
-    from fedclinic.export import export_onnx
+    from fedclinic.export.onnx_export import export_onnx
 
     adapted = lora.add_adapters(base_package(), lora.LoraSpec(rank=2, alpha=4))
     adapted.tensors["bert.encoder.layer.0.attention.self.query.lora_B"][:] = 0.5  # a non-zero update
@@ -141,7 +141,7 @@ def test_dp_sgd_refuses_adapters_and_names_the_alternative():
 
 
 def test_a_federated_lora_task_trains_and_aggregates_only_adapters_and_head():
-    from fedclinic.simulate import simulate
+    from fedclinic.federation.simulate import simulate
 
     start = lora.add_adapters(base_package(), lora.LoraSpec(rank=4, alpha=8))
     sites = [examples(30, seed=s) for s in range(3)]

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedclinic import lora, safl
+from fedclinic.models import lora
+from fedclinic.training import safl
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models import build_model, package_from_config, package_pretrained, wordlevel_tokenizer_json
 from fedclinic.models.mean_pooling import sentence_transformers_pooling
-from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.transport.package import META_FILE, ModelPackage
 from tests.unit.test_models import TINY_BERT, WORDS, _pretrained_folder
 
 LABELS = ["resp", "skin", "gi"]
@@ -138,7 +139,7 @@ def test_a_folder_declaring_mean_pooling_is_named_in_the_log_but_the_default_sta
 
 
 def test_export_parity_fp32_and_int8_without_the_first_token_rewrite(tok_json, tmp_path):
-    from fedclinic.export import export_onnx
+    from fedclinic.export.onnx_export import export_onnx
 
     folder = _pkg(tok_json).save(tmp_path / "pkg")
     messages: list[str] = []
@@ -154,8 +155,8 @@ def test_export_parity_fp32_and_int8_without_the_first_token_rewrite(tok_json, t
 
 
 def test_safl_profiles_the_mean_pooled_model_and_its_head_is_the_classifier(tok_json):
-    from fedclinic import training
-    from fedclinic.data import Example
+    from fedclinic.training import trainer as training
+    from fedclinic.data.text import Example
 
     loaded = build_model(_pkg(tok_json))
     rng = np.random.default_rng(0)

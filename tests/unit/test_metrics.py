@@ -16,11 +16,11 @@ from aggregator_service.config import AggregatorConfig
 from aggregator_service.engine import Engine
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.store import Store
-from fedclinic.blobstore import BlobStore
+from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.errors import ConfigError
-from fedclinic.metrics_endpoint import MetricsAddress, MetricsServer, TaskSeries, parse_metrics_address
-from fedclinic.package import ModelPackage, raw_bytes
-from fedclinic.task import Task
+from fedclinic.runtime.metrics_endpoint import MetricsAddress, MetricsServer, TaskSeries, parse_metrics_address
+from fedclinic.transport.package import ModelPackage, raw_bytes
+from fedclinic.spec.task import Task
 from hospital_agent import cli as agent_cli
 from hospital_agent.config import AgentConfig
 from hospital_agent.metrics import AgentMetrics

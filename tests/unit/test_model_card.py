@@ -9,9 +9,9 @@ import pytest
 
 from fedclinic import __version__
 from fedclinic.errors import ConfigError
-from fedclinic.model_card import (EVAL_NOTE, add_export, build_card, card_for_bundle, card_summary, read_card,
+from fedclinic.spec.model_card import (EVAL_NOTE, add_export, build_card, card_for_bundle, card_summary, read_card,
                                   render_markdown, write_card)
-from fedclinic.package import ModelPackage
+from fedclinic.transport.package import ModelPackage
 from fedclinic.proto import control_pb2, task_pb2
 
 NOW = datetime(2025, 3, 1, 12, 30, tzinfo=timezone.utc)

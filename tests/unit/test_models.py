@@ -20,7 +20,7 @@ from fedclinic.models import (
     tokenizer_pad_id,
     wordlevel_tokenizer_json,
 )
-from fedclinic.package import ModelPackage
+from fedclinic.transport.package import ModelPackage
 
 WORDS = "fever cough chills rash itch hives nausea vomit the patient reports mild severe".split()
 LABELS = ["resp", "skin", "gi"]
@@ -406,7 +406,7 @@ def test_module_tensors_and_load_tensors(tok_json):
 def test_encoding_without_offsets_gives_the_ids_and_truncation_of_the_full_encoding():
     """encode_texts skips character offsets (encode_batch_fast); the ids must be those of the tokenizer's full
     encoding, truncated the same way, on the real MiniLM tokenizer and long reviews."""
-    from fedclinic.datasets.drugreview import load_drug_reviews, minilm_path
+    from fedclinic.assets.drugreview import load_drug_reviews, minilm_path
     from fedclinic.models.text_classification import encode_texts, load_tokenizer, tokenize_truncated
 
     raw = (minilm_path() / "tokenizer.json").read_bytes()

@@ -1,4 +1,4 @@
-"""fedclinic.ner_tags: tag schemes, span/tag conversion, entity metrics (strict ones checked against seqeval)."""
+"""fedclinic.data.ner_tags: tag schemes, span/tag conversion, entity metrics (strict ones checked against seqeval)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from seqeval.metrics import f1_score, precision_score, recall_score
 from seqeval.metrics.sequence_labeling import get_entities
 
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError
-from fedclinic.ner_tags import (
+from fedclinic.data.ner_tags import (
     SCHEMES,
     entity_scores,
     spans_to_token_tags,

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from fedclinic.errors import ConfigError, DatasetError
 from fedclinic.models.feature_classification import build, encode_features, package_feature_model
-from fedclinic.optimizers import add_proximal_gradient, make_optimizer
-from fedclinic.training import TrainConfig, train_local
+from fedclinic.training.optimizers import add_proximal_gradient, make_optimizer
+from fedclinic.training.trainer import TrainConfig, train_local
 
 
 def _quadratic_grads(theta, targets):
@@ -124,7 +124,7 @@ def test_feature_logreg_learns_and_keeps_optimizer_state_across_rounds():
     assert r1.optimizer_state["linear.weight"]["step"] == 24
     assert r2.optimizer_state["linear.weight"]["step"] == 48  # the step counter s continued
     assert r2.loss < first.loss
-    from fedclinic.training import evaluate
+    from fedclinic.training.trainer import evaluate
 
     assert evaluate(model, data)["accuracy"] > 0.9
 
@@ -166,7 +166,7 @@ def test_feature_package_round_trips_and_bad_configs_are_refused():
 
 
 def test_gradient_change_rate_is_measured_on_full_passes_before_and_after_training():
-    from fedclinic.training import gradient_change_rate
+    from fedclinic.training.trainer import gradient_change_rate
 
     x, y = _blobs(n=40)
     model = build(package_feature_model(num_features=4, labels=["a", "b", "c"]))

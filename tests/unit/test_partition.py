@@ -1,4 +1,4 @@
-"""fedclinic.partition: property tests for the partition invariants, and the skew each one produces."""
+"""fedclinic.data.partition: property tests for the partition invariants, and the skew each one produces."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedclinic.errors import ConfigError
-from fedclinic.partition import dirichlet_label_skew, iid, quantity_skew
+from fedclinic.data.partition import dirichlet_label_skew, iid, quantity_skew
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

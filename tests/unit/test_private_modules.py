@@ -1,4 +1,4 @@
-"""FedNER's private modules (fedclinic.private_modules): which tensors are private, the site's store of them, the
+"""FedNER's private modules (fedclinic.training.private_modules): which tensors are private, the site's store of them, the
 site's own model, and the agent's guarantee that no private tensor reaches the serialized update stream."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models.fedner import PAPER_PRIVATE_PATTERNS
-from fedclinic.package import ModelPackage
-from fedclinic.private_modules import PrivateStore, outgoing_problems, private_names
-from fedclinic.task import Task
+from fedclinic.transport.package import ModelPackage
+from fedclinic.training.private_modules import PrivateStore, outgoing_problems, private_names
+from fedclinic.spec.task import Task
 
 from tests.unit.test_fedner_model import ARCH, PRIVATE, SHARED, package
 from tests.unit.test_token_classification import LABELS, make_examples
@@ -129,7 +129,7 @@ CODECS = ["raw", "fp16", "int8", "topk:0.2", "topk:0.2+int8"]
 
 @pytest.fixture(scope="module")
 def agent_and_data(tmp_path_factory):
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from hospital_agent.config import AgentConfig
     from hospital_agent.worker import Agent
 

@@ -110,8 +110,8 @@ def test_multi_krum_needs_enough_sites_and_same_tensors(sites):
 
 def test_task_validation_checks_the_strategy_minimum():
     from aggregator_service.engine import Refused, validate_spec
-    from fedclinic.package import ModelPackage
-    from fedclinic.task import Task
+    from fedclinic.transport.package import ModelPackage
+    from fedclinic.spec.task import Task
 
     spec = Task(name="k", dataset="d", labels=["a", "b"], min_sites=3, strategy="multi-krum",
                 strategy_params={"byzantine": 1}).to_spec()

@@ -1,4 +1,4 @@
-"""SAFL layer scoring and selection (fedclinic.safl), its validation in the SDK and at the aggregator."""
+"""SAFL layer scoring and selection (fedclinic.training.safl), its validation in the SDK and at the aggregator."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from fedclinic import safl
-from fedclinic.data import Example
+from fedclinic.training import safl
+from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.task import Task
+from fedclinic.spec.task import Task
 
 LABELS = ["cardio", "neuro"]
 WORDS = ["heart", "chest", "migraine", "seizure", "patient", "reports", "daily", "mild"]
@@ -90,7 +90,7 @@ def _constructed_model(cls_logits=CLS_LOGITS, sep_logits=SEP_LOGITS, seed: int =
 def constructed_package(cls_logits, sep_logits, seed: int = 0):
     """:func:`_constructed_model` as a package (to simulate or submit)."""
     from fedclinic.models import module_tensors
-    from fedclinic.package import ModelPackage
+    from fedclinic.transport.package import ModelPackage
 
     loaded = _constructed_model(cls_logits, sep_logits, seed)
     return ModelPackage(tensors=module_tensors(loaded.module), files=dict(_package(layers=len(cls_logits)).files))
@@ -118,7 +118,7 @@ def _expected(lengths: list[int], token: str) -> np.ndarray:
 
 @pytest.mark.parametrize("token", ["cls", "last"])
 def test_scores_equal_the_closed_form_of_the_constructed_model(token):
-    from fedclinic import training
+    from fedclinic.training import trainer as training
 
     loaded = _constructed_model()
     rows = _examples(7, seed=1)
@@ -131,7 +131,7 @@ def test_scores_equal_the_closed_form_of_the_constructed_model(token):
 
 
 def test_constructed_ranking_picks_the_layers_that_attend_most_to_the_token():
-    from fedclinic import training
+    from fedclinic.training import trainer as training
 
     loaded = _constructed_model()
     data = training.encode(_examples(5), loaded, max_length=16)
@@ -149,7 +149,7 @@ def test_constructed_ranking_picks_the_layers_that_attend_most_to_the_token():
 
 
 def test_profiling_restores_the_attention_implementation_and_training_mode():
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model
 
     loaded = build_model(_package(layers=2))
@@ -162,8 +162,8 @@ def test_profiling_restores_the_attention_implementation_and_training_mode():
 
 
 def test_static_patterns_compose_frozen_layers_are_never_selected():
-    from fedclinic import training
-    from fedclinic.selection import select_names
+    from fedclinic.training import trainer as training
+    from fedclinic.spec.selection import select_names
 
     loaded = _constructed_model()
     data = training.encode(_examples(5), loaded, max_length=16)
@@ -332,8 +332,8 @@ def test_aggregator_offers_layers_and_head_only():
 
 def test_simulator_refuses_safl_with_a_model_without_attention():
     from fedclinic.models import package_from_config, wordlevel_tokenizer_json
-    from fedclinic.simulate import simulate
-    from fedclinic.training import TrainConfig
+    from fedclinic.federation.simulate import simulate
+    from fedclinic.training.trainer import TrainConfig
 
     pkg = package_from_config(architecture="logreg", labels=LABELS, tokenizer_json=wordlevel_tokenizer_json(WORDS),
                               config={}, max_length=16)
@@ -354,9 +354,9 @@ def _replay_round(start, site_rows, config, train, round_):
     """One SAFL round recomputed by hand: each site's selection, training and delta, then per-tensor FedAvg."""
     from dataclasses import replace
 
-    from fedclinic import training
+    from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
-    from fedclinic.simulate import site_seed
+    from fedclinic.federation.simulate import site_seed
 
     sums: dict[str, np.ndarray] = {}
     weights: dict[str, float] = {}
@@ -380,9 +380,9 @@ def _replay_round(start, site_rows, config, train, round_):
 
 
 def test_simulated_safl_rounds_train_only_selected_layers_and_average_per_tensor():
-    from fedclinic.package import ModelPackage
-    from fedclinic.simulate import simulate
-    from fedclinic.training import TrainConfig
+    from fedclinic.transport.package import ModelPackage
+    from fedclinic.federation.simulate import simulate
+    from fedclinic.training.trainer import TrainConfig
 
     pkg = constructed_package(FLIP_CLS, FLIP_SEP)
     sites = [length_examples(12, 2, seed=0), length_examples(20, 10, seed=1), length_examples(16, 10, seed=2)]

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from fedclinic.data_ner import EntitySpan, NerExample, read_ner
-from fedclinic.datasets import silver_ner as sn
-from fedclinic.datasets.silver_ner import (NER_LABELS, SilverMatcher, dropped_conditions, silver_dictionaries,
+from fedclinic.data.ner import EntitySpan, NerExample, read_ner
+from fedclinic.assets import silver_ner as sn
+from fedclinic.assets.silver_ner import (NER_LABELS, SilverMatcher, dropped_conditions, silver_dictionaries,
                                            silver_ner, write_ner_jsonl)
 from fedclinic.errors import ConfigError
 

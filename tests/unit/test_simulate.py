@@ -1,4 +1,4 @@
-"""fedclinic.simulate: federated runs learn, and one FedAvg round equals the weighted mean of the site deltas."""
+"""fedclinic.federation.simulate: federated runs learn, and one FedAvg round equals the weighted mean of the site deltas."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import random
 import numpy as np
 import pytest
 
-from fedclinic.data import Example
+from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError
 from fedclinic.models import build_model, module_tensors, package_from_config, wordlevel_tokenizer_json
-from fedclinic.partition import dirichlet_label_skew
-from fedclinic.simulate import simulate, site_seed
-from fedclinic.training import TrainConfig, compute_delta, encode, train_local
+from fedclinic.data.partition import dirichlet_label_skew
+from fedclinic.federation.simulate import simulate, site_seed
+from fedclinic.training.trainer import TrainConfig, compute_delta, encode, train_local
 
 KEYWORDS = {"resp": ["fever", "cough", "chills"], "skin": ["rash", "itch", "hives"], "gi": ["nausea", "vomit", "cramps"]}
 FILLER = "the patient reports today mild severe since yesterday and with no history of".split()
@@ -137,7 +137,7 @@ def test_simulate_argument_errors(kwargs, msg):
 
 def test_private_tensors_stay_at_their_site_and_each_site_is_evaluated_with_its_own():
     from fedclinic.models import load_tensors
-    from fedclinic.training import evaluate
+    from fedclinic.training.trainer import evaluate
 
     start = package("logreg")
     sites = non_iid_sites()

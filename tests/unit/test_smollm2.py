@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedclinic.datasets import smollm2
+from fedclinic.assets import smollm2
 from fedclinic.errors import ConfigError
 
 

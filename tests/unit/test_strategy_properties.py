@@ -315,8 +315,8 @@ def test_dynamic_weighting_code_definition_uses_the_reported_rate():
 
 def test_task_validation_requires_measured_gradients_for_the_code_definition():
     from aggregator_service.engine import Refused, validate_spec
-    from fedclinic.package import ModelPackage
-    from fedclinic.task import Task
+    from fedclinic.transport.package import ModelPackage
+    from fedclinic.spec.task import Task
 
     manifest = ModelPackage({"w": np.zeros(2, np.float32)}).manifest()
     kw = dict(name="k", dataset="d", labels=["a", "b"], strategy="dynamic-weighting",

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fedclinic.datasets.synthetic import synthetic
+from fedclinic.assets.synthetic import synthetic
 from fedclinic.errors import ConfigError
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from fedclinic.errors import ConfigError
 from fedclinic.proto import task_pb2
-from fedclinic.task import Task
+from fedclinic.spec.task import Task
 
 
 def test_task_to_spec():
@@ -51,7 +51,7 @@ def test_task_toml_errors(tmp_path, body, message):
 
 
 def test_string_strategy_options_travel_in_their_own_map_and_are_checked():
-    from fedclinic.task import Task
+    from fedclinic.spec.task import Task
 
     t = Task(name="k", dataset="d", labels=["a", "b"], strategy="fedatt",
              strategy_params={"server_lr": 4, "granularity": "whole_model"})
@@ -69,7 +69,7 @@ def test_string_strategy_options_travel_in_their_own_map_and_are_checked():
 def test_model_config_sizes_the_packaged_model(tmp_path):
     """[model_config] reaches the packager: here the FedNER tagger's sizes; a wrong key is refused."""
     from fedclinic.errors import ConfigError
-    from fedclinic.task import package_for_task
+    from fedclinic.spec.task import package_for_task
 
     from tests.unit.test_token_classification import tokenizer
 

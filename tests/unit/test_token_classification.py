@@ -7,13 +7,13 @@ import random
 import numpy as np
 import pytest
 
-from fedclinic import training
-from fedclinic.data_ner import EntitySpan, NerExample
+from fedclinic.training import trainer as training
+from fedclinic.data.ner import EntitySpan, NerExample
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models import build_model, wordlevel_tokenizer_json
 from fedclinic.models.token_classification import package_ner_from_config
-from fedclinic.package import META_FILE, ModelPackage
-from fedclinic.simulate import simulate
+from fedclinic.transport.package import META_FILE, ModelPackage
+from fedclinic.federation.simulate import simulate
 
 DRUGS = ["aspirin", "ibuprofen", "metformin", "sertraline"]
 CONDITIONS = ["headache", "diabetes", "depression", "back pain"]
@@ -93,7 +93,7 @@ def test_unknown_entity_type_and_wrong_data_are_refused():
     model = build_model(package())
     with pytest.raises(DatasetError, match=r"entity type\(s\) \['DOSE'\] not in the model's labels"):
         training.encode([NerExample("take aspirin", (EntitySpan(5, 12, "DOSE"),))], model)
-    from fedclinic.data import Example
+    from fedclinic.data.text import Example
 
     with pytest.raises(DatasetError, match="not an NER example"):
         training.encode([Example("take aspirin", ("DRUG",))], model)

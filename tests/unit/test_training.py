@@ -1,4 +1,4 @@
-"""fedclinic.training: the shared local trainer (config, devices, tensor selection, encode, train, evaluate)."""
+"""fedclinic.training.trainer: the shared local trainer (config, devices, tensor selection, encode, train, evaluate)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedclinic.data import Example
+from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models import build_model, load_tensors, module_tensors, package_from_config, wordlevel_tokenizer_json
 from fedclinic.proto import task_pb2
-from fedclinic.training import (
+from fedclinic.training.trainer import (
     TrainConfig,
     compute_delta,
     encode,

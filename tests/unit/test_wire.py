@@ -6,9 +6,9 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from fedclinic.errors import IntegrityError
-from fedclinic.package import ModelPackage
+from fedclinic.transport.package import ModelPackage
 from fedclinic.proto import tensors_pb2 as pb
-from fedclinic.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, header_of,
+from fedclinic.transport.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, header_of,
                             manifest_from_proto, manifest_to_proto, package_items, tensor_chunks)
 
 DTYPES = st.sampled_from([np.float32, np.float16, np.int64, np.int8, np.float64])
@@ -121,7 +121,7 @@ def test_file_hash_mismatch():
        with_header=st.booleans())
 def test_single_copy_chunk_encoding_parses_like_protobuf(data, offset, name, with_header):
     from fedclinic.proto import agent_pb2, control_pb2
-    from fedclinic.wire import encode_tensor_chunk_in
+    from fedclinic.transport.wire import encode_tensor_chunk_in
 
     header = pb.TensorHeader(name=name, dtype="uint8", shape=[len(data)], codec="raw",
                              sha256=hashlib.sha256(data).hexdigest(), encoded_nbytes=len(data)) if with_header else None
@@ -132,7 +132,7 @@ def test_single_copy_chunk_encoding_parses_like_protobuf(data, offset, name, wit
 
 
 def test_pipelined_assembler_matches_and_propagates_errors():
-    from fedclinic.wire import PipelinedAssembler
+    from fedclinic.transport.wire import PipelinedAssembler
 
     a = np.arange(4096, dtype=np.float32)
     writers = {}

@@ -1,4 +1,4 @@
-"""Model families: build a torch module from a :class:`~fedclinic.package.ModelPackage`, and package models.
+"""Model families: build a torch module from a :class:`~fedclinic.transport.package.ModelPackage`, and package models.
 
 A package names its family in ``fedclinic_model.json``; :func:`build_model` dispatches on it through
 :data:`FAMILIES`. Only built-in families and architectures exist: a package carries tensors and JSON, never
@@ -27,7 +27,7 @@ from fedclinic.models.text_classification import (
     tokenizer_pad_id,
     wordlevel_tokenizer_json,
 )
-from fedclinic.package import META_FILE, ModelPackage
+from fedclinic.transport.package import META_FILE, ModelPackage
 
 SUPPORTED_FORMAT = 1
 
@@ -65,7 +65,7 @@ def build_model(package: ModelPackage) -> Any:
     builder = FAMILIES.get(family)
     if builder is None:
         raise ConfigError(f"unknown model family {family!r}; supported families: {', '.join(sorted(FAMILIES))}")
-    from fedclinic import lora
+    from fedclinic.models import lora
 
     spec = lora.spec_of(meta)
     if spec is None:

@@ -54,13 +54,13 @@ restricted to the nucleus (the smallest set of most likely tokens whose probabil
 renormalised, drawn with a ``torch.Generator`` seeded by ``seed`` (reproducible for the same inputs, batch size
 and seed, whatever the global RNG). Stops at EOS or after ``max_new_tokens`` (and never runs past the model's
 position limit). Prompt ids, the left-padded layout with its position ids, the stopping rule and decoding come
-from :mod:`fedclinic.qa_generation`, which the onnxruntime loop of an exported model
-(:mod:`fedclinic.onnx_generate`) shares, so both generate the same greedy tokens.
+from :mod:`fedclinic.data.qa_prompt`, which the onnxruntime loop of an exported model
+(:mod:`fedclinic.serving.generate`) shares, so both generate the same greedy tokens.
 
 Evaluation
 ----------
 ``loss`` (mean answer-token NLL) and ``token_accuracy`` (teacher-forced argmax == answer token) over all
-examples; ``rougeL``, ``bleu``, ``meteor``, ``exact_match`` (:mod:`fedclinic.generation_metrics`) on greedy
+examples; ``rougeL``, ``bleu``, ``meteor``, ``exact_match`` (:mod:`fedclinic.evaluation.generation`) on greedy
 generations of the first ``generation.eval_examples`` examples (default :data:`EVAL_EXAMPLES`; ``n_generated``
 says how many), so an evaluation costs at most that many generations.
 """
@@ -90,8 +90,8 @@ from fedclinic.models.text_classification import (
     load_tokenizer,
     module_tensors,
 )
-from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage
-from fedclinic.qa_generation import (
+from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage
+from fedclinic.data.qa_prompt import (
     check_generation_args,
     cut_at_eos,
     decode_answers,
@@ -103,12 +103,12 @@ from fedclinic.qa_generation import (
     text_token_ids,
     truncate_prompts,
 )
-from fedclinic.training import EncodedData
+from fedclinic.training.trainer import EncodedData
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from fedclinic.data_qa import QAExample
+    from fedclinic.data.qa import QAExample
 
 FAMILY = "question-answering"
 FORMAT = 1
@@ -135,7 +135,7 @@ _PAD_CANDIDATES = ("<pad>", "[PAD]", "<PAD>", "<|pad|>")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# prompt (fill_prompt, prompt_budget and the token layout live in fedclinic.qa_generation, shared with the
+# prompt (fill_prompt, prompt_budget and the token layout live in fedclinic.data.qa_prompt, shared with the
 # onnxruntime generation loop of an exported model)
 
 
@@ -259,7 +259,7 @@ class CausalLMModel(LoadedModel):
         for i, ex in enumerate(examples):
             if not (isinstance(getattr(ex, "question", None), str) and isinstance(getattr(ex, "answer", None), str)):
                 raise DatasetError(f"example {i} is not a question/answer example; read the dataset with "
-                                   "fedclinic.data_qa.read_qa")
+                                   "fedclinic.data.qa.read_qa")
         prompts = self.prompt_ids([ex.question for ex in examples],
                                   [getattr(ex, "context", "") or "" for ex in examples], max_length=max_length)
         answers = self._tokens([prefix + ex.answer for ex in examples])
@@ -277,7 +277,7 @@ class CausalLMModel(LoadedModel):
                       labels=torch.from_numpy(labels), multi_label=False, num_labels=0,
                       prompts=[p for p, _ in rows], references=[ex.answer for ex in examples])
 
-    # ---- the trainer's interface (fedclinic.training)
+    # ---- the trainer's interface (fedclinic.training.trainer)
 
     def training_loss(self, inputs: tuple["torch.Tensor", ...], targets: "torch.Tensor") -> "torch.Tensor":
         """Mean next-token cross-entropy over the batch's answer tokens (labels != -100)."""
@@ -303,7 +303,7 @@ class CausalLMModel(LoadedModel):
         import torch
         import torch.nn.functional as F
 
-        from fedclinic.generation_metrics import generation_scores
+        from fedclinic.evaluation.generation import generation_scores
 
         if len(data) == 0:
             raise DatasetError("no evaluation examples; the evaluation set is empty")

@@ -12,7 +12,7 @@ the first ``n_b`` positions and 0 after, with ``n_b >= 1``. Everything is vector
 loops run over time only. The arithmetic is float32 whatever the emissions' dtype (mixed precision safe).
 
 Tensor names in a model's state: ``crf.transitions``, ``crf.start_transitions``, ``crf.end_transitions``.
-The ONNX bundle computes the same Viterbi path (see :mod:`fedclinic.export`); parity is tested.
+The ONNX bundle computes the same Viterbi path (see :mod:`fedclinic.export.onnx_export`); parity is tested.
 """
 
 from __future__ import annotations

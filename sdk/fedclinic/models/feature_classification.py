@@ -23,7 +23,7 @@ import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models.meta import ModelMeta
-from fedclinic.package import META_FILE, ModelPackage, meta_bytes
+from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,7 +51,7 @@ class FeatureModel(ModelMeta):
 
 @dataclass
 class FeatureData:
-    """Feature vectors and labels as CPU tensors, ready for :func:`fedclinic.training.train_local`."""
+    """Feature vectors and labels as CPU tensors, ready for :func:`fedclinic.training.trainer.train_local`."""
 
     features: "torch.Tensor"   # [N, d] float32
     labels: "torch.Tensor"     # [N] int64 class indices, or [N, C] float32 multi-hot

@@ -25,7 +25,7 @@ Defaults (:data:`IMAGE_TEXT_DEFAULTS`) follow the paper where it is specific: Re
 blocks, depths 3-4-6-3, widths 256-512-1024-2048), 224 x 224 images, a 128-d embedding, a *bidirectional*
 LSTM of 128 units (the report says bidirectional; the notebook ran a unidirectional one: set
 ``bidirectional = false``), 128 -> 64 branch projections, a 128-unit fusion layer and dropout 0.5. Images
-are one grayscale channel, preprocessed as :mod:`fedclinic.data_image` states (resize, ``(v - mean) / std``).
+are one grayscale channel, preprocessed as :mod:`fedclinic.data.image` states (resize, ``(v - mean) / std``).
 
 Tensor names: ``image_encoder.*`` (the ResNet: ``image_encoder.embedder.embedder.convolution.weight``,
 ``image_encoder.encoder.stages.{s}.layers.{l}....``, batch-norm ``weight``/``bias``/``running_mean``/
@@ -40,7 +40,7 @@ training: it normalises with its running statistics and does not update them (Ke
 layers). Otherwise statistics would drift at every site while the weights stay global. Select a layer's
 running statistics together with its weight (the default, all tensors, does).
 
-ONNX export (:mod:`fedclinic.export`): inputs ``image`` ``[B, 1, S, S]`` (S fixed), ``input_ids`` and
+ONNX export (:mod:`fedclinic.export.onnx_export`): inputs ``image`` ``[B, 1, S, S]`` (S fixed), ``input_ids`` and
 ``attention_mask`` ``[B, L]`` (B and L dynamic) -> ``logits`` ``[B, C]``; the report branch is traced through
 :func:`~fedclinic.models.text_classification.lstm_final_states_unpacked`, and the bundle's ``preprocessing.json``
 (:func:`preprocessing_spec`) says how to make the inputs in any language.
@@ -80,13 +80,13 @@ from fedclinic.models.text_classification import (
     module_tensors,
     tokenizer_pad_id,
 )
-from fedclinic.package import META_FILE, ModelPackage
-from fedclinic.training import EncodedData
+from fedclinic.transport.package import META_FILE, ModelPackage
+from fedclinic.training.trainer import EncodedData
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from fedclinic.data_image import ImageTextExample
+    from fedclinic.data.image import ImageTextExample
 
 FAMILY = "image-text-classification"
 FORMAT = 1
@@ -213,7 +213,7 @@ def _build_module(arch: Mapping[str, Any], num_labels: int, seed: int):
 @dataclass
 class ImageTextData(EncodedData):
     """Encoded image + text examples (CPU tensors): ``pixel_values`` float32 ``[N, 1, S, S]`` (preprocessed as
-    :mod:`fedclinic.data_image` states), token ids and mask ``[N, L]``, multi-hot ``labels`` ``[N, C]``.
+    :mod:`fedclinic.data.image` states), token ids and mask ``[N, L]``, multi-hot ``labels`` ``[N, C]``.
 
     A batch is ``((pixel_values, input_ids, attention_mask), labels)``, trimmed to its longest text.
     """
@@ -230,7 +230,7 @@ class ImageTextModel(LoadedModel):
     """A built image + text model: the torch module, the task's tokenizer and the parsed ``fedclinic_model.json``.
 
     ``logits(pixel_values, input_ids, attention_mask)`` are one score per label; ``sigmoid`` gives the
-    probabilities. The trainer (:mod:`fedclinic.training`) calls :meth:`encode`, :meth:`training_loss` and
+    probabilities. The trainer (:mod:`fedclinic.training.trainer`) calls :meth:`encode`, :meth:`training_loss` and
     :meth:`evaluate`.
     """
 
@@ -271,7 +271,7 @@ class ImageTextModel(LoadedModel):
         """Label probabilities ``[N, C]`` (sigmoid of the logits) for image files and their reports."""
         import torch
 
-        from fedclinic.data_image import load_image
+        from fedclinic.data.image import load_image
 
         if len(images) != len(texts):
             raise ConfigError(f"{len(images)} images but {len(texts)} texts; give one report per image")
@@ -298,7 +298,7 @@ def encode_image_text(examples: Sequence["ImageTextExample"], loaded: ImageTextM
     """
     import torch
 
-    from fedclinic.data_image import load_image
+    from fedclinic.data.image import load_image
 
     max_length = loaded.max_length if max_length is None else max_length
     _check_max_length(max_length)
@@ -310,7 +310,7 @@ def encode_image_text(examples: Sequence["ImageTextExample"], loaded: ImageTextM
     for i, ex in enumerate(examples):
         if not hasattr(ex, "image"):
             raise DatasetError(f"example {i} is not an image + text example; read the dataset with "
-                               "fedclinic.data_image.read_image_text (or read_dataset('image-text-classification', ...))")
+                               "fedclinic.data.image.read_image_text (or read_dataset('image-text-classification', ...))")
         where = ex.source or f"example {i}"
         bad = [lab for lab in ex.labels if lab not in index]
         if bad or not ex.labels:
@@ -330,13 +330,13 @@ def evaluate_image_text(loaded: ImageTextModel, data: ImageTextData, *, batch_si
     ``macro_f1``, ``macro_auc``, ``accuracy`` (exact match), ``label_accuracy`` and ``n``.
 
     A label is predicted when its logit is > 0 (probability > 0.5); AUC ranks the logits (not the
-    probabilities, whose float32 sigmoid saturates into ties). Definitions: :mod:`fedclinic.multilabel_metrics`;
+    probabilities, whose float32 sigmoid saturates into ties). Definitions: :mod:`fedclinic.evaluation.multilabel`;
     a label without both classes in ``data`` has AUC NaN, which the aggregator's round summary skips.
     """
     import torch
     import torch.nn.functional as F
 
-    from fedclinic.multilabel_metrics import multilabel_scores
+    from fedclinic.evaluation.multilabel import multilabel_scores
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -589,7 +589,7 @@ DEFAULT_THRESHOLD = 0.5
 def preprocessing_spec(loaded: ImageTextModel) -> dict[str, Any]:
     """``preprocessing.json`` of an exported bundle: how to make the ONNX graph's inputs from an image file and its
     report in any language with an ONNX Runtime binding, and how to read its output. The exact image steps are
-    :mod:`fedclinic.data_image`'s (its module doc states them; ``fedclinic.serving`` runs that very code)."""
+    :mod:`fedclinic.data.image`'s (its module doc states them; ``fedclinic.serving.bundle`` runs that very code)."""
     size = loaded.image_size
     return {
         "format": 1,
@@ -606,7 +606,7 @@ def preprocessing_spec(loaded: ImageTextModel) -> dict[str, Any]:
                 "shrinking); the aspect ratio is not kept",
                 f"normalise: (v - {loaded.image_mean}) / {loaded.image_std}",
             ],
-            "reference": "fedclinic.data_image (decode_image / decode_image_bytes, preprocess)",
+            "reference": "fedclinic.data.image (decode_image / decode_image_bytes, preprocess)",
         },
         "text": {
             "inputs": ["input_ids", "attention_mask"], "dtype": "int64", "shape": ["batch", "seq"],

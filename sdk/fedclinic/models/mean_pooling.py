@@ -67,7 +67,7 @@ def mean_pooled_classifier_class():
         Looks like a Hugging Face classifier to the rest of fedclinic: ``config``, ``base_model_prefix``,
         ``set_attn_implementation`` and ``forward(input_ids, attention_mask, output_attentions=...)`` returning
         ``.logits`` and ``.attentions``. ``attention_mask`` may be the usual ``[batch, seq]`` 0/1 mask or the 4-D
-        additive mask ``(1 - mask) * c`` (c < 0) of :func:`fedclinic.onnx_encoder_fusion.encoder_export_forward`;
+        additive mask ``(1 - mask) * c`` (c < 0) of :func:`fedclinic.export.encoder_fusion.encoder_export_forward`;
         the encoder gets it as given, the pooling reads the padding positions back from it."""
 
         def __init__(self, config: Any) -> None:

@@ -49,7 +49,7 @@ from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models.mean_pooling import (POOLINGS, mean_pooled_classifier_class, pooling_problem,
                                            sentence_transformers_pooling)
 from fedclinic.models.meta import ModelMeta
-from fedclinic.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
+from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers

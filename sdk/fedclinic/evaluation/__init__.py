@@ -1,0 +1,2 @@
+"""Metrics that score predictions: generated answers and multi-label classification.
+"""

@@ -1,0 +1,3 @@
+"""Federations on one machine: the in-process simulator, experiment grids, real local processes
+(LocalFederation) and the demo.
+"""

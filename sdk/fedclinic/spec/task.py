@@ -1,0 +1,410 @@
+"""The typed, validated task definition a data scientist writes (in Python or as ``task.toml``).
+
+A task names a built-in model family, a dataset each site holds under the same registry name, the label
+set, the base model (a local pretrained folder) and the training/round settings. No code travels.
+
+``task.toml``::
+
+    name = "condition-classifier"
+    dataset = "drugreviews"
+    labels = ["Birth Control", "Depression", "Pain"]
+    model = "/models/minilm"          # local pretrained folder (config.json, model.safetensors, tokenizer)
+    architecture = "transformer"      # transformer | lstm | logreg
+
+    [training]
+    local_epochs = 1
+    batch_size = 16
+    learning_rate = 5e-5
+
+    [rounds]
+    num_rounds = 5
+    min_sites = 3
+    round_timeout_s = 1800
+    on_quorum_miss = "retry"          # retry | fail
+
+    [update]
+    trainable = ['classifier\\..*', 'bert\\.encoder\\.layer\\.[45]\\..*']
+    private = []                      # tensors each site trains and keeps, never sent (FedNER's private modules)
+    codec = "topk:0.01+int8"          # how deltas travel: raw (fp32, default), fp16, bf16, int8, int4, topk:...
+    downlink_codec = "int8"           # optional: the global model's change broadcast under fp16/bf16/int8/int4
+    selection = "safl"                # optional: attention-selected layers on top of the patterns (fedclinic.training.safl)
+    safl_top_k = 2                    # layers each site trains and sends per round (the head always)
+    safl_profile_samples = 64         # rows each site profiles per round (0 = 64)
+    safl_token = "cls"                # task-relevant tokens: cls | last | entities ("" = the family's default)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fedclinic.errors import ConfigError
+from fedclinic.training.optimizers import check_optimizer_settings
+from fedclinic.proto import task_pb2
+from fedclinic.runtime.tomlconfig import load_toml
+
+FAMILIES = {"text-classification": ("transformer", "lstm", "logreg"),
+            "token-classification": ("transformer", "transformer-crf", "cnn-bilstm-crf"),
+            "question-answering": ("causal-lm",),
+            "image-text-classification": ("resnet-bilstm",)}
+#: families whose outputs are independent sigmoids: a task must say multi_label = true
+MULTI_LABEL_FAMILIES = ("image-text-classification",)
+#: families whose tasks have no label set (answers are generated text)
+UNLABELLED_FAMILIES = ("question-answering",)
+_TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
+          "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
+_ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
+           "max_round_retries")
+
+
+@dataclass
+class Task:
+    name: str
+    dataset: str
+    labels: list[str] = field(default_factory=list)  # question-answering: none (leave empty)
+    model: str = ""                      # local pretrained folder; or pass a ModelPackage to Client.submit
+    family: str = "text-classification"
+    architecture: str = "transformer"
+    multi_label: bool = False
+    tag_scheme: str = "BIO"              # token-classification: BIO | BIOES (labels are the entity types)
+    description: str = ""
+    sites: list[str] = field(default_factory=list)
+    # training (per site, per round)
+    local_epochs: int = 1
+    batch_size: int = 16
+    learning_rate: float = 5e-5
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_steps: int = 0
+    mixed_precision: bool = False
+    proximal_mu: float = 0.0
+    optimizer_state: str = "reset"       # "keep": local optimizer moments persist at each site across rounds
+    measure_gradient_change: bool = False  # sites report gradient_change_rate (dynamic-weighting, "code")
+    max_length: int = 128
+    seed: int = 0
+    # rounds
+    num_rounds: int = 3
+    min_sites: int = 2
+    participation_fraction: float = 1.0
+    round_timeout_s: float = 1800.0
+    on_quorum_miss: str = "retry"
+    max_round_retries: int = 2
+    # aggregation and what is sent
+    strategy: str = "fedavg"
+    strategy_params: dict[str, float | str] = field(default_factory=dict)  # numbers and names (e.g. granularity)
+    trainable: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
+    #: ``[update] private``: FedNER's private modules (fedclinic.training.private_modules): tensors each site trains and
+    #: keeps between rounds but never sends; e.g. fedclinic.models.fedner.PAPER_PRIVATE_PATTERNS
+    private: list[str] = field(default_factory=list)
+    #: ``[update] codec``: how each site encodes its delta tensors (fedclinic.codecs spec): "raw" (float32),
+    #: "fp16", "bf16", "int8", "int4" (blockwise, stochastic rounding), "topk:0.01" (with error feedback at
+    #: the sites) or "topk:0.01+int8"; sites must announce the codec at Hello to be assigned the task
+    codec: str = "raw"
+    #: ``[update] downlink_codec``: "" (full tensors) or "fp16", "bf16", "int8", "int4": each round's change of the
+    #: global model is broadcast under that codec, and the global model is defined as what the sites rebuild from
+    #: it (fedclinic.transport.downlink; one rounding of each round's change, no drift between sites and aggregator)
+    downlink_codec: str = ""
+    #: ``[update] selection``: "static" (the patterns alone) or "safl": each round every site profiles attention on
+    #: ``safl_profile_samples`` of its rows (0 = 64) and trains and sends only its ``safl_top_k`` layers whose
+    #: attention flows most to ``safl_token`` ("cls", "last" or "entities"; "" = the family's default), plus the
+    #: task head; see fedclinic.training.safl
+    selection: str = "static"
+    safl_top_k: int = 0
+    safl_profile_samples: int = 0
+    safl_token: str = ""
+    #: architecture settings applied when the initial model is packaged from ``model`` (``[model_config]``):
+    #: e.g. the FedNER tagger's sizes, LSTM sizes, or HF config fields that keep shapes (dropout)
+    model_config: dict[str, Any] = field(default_factory=dict)
+    #: ``[privacy]``: level = "sample" (DP-SGD at every site, fedclinic.privacy.dp_sgd) with target_epsilon (for
+    #: the whole task at each site) or noise_multiplier, target_delta, max_grad_norm (per-example clip C) and
+    #: accountant ("rdp" | "prv"); level = "client" (clip + noise of whole updates at the aggregator), which
+    #: needs strategy "dp-fedavg" (its parameters carry clip and noise). Empty = no differential privacy.
+    privacy: dict[str, Any] = field(default_factory=dict)
+    #: ``[secure_aggregation]``: enabled = true runs every round as a SecAgg(+) session, so the aggregator sees
+    #: only the sum of the sites' (clipped, quantized) deltas, averaged with uniform weights. Optional:
+    #: min_cohort (>= 3), threshold (0 = ceil(2h/3)), clip (|delta| range, default 1.0), bits (default 20),
+    #: rounding ("stochastic" | "nearest"), degree (0 = complete graph). See fedclinic.secagg.task_config.
+    secure_aggregation: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ConfigError listing every problem (and how to fix it)."""
+        p: list[str] = []
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}", self.name or ""):
+            p.append("name must be 1-100 letters, digits, spaces, '.', '_' or '-'")
+        if not self.dataset:
+            p.append("dataset must name a dataset in the sites' registries")
+        if self.family not in FAMILIES:
+            p.append(f"family {self.family!r} is unknown; choose one of {sorted(FAMILIES)}")
+        elif self.architecture not in FAMILIES[self.family]:
+            p.append(f"architecture {self.architecture!r} is not one of {FAMILIES[self.family]}")
+        if self.family == "token-classification":
+            if not self.labels:
+                p.append("labels needs at least one entity type")
+            if self.tag_scheme not in ("BIO", "BIOES"):
+                p.append(f"tag_scheme {self.tag_scheme!r} is not BIO or BIOES")
+            if self.multi_label:
+                p.append("multi_label does not apply to token-classification")
+        elif self.family in UNLABELLED_FAMILIES:
+            if self.labels:
+                p.append(f"labels do not apply to {self.family} (answers are generated text); leave labels empty")
+            if self.multi_label:
+                p.append(f"multi_label does not apply to {self.family}")
+        elif self.family in MULTI_LABEL_FAMILIES:
+            if not self.labels:
+                p.append("labels needs at least one finding")
+            if not self.multi_label:
+                p.append(f"{self.family} is multi-label (one sigmoid output per label, binary cross-entropy); "
+                         "set multi_label = true")
+        elif len(self.labels) < 2:
+            p.append("labels needs at least two classes")
+        if len(set(self.labels)) != len(self.labels):
+            p.append("labels contains duplicates")
+        p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        p.extend(privacy_problems(self.privacy, self.family, self.architecture, self.strategy))
+        p.extend(self._secure_aggregation_problems())
+        from fedclinic.transport.codec_wire import spec_problems as codec_problems
+        from fedclinic.transport.downlink import spec_problems as downlink_problems
+
+        p.extend(codec_problems(self.codec, secure_aggregation=bool(self.secure_aggregation.get("enabled"))))
+        p.extend(downlink_problems(self.downlink_codec))
+        p.extend(self._selection_problems())
+        for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
+                         ("max_length", 8)):
+            if getattr(self, name) < lo:
+                p.append(f"{name} must be >= {lo}")
+        if not self.learning_rate > 0:
+            p.append("learning_rate must be > 0")
+        if not 0 < self.participation_fraction <= 1:
+            p.append("participation_fraction must be in (0, 1]")
+        if not self.round_timeout_s > 0:
+            p.append("round_timeout_s must be > 0")
+        if self.on_quorum_miss not in ("retry", "fail"):
+            p.append("on_quorum_miss must be 'retry' or 'fail'")
+        bad = sorted(k for k, v in self.strategy_params.items()
+                     if isinstance(v, bool) or not isinstance(v, (int, float, str)))
+        if bad:
+            p.append(f"strategy parameter(s) {bad} must be numbers or strings")
+        else:
+            from fedclinic.strategies import make_strategy
+
+            try:
+                make_strategy(self.strategy, self.strategy_params)
+            except ConfigError as exc:
+                p.append(str(exc))
+        if not isinstance(self.model_config, dict) or not all(isinstance(k, str) for k in self.model_config):
+            p.append("model_config must be a table of settings (e.g. [model_config] lstm_hidden = 100)")
+        elif "pooling" in self.model_config:
+            p.extend(_pooling_problems(self.model_config["pooling"], self.family, self.architecture))
+        for pat in [*self.trainable, *self.frozen, *self.private]:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                p.append(f"pattern {pat!r} is not a valid regular expression ({exc})")
+        if p:
+            raise ConfigError(f"task {self.name!r} is invalid: " + "; ".join(p))
+
+    def _selection_problems(self) -> list[str]:
+        from fedclinic.training import safl
+
+        p = safl.config_problems(self.selection, self.safl_top_k, self.safl_profile_samples, self.safl_token,
+                                 self.family, self.architecture)
+        if self.selection != safl.SAFL or p:
+            return p
+        from fedclinic.strategies import make_strategy
+
+        try:
+            strategy = make_strategy(self.strategy, self.strategy_params)
+        except ConfigError:
+            return p  # reported with the strategy's own checks
+        return safl.composition_problems(strategy, bool(self.secure_aggregation.get("enabled")))
+
+    def _secure_aggregation_problems(self) -> list[str]:
+        from fedclinic.secagg import task_config
+
+        problems = task_config.dict_problems(self.secure_aggregation)
+        if problems or not self.secure_aggregation.get("enabled"):
+            return problems
+        spec = task_pb2.TaskSpec(
+            strategy=self.strategy, rounds=task_pb2.RoundConfig(min_sites=self.min_sites),
+            strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
+            strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
+            privacy=task_pb2.PrivacyConfig(level=str(self.privacy.get("level", "")) if self.privacy else ""),
+            secure_aggregation=task_config.config_from_dict(self.secure_aggregation))
+        return task_config.spec_problems(spec)
+
+    def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
+        self.validate()
+        policy = {"retry": task_pb2.QUORUM_POLICY_RETRY, "fail": task_pb2.QUORUM_POLICY_FAIL}[self.on_quorum_miss]
+        return task_pb2.TaskSpec(
+            name=self.name, family=self.family, architecture=self.architecture, dataset=self.dataset,
+            labels=self.labels, multi_label=self.multi_label, description=self.description, sites=self.sites,
+            training=task_pb2.TrainingConfig(**{k: getattr(self, k) for k in _TRAIN}),
+            rounds=task_pb2.RoundConfig(num_rounds=self.num_rounds, min_sites=self.min_sites,
+                                        participation_fraction=self.participation_fraction,
+                                        round_timeout_s=self.round_timeout_s, on_quorum_miss=policy,
+                                        max_round_retries=self.max_round_retries),
+            strategy=self.strategy,
+            strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
+            strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
+            update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=canonical_codec(self.codec),
+                                         trainable_patterns=self.trainable, frozen_patterns=self.frozen,
+                                         private_patterns=self.private, downlink_codec=self.downlink_codec,
+                                         selection="" if self.selection == "static" else self.selection,
+                                         select_top_k_layers=self.safl_top_k,
+                                         safl_profile_samples=self.safl_profile_samples, safl_token=self.safl_token),
+            privacy=privacy_config(self.privacy),
+            secure_aggregation=_secure_aggregation_config(self.secure_aggregation),
+            tokenizer_sha256=tokenizer_sha256)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "Task":
+        doc = load_toml(path)
+        base = Path(path).resolve().parent
+        flat: dict[str, Any] = {}
+        for key, value in doc.items():
+            if key == "training":
+                flat.update(_section(value, _TRAIN, "training"))
+            elif key == "rounds":
+                flat.update(_section(value, _ROUNDS, "rounds"))
+            elif key == "update":
+                flat.update(_section(value, ("trainable", "frozen", "private", "codec", "downlink_codec", "selection",
+                                             "safl_top_k", "safl_profile_samples", "safl_token"), "update"))
+            elif key == "strategy" and isinstance(value, dict):
+                flat["strategy"] = value.get("name", "fedavg")
+                flat["strategy_params"] = {k: v for k, v in value.items() if k != "name"}
+            else:
+                flat[key] = value
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(flat) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting(s) {unknown}")
+        required = ("name", "dataset") if flat.get("family") in UNLABELLED_FAMILIES else ("name", "dataset", "labels")
+        missing = [k for k in required if k not in flat]
+        if missing:
+            raise ConfigError(f"{path}: missing required setting(s) {missing}")
+        if flat.get("model"):
+            model = Path(str(flat["model"])).expanduser()
+            flat["model"] = str(model if model.is_absolute() else base / model)
+        try:
+            task = cls(**flat)
+        except TypeError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        task.validate()
+        return task
+
+
+PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant")
+
+
+def privacy_problems(privacy: dict[str, Any], family: str, architecture: str, strategy: str) -> list[str]:
+    """What is wrong with a task's ``[privacy]`` section (empty list when nothing)."""
+    if not privacy:
+        return []
+    p = [f"privacy: unknown setting {k!r} (known: {', '.join(PRIVACY_KEYS)})" for k in privacy if k not in PRIVACY_KEYS]
+    level = privacy.get("level", "")
+    if level == "client":
+        if strategy != "dp-fedavg":
+            p.append('privacy level "client" clips and noises whole updates at the aggregator: use strategy '
+                     '"dp-fedavg" (its clip_norm and noise_multiplier set the mechanism)')
+        return p
+    if level != "sample":
+        return p + [f'privacy level must be "sample" (DP-SGD at each site) or "client", got {level!r}']
+    from fedclinic.privacy.dp_sgd import check_supported
+
+    try:
+        check_supported(family, architecture)
+    except ConfigError as exc:
+        p.append(f"privacy: {exc}")
+    eps, sigma = privacy.get("target_epsilon"), privacy.get("noise_multiplier")
+    if (eps is None) == (sigma is None):
+        p.append("privacy: give target_epsilon (the whole task's budget at each site) or noise_multiplier, not both")
+    for key in ("target_epsilon", "noise_multiplier", "max_grad_norm"):
+        v = privacy.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            p.append(f"privacy: {key} must be a positive number, got {v!r}")
+    delta = privacy.get("target_delta", 1e-5)
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        p.append(f"privacy: target_delta must be in (0, 1), e.g. 1e-5, got {delta!r}")
+    if privacy.get("accountant", "rdp") not in ("rdp", "prv"):
+        p.append(f"privacy: accountant must be \"rdp\" or \"prv\", got {privacy.get('accountant')!r}")
+    return p
+
+
+def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
+    if not privacy:
+        return task_pb2.PrivacyConfig()
+    level = privacy.get("level", "")
+    if level == "client":
+        return task_pb2.PrivacyConfig(level="client")
+    return task_pb2.PrivacyConfig(level=level, target_epsilon=float(privacy.get("target_epsilon") or 0.0),
+                                  target_delta=float(privacy.get("target_delta", 1e-5)),
+                                  max_grad_norm=float(privacy.get("max_grad_norm", 1.0)),
+                                  noise_multiplier=float(privacy.get("noise_multiplier") or 0.0),
+                                  accountant=str(privacy.get("accountant", "rdp")))
+
+
+def _secure_aggregation_config(doc: dict[str, Any]) -> task_pb2.SecureAggregationConfig:
+    from fedclinic.secagg.task_config import config_from_dict
+
+    return config_from_dict(doc)
+
+
+def package_for_task(task: Task):
+    """The initial model package of ``task``: its pretrained folder (``task.model``) packaged for its family.
+
+    Needs the ``[train]`` extra (torch, transformers). Nothing is downloaded.
+    """
+    from fedclinic.errors import FedclinicError
+
+    if not task.model:
+        raise FedclinicError("the task names no model folder; set Task.model or pass package=")
+    if task.family == "question-answering":
+        from fedclinic.models.causal_lm import package_qa_pretrained
+
+        return package_qa_pretrained(task.model, max_length=task.max_length, config=task.model_config or None)
+    if task.family == "token-classification":
+        from fedclinic.models.token_classification import package_ner_pretrained
+
+        return package_ner_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                                      scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed,
+                                      config=task.model_config or None)
+    if task.family == "image-text-classification":
+        from fedclinic.models.image_text import package_image_text_pretrained
+
+        return package_image_text_pretrained(task.model, labels=task.labels, max_length=task.max_length,
+                                             seed=task.seed, config=task.model_config or None)
+    from fedclinic.models import package_pretrained
+
+    return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                              multi_label=task.multi_label, max_length=task.max_length, seed=task.seed,
+                              config=task.model_config or None)
+
+
+def _pooling_problems(pooling: Any, family: str, architecture: str) -> list[str]:
+    from fedclinic.models.mean_pooling import pooling_problem
+
+    if (family, architecture) != ("text-classification", "transformer"):
+        return [f"[model_config] pooling applies to text-classification transformer models only, not {family} "
+                f"{architecture}; remove it"]
+    problem = pooling_problem(pooling)
+    return [f"[model_config] {problem}"] if problem else []
+
+
+def canonical_codec(spec: str) -> str:
+    from fedclinic.transport.codec_wire import canonical
+
+    return canonical(spec)
+
+
+def _section(value: Any, allowed: tuple[str, ...], name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    bad = sorted(set(value) - set(allowed))
+    if bad:
+        raise ConfigError(f"[{name}] has unknown key(s) {bad}; allowed: {list(allowed)}")
+    return dict(value)

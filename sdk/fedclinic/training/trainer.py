@@ -1,0 +1,490 @@
+"""The local trainer shared by the hospital agent and the simulator (one implementation of a round's work).
+
+Flow of one round at a site::
+
+    data = encode(examples, loaded, max_length=cfg.max_length)       # once per task; kept warm
+    before = module_tensors(loaded.module, names)                       # the global weights
+    result = train_local(loaded, data, cfg, trainable=names)
+    delta = compute_delta(before, module_tensors(loaded.module, names), names)
+
+Objective per mini-batch B (mean over its examples)::
+
+    single-label:  L = CE(logits, y)                        (softmax cross-entropy)
+    multi-label:   L = BCEWithLogits(logits, y_multi_hot)   (mean over examples and labels)
+    FedProx:       L + mu/2 * sum_{p trainable} ||p - p_round_start||^2   (added to the gradient as mu (p - p_0))
+
+Only tensors named in ``trainable`` get gradients. The optimiser (:mod:`fedclinic.training.optimizers`) is created
+fresh each call; with ``optimizer_state = "keep"`` its moments are carried over from the previous round.
+Batches are trimmed to their longest sequence, so short texts cost less.
+Randomness (shuffling, dropout) is seeded from ``cfg.seed`` inside a forked RNG, so the caller's global
+RNG state is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable, ClassVar, Collection, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
+from fedclinic.spec.selection import select_names
+from fedclinic.errors import ConfigError, DatasetError, IntegrityError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from fedclinic.data.text import Example
+    from fedclinic.models import LoadedModel
+
+
+@dataclass
+class TrainConfig:
+    """Local training settings for one round at one site."""
+
+    local_epochs: int = 1
+    batch_size: int = 16
+    learning_rate: float = 5e-5
+    optimizer: str = "adamw"         # see fedclinic.training.optimizers: adamw, adam, sgd, self_adam, padam
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0       # 0 = no clipping
+    max_steps: int = 0               # 0 = no cap on optimiser steps
+    mixed_precision: bool = False    # bf16 autocast on CUDA (fp16 + loss scaling where bf16 is missing)
+    proximal_mu: float = 0.0         # FedProx / PGD / PAdam perturbation; 0 = off
+    optimizer_state: str = "reset"   # "reset": fresh moments every round; "keep": they persist at the site
+    measure_gradient_change: bool = False  # compute TrainResult.gradient_change_rate (two extra data passes)
+    max_length: int = 128
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError listing every invalid field."""
+        p: list[str] = []
+        for name in ("local_epochs", "batch_size", "max_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name == "max_length" else 1):
+                p.append(f"{name} must be an integer >= {2 if name == 'max_length' else 1}, got {v!r}")
+        if not isinstance(self.max_steps, int) or self.max_steps < 0:
+            p.append(f"max_steps must be an integer >= 0 (0 = no cap), got {self.max_steps!r}")
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            p.append(f"learning_rate must be a finite number > 0, got {self.learning_rate!r}")
+        for name in ("weight_decay", "max_grad_norm", "proximal_mu"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                p.append(f"{name} must be a finite number >= 0, got {v!r}")
+        p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        if not isinstance(self.device, str) or not self.device:
+            p.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if p:
+            raise ConfigError("invalid training config: " + "; ".join(p))
+
+    @classmethod
+    def from_proto(cls, msg, *, device: str = "auto") -> "TrainConfig":
+        """From ``fedclinic.proto.task_pb2.TrainingConfig``; a zero/empty field means "use the default".
+
+        Exception, as the protocol documents: ``max_grad_norm = 0`` disables clipping (Task always sends its
+        value explicitly, default 1.0). ``max_steps``/``proximal_mu``/``weight_decay``/``seed`` default to 0.
+        """
+        kw = {f.name: f.default for f in fields(cls)}
+        for name in ("local_epochs", "batch_size", "learning_rate", "optimizer", "max_length", "optimizer_state"):
+            v = getattr(msg, name)
+            if v:
+                kw[name] = v
+        for name in ("weight_decay", "max_grad_norm", "max_steps", "proximal_mu", "seed", "mixed_precision",
+                     "measure_gradient_change"):
+            kw[name] = getattr(msg, name)
+        kw["learning_rate"] = float(kw["learning_rate"])
+        kw["weight_decay"] = float(kw["weight_decay"])
+        kw["max_grad_norm"] = float(kw["max_grad_norm"])
+        kw["proximal_mu"] = float(kw["proximal_mu"])
+        kw["mixed_precision"] = bool(kw["mixed_precision"])
+        kw["measure_gradient_change"] = bool(kw["measure_gradient_change"])
+        kw["device"] = device
+        return cls(**kw)
+
+
+@dataclass
+class EncodedData:
+    """Tokenized examples as tensors (CPU), padded to the longest sequence: encode once, train many rounds.
+
+    ``labels``: int64 class indices ``[N]`` (single-label) or float32 multi-hot ``[N, num_labels]``.
+    """
+
+    input_ids: "torch.Tensor"       # [N, L] int64
+    attention_mask: "torch.Tensor"  # [N, L] int64, 1 = token, 0 = padding (right-padded)
+    labels: "torch.Tensor"
+    multi_label: bool
+    num_labels: int
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    #: True when ``labels`` hold one target per token (``[N, L]``, trimmed with the batch), as in NER
+    per_token_labels: ClassVar[bool] = False
+
+    def batch(self, idx: "torch.Tensor", device: "torch.device") -> tuple[tuple["torch.Tensor", ...], "torch.Tensor"]:
+        """((ids, mask), targets) of the examples at ``idx`` on ``device``, trimmed to their longest sequence."""
+        mask = self.attention_mask[idx]
+        width = max(1, int(mask.sum(dim=1).max()))
+        nb = device.type == "cuda"
+        y = self.labels[idx, :width] if self.per_token_labels else self.labels[idx]
+        return ((self.input_ids[idx, :width].to(device, non_blocking=nb), mask[:, :width].to(device, non_blocking=nb)),
+                y.to(device, non_blocking=nb))
+
+    def batches(self, order: "torch.Tensor", batch_size: int, device: "torch.device"):
+        """Yield :meth:`batch` for consecutive ``batch_size`` slices of ``order`` (one epoch)."""
+        for start in range(0, len(order), batch_size):
+            yield self.batch(order[start:start + batch_size], device)
+
+
+@dataclass
+class TrainResult:
+    num_samples: int   # local dataset size (the FedAvg weight)
+    steps: int         # optimiser steps taken
+    loss: float        # sample-weighted mean task loss over the batches seen (without the proximal term)
+    #: the optimizer's per-tensor state after training, by tensor name (only with optimizer_state = "keep")
+    optimizer_state: dict | None = None
+    #: mean over trained tensors of ||g_after - g_before|| / (||g_before|| + 1e-7) (measure_gradient_change)
+    gradient_change_rate: float | None = None
+
+    def reported_metrics(self) -> dict[str, float]:
+        """What a site reports with its update (``UpdateHeader.metrics``); strategies may weight by these."""
+        out = {"train_loss": float(self.loss), "steps": float(self.steps)}
+        if self.gradient_change_rate is not None:
+            out["gradient_change_rate"] = float(self.gradient_change_rate)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def select_device(pref: str = "auto") -> "torch.device":
+    """'auto' -> cuda if available else cpu; 'cpu'; 'cuda' / 'cuda:N' (ConfigError if not available)."""
+    import torch
+
+    pref = (pref or "auto").strip().lower()
+    if pref == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if pref == "cpu":
+        return torch.device("cpu")
+    m = re.fullmatch(r"cuda(?::(\d+))?", pref)
+    if not m:
+        raise ConfigError(f"unknown device {pref!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {pref!r} requested but CUDA is not available here (torch {torch.__version__}, "
+                          "no visible GPU or a CPU-only build); use device 'auto' or 'cpu'")
+    index = int(m.group(1) or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(f"device {pref!r} requested but only {count} CUDA device(s) are visible "
+                          f"(cuda:0..cuda:{count - 1}); check CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", index)
+
+
+def select_tensors(names: Iterable[str], trainable_patterns: Sequence[str] = (),
+                   frozen_patterns: Sequence[str] = ()) -> list[str]:
+    """Names that are trained and sent; see :func:`fedclinic.spec.selection.select_names` (the one implementation)."""
+    return select_names(names, trainable_patterns, frozen_patterns)
+
+
+def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: int | None = None) -> EncodedData:
+    """Tokenize ``examples`` with the task's tokenizer (truncated to ``max_length``) into tensors."""
+    import torch
+
+    if hasattr(loaded, "encode"):  # a family with its own encoding (token classification, image + text)
+        return loaded.encode(examples, max_length=max_length)
+    if max_length is None:
+        max_length = loaded.max_length
+    if not isinstance(max_length, int) or max_length < 2:
+        raise ConfigError(f"max_length must be an integer >= 2, got {max_length!r}")
+    if not examples:
+        raise DatasetError("no examples to encode; the dataset is empty")
+    labels = loaded.labels
+    index = {lab: i for i, lab in enumerate(labels)}
+    multi = loaded.multi_label
+    n = len(examples)
+    if multi:
+        y = torch.zeros((n, len(labels)), dtype=torch.float32)
+    else:
+        y = torch.empty(n, dtype=torch.int64)
+    for i, ex in enumerate(examples):
+        bad = [lab for lab in ex.labels if lab not in index]
+        if bad or not ex.labels:
+            raise DatasetError(f"example {i}: label(s) {list(ex.labels)} not in the model's labels {labels}")
+        if multi:
+            y[i, [index[lab] for lab in ex.labels]] = 1.0
+        else:
+            if len(ex.labels) != 1:
+                raise DatasetError(f"example {i}: {len(ex.labels)} labels in a single-label task")
+            y[i] = index[ex.labels[0]]
+    from fedclinic.models.text_classification import encode_texts
+
+    ids, mask = encode_texts(loaded.tokenizer, [ex.text for ex in examples], max_length=max_length,
+                             pad_id=loaded.pad_id)
+    return EncodedData(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), labels=y,
+                       multi_label=multi, num_labels=len(labels))
+
+
+def _loss_fn(multi_label: bool):
+    import torch.nn.functional as F
+
+    if multi_label:
+        return lambda logits, y, reduction="mean": F.binary_cross_entropy_with_logits(logits, y, reduction=reduction)
+    return lambda logits, y, reduction="mean": F.cross_entropy(logits, y, reduction=reduction)
+
+
+def _autocast(device: "torch.device", enabled: bool):
+    """(context, scaler): bf16 autocast on CUDA when asked; fp16 + GradScaler if the GPU lacks bf16."""
+    import torch
+
+    if not enabled or device.type != "cuda":
+        return contextlib.nullcontext, None
+    if torch.cuda.is_bf16_supported():
+        return (lambda: torch.autocast("cuda", dtype=torch.bfloat16)), None
+    return (lambda: torch.autocast("cuda", dtype=torch.float16)), torch.amp.GradScaler("cuda")
+
+
+def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, trainable: Collection[str],
+                progress: Callable[[int, int, float], None] | None = None,
+                optimizer_state: Mapping[str, dict] | None = None) -> TrainResult:
+    """Train ``loaded.module`` in place on ``data``; only tensors in ``trainable`` change.
+
+    ``data`` is :class:`EncodedData` or any object with ``len()``, ``batch(idx, device)``, ``multi_label`` and
+    ``num_labels`` (e.g. :class:`fedclinic.models.feature_classification.FeatureData`).
+    ``progress(step, total_steps, running_mean_loss)`` is called after every optimiser step; an exception
+    it raises (e.g. to cancel) stops training and propagates. With ``cfg.optimizer_state == "keep"``, pass
+    the previous round's ``TrainResult.optimizer_state`` as ``optimizer_state`` to continue from it.
+    """
+    import torch
+
+    cfg.validate()
+    if len(data) == 0:
+        raise DatasetError("no training examples; the site's dataset is empty")
+    if data.num_labels != len(loaded.labels) or data.multi_label != loaded.multi_label:
+        raise ConfigError("the encoded data was made for a different label set; encode() it with this model")
+    device = select_device(cfg.device)
+    module = loaded.module.to(device)
+    state_names = set(module.state_dict())
+    wanted = set(trainable)
+    unknown = sorted(wanted - state_names)
+    if unknown:
+        raise ConfigError(f"trainable names unknown to the model: {unknown[:8]}")
+    params = [(n, p) for n, p in module.named_parameters()]
+    named_train = []
+    for n, p in params:
+        p.requires_grad_(n in wanted)
+        if n in wanted:
+            named_train.append((n, p))
+    train_params = [p for _, p in named_train]
+    if not train_params:
+        raise ConfigError("none of the trainable names is a parameter of the model; nothing to train")
+    optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer_state == "keep" and optimizer_state:
+        _load_optimizer_state(optimizer, named_train, optimizer_state, device)
+    anchor = [p.detach().clone() for p in train_params] if cfg.proximal_mu > 0 else None
+    loss_fn = _batch_loss(loaded, data.multi_label)
+    autocast, scaler = _autocast(device, cfg.mixed_precision)
+
+    n = len(data)
+    per_epoch = math.ceil(n / cfg.batch_size)
+    total = per_epoch * cfg.local_epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    step = 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    seen = 0
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(int(cfg.seed))
+        gen = torch.Generator().manual_seed(int(cfg.seed))
+        module.train()
+        grads_before = (_full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
+                        if cfg.measure_gradient_change else None)
+        for _epoch in range(cfg.local_epochs):
+            if step >= total:
+                break
+            order = torch.randperm(n, generator=gen)
+            for inputs, y in data.batches(order, cfg.batch_size, device):
+                if step >= total:
+                    break
+                with autocast():
+                    loss = loss_fn(inputs, y)
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(optimizer)
+                else:
+                    loss.backward()
+                if anchor is not None:
+                    add_proximal_gradient(train_params, anchor, cfg.proximal_mu)
+                if cfg.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(train_params, cfg.max_grad_norm)
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                step += 1
+                bs = int(y.shape[0])
+                seen += bs
+                loss_sum.add_(loss.detach(), alpha=bs)
+                if progress is not None:
+                    progress(step, total, float(loss_sum) / seen)
+        rate = None
+        if grads_before is not None:
+            grads_after = _full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
+            rate = gradient_change_rate(grads_before, grads_after)
+    module.eval()
+    for _, p in params:
+        p.requires_grad_(True)
+    if not math.isfinite(float(loss_sum)):
+        raise IntegrityError("training diverged (loss is NaN/Inf); lower the learning rate or enable clipping")
+    kept = _export_optimizer_state(optimizer, named_train) if cfg.optimizer_state == "keep" else None
+    return TrainResult(num_samples=n, steps=step, loss=float(loss_sum) / max(seen, 1), optimizer_state=kept,
+                       gradient_change_rate=rate)
+
+
+def _batch_loss(loaded, multi_label: bool) -> Callable[[tuple, "torch.Tensor"], "torch.Tensor"]:
+    """``loss(inputs, targets)`` -> the batch's mean loss: the family's own ``training_loss`` when it has one
+    (token classification, image + text), else the classification loss on ``loaded.logits(*inputs)`` (computed in float32)."""
+    own = getattr(loaded, "training_loss", None)
+    if own is not None:
+        return own
+    loss_fn = _loss_fn(multi_label)
+    return lambda inputs, y: loss_fn(loaded.logits(*inputs).float(), y)
+
+
+def _full_pass_gradients(loaded, data, params: list, batch_size: int, device, loss_fn) -> list:
+    """sum over batches of the batch-mean loss gradient, divided by the number of examples (the IU-CXR notebook's
+    ``compute_gradients``: one pass in order, the module in training mode)."""
+    import torch
+
+    total = [torch.zeros_like(p) for p in params]
+    order = torch.arange(len(data))
+    for inputs, y in data.batches(order, batch_size, device):
+        grads = torch.autograd.grad(loss_fn(inputs, y), params, allow_unused=True)
+        for acc, g in zip(total, grads):
+            if g is not None:
+                acc += g
+    return [g / len(data) for g in total]
+
+
+def gradient_change_rate(before: Sequence["torch.Tensor"], after: Sequence["torch.Tensor"]) -> float:
+    """mean_i ||after_i - before_i||_2 / (||before_i||_2 + 1e-7): the IU-CXR notebook's contribution measure."""
+    if not before or len(before) != len(after):
+        raise ValueError("gradient_change_rate needs matching, non-empty gradient lists")
+    rates = [float((a - b).norm()) / (float(b.norm()) + 1e-7) for b, a in zip(before, after)]
+    return sum(rates) / len(rates)
+
+
+def _export_optimizer_state(optimizer, named: list) -> dict[str, dict]:
+    """The optimizer's state per tensor name, on the CPU (names survive a change of the trainable set)."""
+    import torch
+
+    out: dict[str, dict] = {}
+    for name, p in named:
+        st = optimizer.state.get(p)
+        if st:
+            out[name] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                         for k, v in st.items()}
+    return out
+
+
+def _load_optimizer_state(optimizer, named: list, saved: Mapping[str, dict], device) -> None:
+    """Put ``saved`` (from :func:`_export_optimizer_state`) back; tensors trained for the first time start fresh."""
+    import torch
+
+    for name, p in named:
+        st = saved.get(name)
+        if not st:
+            continue
+        shapes_ok = all(tuple(v.shape) == tuple(p.shape) for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+        if not shapes_ok:
+            raise IntegrityError(f"kept optimizer state for {name!r} does not match the tensor's shape "
+                                 f"{tuple(p.shape)}; the model changed, so start with optimizer_state='reset'")
+        optimizer.state[p] = {k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) and v.dim() > 0
+                                  else v.clone() if isinstance(v, torch.Tensor) else v)
+                              for k, v in st.items()}
+
+
+def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) -> dict[str, float]:
+    """Loss, accuracy, macro-F1 and n on ``data`` (no gradients, eval mode, the module's current device).
+
+    accuracy: single-label argmax == label; multi-label exact match of ``sigmoid(logit) > 0.5``.
+    macro_f1: mean over *all* task labels of per-label F1 (one-vs-rest for single-label); a label with no
+    true and no predicted example scores 0 (as scikit-learn's ``zero_division=0``).
+    """
+    import torch
+
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if hasattr(loaded, "evaluate"):  # a family with its own metrics (entity-level F1; per-label F1 and AUC)
+        return loaded.evaluate(data, batch_size=batch_size)
+    if len(data) == 0:
+        raise DatasetError("no evaluation examples; the evaluation set is empty")
+    module = loaded.module
+    try:
+        device = next(module.parameters()).device
+    except StopIteration:  # pragma: no cover - every family has parameters
+        device = torch.device("cpu")
+    loss_fn = _loss_fn(data.multi_label)
+    was_training = module.training
+    module.eval()
+    loss_sum = 0.0
+    preds = []
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            idx = torch.arange(start, min(start + batch_size, len(data)))
+            inputs, y = data.batch(idx, device)
+            logits = loaded.logits(*inputs).float()
+            per = loss_fn(logits, y, reduction="none")
+            loss_sum += float(per.sum() / (per.shape[1] if per.dim() == 2 else 1))
+            preds.append((logits > 0).cpu() if data.multi_label else logits.argmax(dim=-1).cpu())
+    module.train(was_training)
+    n = len(data)
+    c = data.num_labels
+    pred = torch.cat(preds).numpy()
+    true = data.labels.numpy()
+    if data.multi_label:
+        p_hot = pred.astype(bool)
+        t_hot = true > 0.5
+        accuracy = float((p_hot == t_hot).all(axis=1).mean())
+    else:
+        accuracy = float((pred == true).mean())
+        p_hot = np.eye(c, dtype=bool)[pred]
+        t_hot = np.eye(c, dtype=bool)[true]
+    tp = (p_hot & t_hot).sum(axis=0).astype(np.float64)
+    fp = (p_hot & ~t_hot).sum(axis=0)
+    fn = (~p_hot & t_hot).sum(axis=0)
+    denom = 2 * tp + fp + fn
+    f1 = np.divide(2 * tp, denom, out=np.zeros(c), where=denom > 0)
+    return {"loss": loss_sum / n, "accuracy": accuracy, "macro_f1": float(f1.mean()), "n": float(n)}
+
+
+def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
+                  names: Iterable[str]) -> dict[str, np.ndarray]:
+    """``after - before`` as float32 for each name (IntegrityError on a missing name or shape mismatch)."""
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        if name not in before or name not in after:
+            side = "before" if name not in before else "after"
+            raise IntegrityError(f"cannot compute the update: tensor {name!r} is missing from the {side} weights")
+        a = np.asarray(after[name])
+        b = np.asarray(before[name])
+        if a.shape != b.shape:
+            raise IntegrityError(f"cannot compute the update: tensor {name!r} changed shape {b.shape} -> {a.shape}")
+        out[name] = np.subtract(a, b, dtype=np.float32)
+    return out
+
+
+__all__ = ["EncodedData", "OPTIMIZERS", "TrainConfig", "TrainResult", "compute_delta", "encode", "evaluate",
+           "gradient_change_rate",
+           "select_device", "select_tensors", "train_local"]
