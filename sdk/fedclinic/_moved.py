@@ -116,9 +116,14 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Put :class:`MovedModuleFinder` on ``sys.meta_path`` once (called by ``fedclinic/__init__.py``)."""
+    """Put :class:`MovedModuleFinder` first on ``sys.meta_path``, once (called by ``fedclinic/__init__.py``).
+
+    First, because an old submodule path under an aliased package (``fedclinic.datasets.drugreview``) would
+    otherwise be found by the ordinary path finder through the package's ``__path__`` and loaded a second
+    time as a separate module.
+    """
     if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
-        sys.meta_path.append(MovedModuleFinder())
+        sys.meta_path.insert(0, MovedModuleFinder())
 
 
 def moved_attribute(package: str, name: str) -> Any:
