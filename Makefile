@@ -24,6 +24,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/fedclinic demo --report demo-report.json
 
 test: $(STAMP)
+	$(BIN)/lint-imports
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from fedclinic import _moved
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError, IntegrityError, PolicyError
+from fedclinic.version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:
     from fedclinic.client import Client, connect
     from fedclinic.spec.task import Task
 
-__version__ = "0.1.0"
-PROTOCOL_VERSION = 1
 
 #: public name -> module that defines it (loaded on first access)
 _LAZY = {"connect": "fedclinic.client", "Client": "fedclinic.client", "Task": "fedclinic.spec.task"}

@@ -62,6 +62,7 @@ MOVED_MODULES: dict[str, str] = {
     "fedclinic.localfed": "fedclinic.federation.local_federation",
     "fedclinic.experiment": "fedclinic.federation.experiment",
     "fedclinic.demo": "fedclinic.federation.demo",
+    "fedclinic.credentials": "fedclinic.pki.credentials",
 }
 
 #: package that replaced a module of the same name -> (module now holding its names, the names)

@@ -22,7 +22,7 @@ from fedclinic.errors import FedclinicError
 from fedclinic.transport.package import Manifest, ModelPackage
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
-from fedclinic.spec.task import Task, package_for_task
+from fedclinic.spec.task import Task
 from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto, receive_package
 
@@ -89,6 +89,9 @@ class Client:
         """
         task.validate()
         if package is None:
+            # lazy: the model families (and torch, when packaging) load only when a task is packaged here
+            from fedclinic.models import package_for_task
+
             package = package_for_task(task)
         manifest = manifest or package.manifest()
 

@@ -22,7 +22,8 @@ from fedclinic.models.causal_lm import (
 )
 from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage
 from fedclinic.federation.simulate import simulate
-from fedclinic.spec.task import Task, package_for_task
+from fedclinic.models import package_for_task
+from fedclinic.spec.task import Task
 
 TREATS = {"headache": "aspirin", "diabetes": "metformin", "depression": "sertraline", "infection": "amoxicillin",
           "reflux": "omeprazole", "hypertension": "lisinopril"}

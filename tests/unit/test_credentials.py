@@ -1,4 +1,4 @@
-"""fedclinic.credentials.WatchedCredentials: a renewed pair is taken once it checks out, never halfway."""
+"""fedclinic.pki.credentials.WatchedCredentials: a renewed pair is taken once it checks out, never halfway."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from fedclinic import pki
-from fedclinic.credentials import WatchedCredentials
+from fedclinic.pki.credentials import WatchedCredentials
 from fedclinic.transport.rpc import TlsFiles
 
 

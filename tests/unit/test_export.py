@@ -80,7 +80,7 @@ def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
     import onnxruntime as ort
 
     from fedclinic.export import encoder_int8 as onnx_encoder_int8
-    from fedclinic.export.onnx_export import _quantize_dynamic
+    from fedclinic.export.quantize import _quantize_dynamic
     from fedclinic.models import build_model, package_from_config
 
     from tests.integration.conftest import LABELS, tiny_tokenizer_json
@@ -146,7 +146,7 @@ def test_an_onnxruntime_without_the_onnx_attention_kernel_gets_qattention(tmp_pa
     """When the installed onnxruntime cannot load the unpacked graph, --int8 quantizes the fused attention whole."""
     import onnx
 
-    from fedclinic.export import onnx_export as export
+    from fedclinic.export import quantize as export
 
     tiny_package("transformer", seed=3).save(tmp_path / "pkg")
     loads = export._loads_in_onnxruntime
@@ -167,7 +167,7 @@ def test_the_onnxruntime_probe_refuses_an_op_without_a_kernel(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from fedclinic.export.onnx_export import _loads_in_onnxruntime
+    from fedclinic.export.quantize import _loads_in_onnxruntime
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
     for op, domain, path in (("Relu", "", tmp_path / "ok.onnx"), ("NoSuchOp", "com.example", tmp_path / "bad.onnx")):

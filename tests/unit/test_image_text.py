@@ -326,7 +326,8 @@ def test_pretrained_folder_problems_are_named(tmp_path):
 
 
 def test_task_validation_and_packaging_for_a_task(tmp_path):
-    from fedclinic.spec.task import Task, package_for_task
+    from fedclinic.models import package_for_task
+    from fedclinic.spec.task import Task
 
     kw = dict(name="cxr", dataset="cxr", family=FAMILY, architecture="resnet-bilstm", labels=LABELS)
     with pytest.raises(ConfigError, match="is multi-label .* set multi_label = true"):

@@ -69,7 +69,7 @@ def test_string_strategy_options_travel_in_their_own_map_and_are_checked():
 def test_model_config_sizes_the_packaged_model(tmp_path):
     """[model_config] reaches the packager: here the FedNER tagger's sizes; a wrong key is refused."""
     from fedclinic.errors import ConfigError
-    from fedclinic.spec.task import package_for_task
+    from fedclinic.models import package_for_task
 
     from tests.unit.test_token_classification import tokenizer
 

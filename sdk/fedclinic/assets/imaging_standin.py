@@ -67,7 +67,7 @@ def standin_words() -> list[str]:
 
 def standin_tokenizer_json() -> bytes:
     """A word-level ``tokenizer.json`` covering :func:`standin_words` (see ``wordlevel_tokenizer_json``)."""
-    from fedclinic.models.text_classification import wordlevel_tokenizer_json
+    from fedclinic.models.base import wordlevel_tokenizer_json
 
     return wordlevel_tokenizer_json(standin_words())
 

@@ -46,7 +46,7 @@ from fedclinic.codecs.base import Codec, Encoded, as_finite_f32
 from fedclinic.codecs.errors import CodecInputError, IntegrityError
 from fedclinic.codecs.spec import parse_codec
 from fedclinic.runtime.durable_file import write_atomically
-from fedclinic.transport.package import safetensors_with_metadata
+from fedclinic.runtime.safetensors_file import safetensors_with_metadata
 
 FORMAT = "fedclinic-error-feedback/1"
 _COMMITTED, _PENDING = "committed/", "pending/"

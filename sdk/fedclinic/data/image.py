@@ -60,14 +60,14 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from fedclinic.data.text import (
+from fedclinic.data.files import (
     FORMATS,
     require_text,
-    _check_label_set,
-    _decode_guard,
-    _fmt_labels,
-    _open_text,
-    _parse_labels,
+    check_label_set,
+    decode_guard,
+    fmt_labels,
+    open_text,
+    parse_labels,
     infer_format,
     jsonl_objects,
 )
@@ -111,7 +111,7 @@ def read_image_text(
 
     Every image is decoded once here; a manifest that passes is fully valid.
     """
-    labels = _check_label_set(label_set)
+    labels = check_label_set(label_set)
     for name, value in (("image_field", image_field), ("text_field", text_field), ("label_field", label_field)):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{name} must name a column, got {value!r}")
@@ -126,13 +126,13 @@ def read_image_text(
     out: list[ImageTextExample] = []
     for where, image, text, raw_labels, used_label_field in rows:
         require_text(text, where, text_field, "the report that goes with its image")
-        found = _parse_labels(raw_labels, where, used_label_field, fmt, allowed)
+        found = parse_labels(raw_labels, where, used_label_field, fmt, allowed)
         if not found:
             raise DatasetError(f"{where}: no label (field {used_label_field!r}); every row needs at least one label "
-                               f"from {_fmt_labels(labels)} (use a 'normal' label for rows without findings)")
+                               f"from {fmt_labels(labels)} (use a 'normal' label for rows without findings)")
         unknown = [lab for lab in found if lab not in allowed]
         if unknown:
-            raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {_fmt_labels(labels)} "
+            raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {fmt_labels(labels)} "
                                "(fix the row or add the label to the task's label set)")
         image_path = resolve_image_path(root, image, where, image_field)
         decode_image(image_path, where=where)  # validate now; the pixels are decoded again at encoding time
@@ -182,8 +182,8 @@ def _label_value(obj: dict, label_field: str) -> tuple[Any, str]:
 
 
 def _jsonl_rows(path, image_field: str, text_field: str, label_field: str) -> Iterator[tuple]:
-    with _open_text(path) as fh:
-        lines = _LINE_BREAK.split(_decode_guard(path, fh.read))
+    with open_text(path) as fh:
+        lines = _LINE_BREAK.split(decode_guard(path, fh.read))
     expects = f"{image_field!r}, {text_field!r} and {label_field!r}"
     for where, obj in jsonl_objects(path, lines, expects):
         raw, used = _label_value(obj, label_field)
@@ -191,8 +191,8 @@ def _jsonl_rows(path, image_field: str, text_field: str, label_field: str) -> It
 
 
 def _table_rows(path, image_field: str, text_field: str, label_field: str, delimiter: str) -> Iterator[tuple]:
-    with _open_text(path) as fh:
-        content = _decode_guard(path, fh.read)
+    with open_text(path) as fh:
+        content = decode_guard(path, fh.read)
     reader = csv.reader(content.splitlines(keepends=True), delimiter=delimiter)
     try:
         header = [h.strip() for h in next(reader)]

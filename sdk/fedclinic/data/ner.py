@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedclinic.data.text import _check_label_set, _decode_guard, _fmt_labels, _open_text, jsonl_objects, require_text
+from fedclinic.data.files import check_label_set, decode_guard, fmt_labels, open_text, jsonl_objects, require_text
 from fedclinic.errors import DatasetError
 
 NER_FORMATS = ("jsonl", "conll")
@@ -81,7 +81,7 @@ def read_ner(
     ``label_set`` holds the entity types (e.g. ``["DRUG", "DOSE"]``), not BIO tags. ``text_field`` and
     ``entities_field`` name the JSONL fields; CoNLL files have no field names.
     """
-    labels = _check_label_set(label_set)
+    labels = check_label_set(label_set)
     fmt = (format or "").lower() or infer_ner_format(path)
     if fmt not in NER_FORMATS:
         raise DatasetError(f"{path}: unknown NER dataset format {format!r}; use one of {', '.join(NER_FORMATS)}")
@@ -95,8 +95,8 @@ def read_ner(
 
 
 def _read_lines(path) -> list[str]:
-    with _open_text(path) as fh:
-        content = _decode_guard(path, fh.read)
+    with open_text(path) as fh:
+        content = decode_guard(path, fh.read)
     return _LINE_BREAK.split(content)
 
 
@@ -168,7 +168,7 @@ def _parse_entity(item: Any, index: int, text: str, where: str, entities_field: 
         raise DatasetError(f"{at}: the span [{start}, {end}) {span!r} has leading or trailing whitespace; trim "
                            f"it to [{start + lead}, {end - trail}) {span.strip()!r}")
     if label not in allowed:
-        raise DatasetError(f"{at}: unknown label {label!r}; allowed labels are {_fmt_labels(labels)} (fix the "
+        raise DatasetError(f"{at}: unknown label {label!r}; allowed labels are {fmt_labels(labels)} (fix the "
                            "row or add the label to the task's label set)")
     return EntitySpan(start=start, end=end, label=label)
 
@@ -215,7 +215,7 @@ def _read_conll(path, lines: list[str], labels: list[str]) -> list[NerExample]:
                                    "entity type (e.g. B-DRUG); fix the tag or convert the file to BIO/BIOES")
             if etype not in allowed:
                 raise DatasetError(f"{where}: unknown label {etype!r} in tag {tag!r}; allowed labels are "
-                                   f"{_fmt_labels(labels)} (fix the line or add the label to the task's label "
+                                   f"{fmt_labels(labels)} (fix the line or add the label to the task's label "
                                    "set)")
             tags.append((prefix, etype))
         tokens.append(cols[0])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedclinic.data.text import _decode_guard, _open_text, jsonl_objects
+from fedclinic.data.files import decode_guard, open_text, jsonl_objects
 from fedclinic.errors import DatasetError
 
 QA_FORMATS = ("jsonl",)
@@ -59,8 +59,8 @@ def read_qa(
         raise DatasetError(f"{path}: a question-answering dataset must be JSONL (one {{{question_field!r}: ..., "
                            f"{answer_field!r}: ...}} object per line), not {format!r}; convert the file or set "
                            "format = \"jsonl\"")
-    with _open_text(path) as fh:
-        content = _decode_guard(path, fh.read)
+    with open_text(path) as fh:
+        content = decode_guard(path, fh.read)
     out: list[QAExample] = []
     for where, obj in jsonl_objects(path, _LINE_BREAK.split(content), f"{question_field!r} and {answer_field!r}"):
         question = _required(obj, question_field, "question", where)

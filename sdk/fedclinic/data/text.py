@@ -8,6 +8,9 @@ A text-classification dataset is a JSONL, CSV or TSV file with one example per r
 
 Every problem raises :class:`~fedclinic.errors.DatasetError` naming the file, the row (1-based; in CSV/TSV
 the header is row 1) and what to do about it. Nothing is read lazily: a file that passes is fully valid.
+
+:func:`read_dataset` dispatches on the task's family to the readers of :mod:`.ner`, :mod:`.qa` and :mod:`.image`;
+what the readers share is in :mod:`.files`.
 """
 
 from __future__ import annotations
@@ -16,14 +19,26 @@ import csv
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+# FORMATS, MULTI_LABEL_SEPARATOR, infer_format, require_text and jsonl_objects are also re-exported here, where
+# they were defined before fedclinic.data.files
+from fedclinic.data.files import (  # noqa: F401
+    FORMATS,
+    MULTI_LABEL_SEPARATOR,
+    check_label_set,
+    decode_guard,
+    fmt_labels,
+    infer_format,
+    jsonl_objects,
+    open_text,
+    parse_labels,
+    require_text,
+)
+from fedclinic.data.image import read_image_text
+from fedclinic.data.ner import read_ner
+from fedclinic.data.qa import read_qa
 from fedclinic.errors import ConfigError, DatasetError
-
-FORMATS = ("jsonl", "csv", "tsv")
-_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv"}
-MULTI_LABEL_SEPARATOR = "|"
 
 
 @dataclass(frozen=True)
@@ -32,16 +47,6 @@ class Example:
 
     text: str
     labels: tuple[str, ...]
-
-
-def infer_format(path: str | os.PathLike[str]) -> str:
-    """'jsonl' / 'csv' / 'tsv' from the file suffix (.jsonl/.ndjson, .csv, .tsv)."""
-    suffix = Path(path).suffix.lower()
-    try:
-        return _SUFFIXES[suffix]
-    except KeyError:
-        raise DatasetError(f"{path}: cannot tell the format from the suffix {suffix!r}; rename the file to "
-                           f".jsonl/.csv/.tsv or pass format= one of {', '.join(FORMATS)}") from None
 
 
 def read_classification(
@@ -54,7 +59,7 @@ def read_classification(
     multi_label: bool = False,
 ) -> list[Example]:
     """Read and validate a text-classification dataset; returns its examples in file order."""
-    labels = _check_label_set(label_set)
+    labels = check_label_set(label_set)
     fmt = (format or "").lower() or infer_format(path)
     if fmt not in FORMATS:
         raise DatasetError(f"{path}: unknown dataset format {format!r}; use one of {', '.join(FORMATS)}")
@@ -66,13 +71,13 @@ def read_classification(
     for row_no, text, raw_labels in rows:
         where = f"{path}: row {row_no}"
         require_text(text, where, text_field, "the text to classify")
-        found = _parse_labels(raw_labels, where, label_field, fmt, allowed)
+        found = parse_labels(raw_labels, where, label_field, fmt, allowed)
         if not found:
             raise DatasetError(f"{where}: missing label (field {label_field!r}); every row needs a label from "
-                               f"{_fmt_labels(labels)}")
+                               f"{fmt_labels(labels)}")
         unknown = [lab for lab in found if lab not in allowed]
         if unknown:
-            raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {_fmt_labels(labels)} "
+            raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {fmt_labels(labels)} "
                                "(fix the row or add the label to the task's label set)")
         found = sorted(set(found), key=order.__getitem__)
         if not multi_label and len(found) > 1:
@@ -82,18 +87,6 @@ def read_classification(
     if not out:
         raise DatasetError(f"{path}: the dataset is empty (no example rows); point the site at a file with data")
     return out
-
-
-def require_text(text: object, where: str, field: str, purpose: str) -> str:
-    """``text`` if it is a non-empty string, else a DatasetError naming ``where``, the field and what to do
-    (``purpose``: what every row needs, e.g. "the text to classify")."""
-    if text is None:
-        raise DatasetError(f"{where}: missing text field {field!r}; every row needs {purpose}")
-    if not isinstance(text, str):
-        raise DatasetError(f"{where}: text field {field!r} must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise DatasetError(f"{where}: empty text in field {field!r}; remove the row or fill in the text")
-    return text
 
 
 def read_dataset(
@@ -118,111 +111,23 @@ def read_dataset(
     a CSV/TSV/JSONL manifest of image paths, reports and labels; always multi-label) for
     ``image-text-classification``. The ``*_field`` arguments name the columns of each family."""
     if family == "question-answering":
-        from fedclinic.data.qa import read_qa
-
         return read_qa(path, format=format, question_field=question_field, answer_field=answer_field,
                        context_field=context_field)
     if label_set is None:
         raise ConfigError(f"a {family} dataset needs the task's label_set")
     if family == "token-classification":
-        from fedclinic.data.ner import read_ner
-
         return read_ner(path, format=format, label_set=label_set, text_field=text_field,
                         entities_field=entities_field)
     if family == "image-text-classification":
-        from fedclinic.data.image import read_image_text
-
         return read_image_text(path, format=format, label_set=label_set, image_field=image_field,
                                text_field=text_field, label_field=label_field)
     return read_classification(path, format=format, text_field=text_field, label_field=label_field,
                                label_set=label_set, multi_label=multi_label)
 
 
-def jsonl_objects(path, lines: Sequence[str], expects: str) -> Iterator[tuple[str, dict]]:
-    """``(where, object)`` for every non-blank line of a JSONL file (``where`` = "PATH: row N", 1-based), the
-    one JSONL row parser of the dataset readers. DatasetError naming the row for invalid JSON or a value that is
-    not an object (``expects`` says what the object should hold)."""
-    for row_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: row {row_no}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                               "JSON object") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: expected a JSON object with {expects}, got {type(obj).__name__}")
-        yield where, obj
-
-
-def _check_label_set(label_set: Sequence[str]) -> list[str]:
-    if isinstance(label_set, str) or not label_set:
-        raise ConfigError(f"label_set must be a non-empty list of label names, got {label_set!r}")
-    labels = list(label_set)
-    if len(set(labels)) != len(labels) or not all(isinstance(x, str) and x for x in labels):
-        raise ConfigError(f"label_set must hold unique non-empty strings, got {labels!r}")
-    return labels
-
-
-def _fmt_labels(labels: Sequence[str], limit: int = 30) -> str:
-    shown = ", ".join(repr(x) for x in labels[:limit])
-    return f"[{shown}{', ...' if len(labels) > limit else ''}]"
-
-
-def _parse_labels(raw: Any, where: str, label_field: str, fmt: str, allowed: set[str]) -> list[str]:
-    """Normalise a raw label value to a list of label strings (empty = missing)."""
-    if raw is None:
-        return []
-    if isinstance(raw, bool) or isinstance(raw, float):
-        raise DatasetError(f"{where}: label {raw!r} in field {label_field!r} must be a label name (string)")
-    if isinstance(raw, int):
-        return [str(raw)]
-    if isinstance(raw, str):
-        value = raw.strip()
-        if not value:
-            return []
-        if fmt != "jsonl" and value not in allowed and MULTI_LABEL_SEPARATOR in value:
-            return [p.strip() for p in value.split(MULTI_LABEL_SEPARATOR) if p.strip()]
-        return [value]
-    if isinstance(raw, list):
-        out = []
-        for item in raw:
-            if isinstance(item, bool) or not isinstance(item, (str, int)):
-                raise DatasetError(f"{where}: label list in field {label_field!r} holds {item!r}; labels must be "
-                                   "strings")
-            if str(item).strip():
-                out.append(str(item).strip())
-        return out
-    raise DatasetError(f"{where}: label field {label_field!r} must be a string or a list of strings, "
-                       f"got {type(raw).__name__}")
-
-
-def _open_text(path: str | os.PathLike[str]):
-    try:
-        return open(path, encoding="utf-8-sig", newline="")
-    except FileNotFoundError:
-        raise DatasetError(f"{path}: file not found; check the dataset path in the site configuration") from None
-    except IsADirectoryError:
-        raise DatasetError(f"{path}: is a directory, not a dataset file") from None
-    except OSError as exc:
-        raise DatasetError(f"{path}: unreadable file ({exc.strerror or exc}); check the path and its "
-                           "permissions") from None
-
-
-def _decode_guard(path, fn):
-    try:
-        return fn()
-    except UnicodeDecodeError as exc:
-        raise DatasetError(f"{path}: unreadable file: not valid UTF-8 ({exc.reason} at byte {exc.start}); "
-                           "save it as UTF-8") from None
-    except OSError as exc:
-        raise DatasetError(f"{path}: unreadable file ({exc}); check the path and its permissions") from None
-
-
 def _jsonl_rows(path, text_field: str, label_field: str) -> Iterator[tuple[int, Any, Any]]:
-    with _open_text(path) as fh:
-        lines = _decode_guard(path, fh.read).splitlines()
+    with open_text(path) as fh:
+        lines = decode_guard(path, fh.read).splitlines()
     for row_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -241,8 +146,8 @@ def _jsonl_rows(path, text_field: str, label_field: str) -> Iterator[tuple[int, 
 
 
 def _table_rows(path, text_field: str, label_field: str, delimiter: str) -> Iterator[tuple[int, Any, Any]]:
-    with _open_text(path) as fh:
-        content = _decode_guard(path, fh.read)
+    with open_text(path) as fh:
+        content = decode_guard(path, fh.read)
     reader = csv.reader(content.splitlines(keepends=True), delimiter=delimiter)
     try:
         header = next(reader)

@@ -68,7 +68,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError
-from fedclinic.export.onnx_export import OPSET, ExportReport, ParityError, ParityResult, _write_bundle_card, quantize_int8
+from fedclinic.export.parity import OPSET, ExportReport, ParityError, ParityResult, write_bundle_card
+from fedclinic.export.quantize import quantize_int8
 from fedclinic.serving.generate import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -259,7 +260,7 @@ def export_causal_lm_into(stage: Path, loaded, package, *, int8: bool, questions
     parity checks of the module docstring; returns the report (written there as ``export_report.json``)."""
     import onnxruntime as ort
 
-    from fedclinic.models.text_classification import _meta_bytes
+    from fedclinic.transport.package import meta_bytes
 
     module = loaded.module.eval()
     prompts = parity_prompts(loaded, questions, contexts)
@@ -297,13 +298,13 @@ def export_causal_lm_into(stage: Path, loaded, package, *, int8: bool, questions
         notes.append(f"int8 graph: {report.int8.token_agreement:.1%} of PyTorch's greedy answer tokens reproduced "
                      f"before the first divergence; first-step logits max |diff| {report.int8.max_abs_diff:.3g}, "
                      f"top-1 agreement {report.int8.top1_agreement:.1%} ({checked}).")
-    (stage / META_FILE).write_bytes(_meta_bytes(bundle_meta(loaded)))
+    (stage / META_FILE).write_bytes(meta_bytes(bundle_meta(loaded)))
     report.files.append(META_FILE)
     for name in _SIDE_FILES:
         if name in package.files:
             (stage / name).write_bytes(package.files[name])
             report.files.append(name)
-    _write_bundle_card(stage, report, card, package, inputs, outputs, notes=notes)
+    write_bundle_card(stage, report, card, package, inputs, outputs, notes=notes)
     (stage / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
 

@@ -21,7 +21,7 @@ Then ``optimize_model(model_type="bert")`` fuses Attention and Gelu. The caller 
 every layer fused (:func:`fuse_attention` returns how many did) and the usual parity check against the untouched
 PyTorch model passes: nothing here is trusted without that check.
 
-Two fusions stay off, in the graph and (:data:`SESSION_DISABLED_OPTIMIZERS`) in the serving session, because
+Two fusions stay off, in the graph and (:data:`fedclinic.serving.bundle.SESSION_DISABLED_OPTIMIZERS`) in the serving session, because
 onnxruntime 1.31's CPU kernels for them are slower than the ops they replace (2 threads, this machine):
 ``SkipLayerNormalization`` 4.0 ms vs ``Add`` + ``LayerNormalization`` 1.2 ms on ``[32, 128, 384]``; ``BiasGelu``
 5.9 ms vs ``Add`` + ``Gelu`` 4.2 ms on ``[32, 128, 1536]``. On MiniLM int8 at batch 32 that is 276 ms instead of
@@ -33,12 +33,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fedclinic.serving.bundle import SESSION_DISABLED_OPTIMIZERS  # noqa: F401  (defined by the session that uses it)
+
 #: config.model_type values whose attention block has BERT's layout (the optimizer's ``bert`` patterns)
 FUSABLE_MODEL_TYPES = ("bert",)
 #: the mask value BERT used before transformers 5, and the default of onnxruntime's Attention op
 MASK_FILTER_VALUE = -10000.0
-#: onnxruntime graph optimizers a serving session turns off (see the module docstring for the measurements)
-SESSION_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion", "BiasGeluFusion")
 
 
 def fusable(module: Any) -> bool:

@@ -48,6 +48,10 @@ The LSTM architectures (text ``lstm``, NER ``cnn-bilstm-crf``) are traced throug
 BERT encoders are traced in the form onnxruntime's transformer optimizer fuses, one Attention op per layer
 (:mod:`fedclinic.export.encoder_fusion`); the fused graph is kept only when every layer fused, and the parity check
 compares it with the model's own forward.
+
+The parity inputs, checks and report are in :mod:`fedclinic.export.parity`, int8 quantization in
+:mod:`fedclinic.export.quantize`, the causal-LM export in :mod:`fedclinic.export.causal_lm`; this module builds
+the graphs of the other families, dispatches, and holds the ``fedclinic export`` command.
 """
 
 from __future__ import annotations
@@ -57,61 +61,34 @@ import json
 import shutil
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
+from fedclinic.errors import ConfigError
+from fedclinic.export.causal_lm import export_causal_lm_into
+from fedclinic.export.parity import (  # noqa: F401  (the names of fedclinic.export before 0.2 are re-exported here)
+    FP32_TOLERANCE,
+    IMAGE_TEXT,
+    INT8_MIN_AGREEMENT,
+    INT8_TOKEN_TOLERANCE,
+    INT8_TOLERANCE,
+    OPSET,
+    QA_FP32_TOLERANCE,
+    ExportReport,
+    ParityError,
+    ParityResult,
+    check_parity,
+    check_paths,
+    parity_inputs,
+    torch_paths,
+    write_bundle_card,
+)
+from fedclinic.export.quantize import quantize_int8
 from fedclinic.models import lora
-from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.transport.package import CARD_FILE, CARD_MARKDOWN_FILE
 
-OPSET = 18
-IMAGE_TEXT = "image-text-classification"
-FP32_TOLERANCE = 1e-4
-#: question-answering first-step logits: a 30-layer LM's logits reach |40| (float32 spacing ~4e-6 there); on
-#: SmolLM2-135M the exported graph differs from PyTorch by 1.1e-4 at most, and PyTorch differs from itself by
-#: 5.7e-5 between a prompt run alone and in a padded batch. Identical greedy tokens carry the decision.
-QA_FP32_TOLERANCE = 1e-3
-INT8_TOLERANCE = 1.0
-#: per-token scores (NER): the maximum runs over every token of every input, thousands of values instead of one
-#: row per input, so its tail is longer; token agreement and the CRF path agreement carry the decision
-INT8_TOKEN_TOLERANCE = 2.0
-INT8_MIN_AGREEMENT = 0.95
 _SIDE_FILES = ("tokenizer.json", "fedclinic_model.json", "config.json", "tokenizer_config.json",
                "special_tokens_map.json")
-
-
-@dataclass
-class ParityResult:
-    max_abs_diff: float
-    top1_agreement: float     # share of argmax decisions (per row, or per token) that agree with PyTorch
-    tolerance: float | None   # None: the figure is reported, not checked (question-answering int8 by default)
-    inputs: int
-    path_agreement: float | None = None  # CRF: share of sequences whose ONNX Viterbi path equals PyTorch's
-    #: question-answering: share of PyTorch's greedy answer tokens (each answer closed by its EOS) that the
-    #: ONNX loop generated identically before its first divergence (fp32 must be 1.0), and how many there were
-    token_agreement: float | None = None
-    generated_tokens: int | None = None
-    #: multi-label (image-text): share of the per-label decisions (logit > 0) that agree with PyTorch's
-    label_agreement: float | None = None
-
-
-@dataclass
-class ExportReport:
-    family: str
-    architecture: str
-    opset: int
-    fp32: ParityResult
-    int8: ParityResult | None = None
-    files: list[str] = field(default_factory=list)
-    #: BERT encoders: layers whose attention runs as one onnxruntime Attention op (fedclinic.export.encoder_fusion)
-    fused_attention_layers: int = 0
-
-
-class ParityError(IntegrityError):
-    """The exported graph does not compute what the PyTorch model computes (within the stated tolerance)."""
 
 
 def _wrapper(loaded) -> tuple[Any, list[str]]:
@@ -162,103 +139,6 @@ def _wrapper(loaded) -> tuple[Any, list[str]]:
     return TextForward().eval(), ["input_ids", "attention_mask"]
 
 
-def parity_inputs(loaded, *, texts: Sequence[str] = (), seed: int = 0,
-                  images: Sequence[str | Path] | None = None) -> list[tuple[np.ndarray, ...]]:
-    """Held-out inputs: ``texts`` tokenized with the model's tokenizer, or seeded random batches of sizes 1, 3
-    and 8 (text: lengths up to the model's max_length, right-padded like the trainer pads).
-
-    Image-text: ``(image, input_ids, attention_mask)``; ``images`` (files, one per text) are decoded and
-    preprocessed by :func:`fedclinic.data.image.load_image`, else each row gets seeded random pixels uniform over
-    the preprocessed range ``[(0 - mean) / std, (1 - mean) / std]``."""
-    if loaded.family == IMAGE_TEXT:
-        return _image_text_parity_inputs(loaded, texts=texts, seed=seed, images=images)
-    if images:
-        raise ConfigError(f"parity images are for {IMAGE_TEXT} models; this one is {loaded.family}")
-    rng = np.random.default_rng(seed)
-    if loaded.family == "feature-classification":
-        return [(rng.normal(size=(b, loaded.num_features)).astype(np.float32),) for b in (1, 3, 8)]
-    return _token_parity_inputs(loaded, texts, rng)
-
-
-def _token_parity_inputs(loaded, texts: Sequence[str], rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
-    """``(input_ids, attention_mask)`` batches of ``texts`` (8 a batch), or seeded random ones (see parity_inputs)."""
-    max_len = loaded.max_length
-    batches = []
-    if texts:
-        from fedclinic.models.text_classification import encode_texts
-
-        texts = list(texts)
-        return [encode_texts(loaded.tokenizer, texts[start:start + 8], max_length=max_len, pad_id=loaded.pad_id)
-                for start in range(0, len(texts), 8)]
-    vocab = loaded.tokenizer.get_vocab_size(with_added_tokens=True)
-    for b, width in ((1, 5), (3, max(2, max_len // 2)), (8, max_len)):
-        lengths = rng.integers(1, width + 1, size=b)
-        lengths[0] = width
-        ids = np.full((b, width), loaded.pad_id, np.int64)
-        mask = np.zeros((b, width), np.int64)
-        for i, n in enumerate(lengths):
-            ids[i, :n] = rng.integers(0, vocab, size=n)
-            mask[i, :n] = 1
-        batches.append((ids, mask))
-    return batches
-
-
-def _image_text_parity_inputs(loaded, *, texts: Sequence[str], seed: int,
-                               images: Sequence[str | Path] | None) -> list[tuple[np.ndarray, ...]]:
-    from fedclinic.data.image import load_image
-
-    if images is not None and len(images) != len(texts):
-        raise ConfigError(f"{len(images)} parity images for {len(texts)} texts; give one image per text")
-    rng = np.random.default_rng(seed)
-    text_batches = _token_parity_inputs(loaded, texts, rng)
-    size, mean, std = loaded.image_size, loaded.image_mean, loaded.image_std
-    batches, start = [], 0
-    for ids, mask in text_batches:
-        n = len(ids)
-        if images is not None:
-            px = np.stack([load_image(path, size=size, mean=mean, std=std) for path in images[start:start + n]])
-        else:
-            px = ((rng.uniform(0.0, 1.0, size=(n, 1, size, size)) - mean) / std).astype(np.float32)
-        batches.append((px, ids, mask))
-        start += n
-    return batches
-
-
-def check_parity(run_onnx: Callable[..., np.ndarray], run_torch: Callable[..., np.ndarray],
-                 batches: Sequence[tuple[np.ndarray, ...]], *, tolerance: float,
-                 min_agreement: float = 1.0, multi_label: bool = False) -> ParityResult:
-    """Compare logits on every batch; ParityError if max |diff| > tolerance or the agreement < min_agreement: top-1
-    agreement, or with ``multi_label`` the per-label decision (logit > 0) agreement."""
-    worst, agree, total = 0.0, 0, 0
-    label_same, label_total = 0, 0
-    for batch in batches:
-        got, want = np.asarray(run_onnx(*batch)), np.asarray(run_torch(*batch))
-        if got.shape != want.shape:
-            raise ParityError(f"ONNX logits have shape {got.shape}, PyTorch {want.shape}")
-        worst = max(worst, float(np.max(np.abs(got - want))))
-        decisions = got.argmax(-1) == want.argmax(-1)
-        if len(batch) == 2 and decisions.ndim == 2:  # per-token decisions: padding does not count
-            decisions = decisions[np.asarray(batch[1]) > 0]
-        agree += int(np.sum(decisions))
-        total += int(decisions.size)
-        if multi_label:
-            label_same += int(np.sum((got > 0) == (want > 0)))
-            label_total += int(got.size)
-    result = ParityResult(max_abs_diff=worst, top1_agreement=agree / max(total, 1), tolerance=tolerance,
-                          inputs=total, label_agreement=label_same / max(label_total, 1) if multi_label else None)
-    if not worst <= tolerance:
-        raise ParityError(f"parity check failed: max |ONNX - PyTorch| = {worst:.3g} > tolerance {tolerance:g} over "
-                          f"{total} inputs; the exported graph does not match the model")
-    if result.label_agreement is not None:
-        if result.label_agreement < min_agreement:
-            raise ParityError(f"parity check failed: per-label decision agreement {result.label_agreement:.1%} < "
-                              f"{min_agreement:.0%} over {label_total} label decisions of {total} inputs")
-    elif result.top1_agreement < min_agreement:
-        raise ParityError(f"parity check failed: top-1 agreement {result.top1_agreement:.1%} < "
-                          f"{min_agreement:.0%} over {total} inputs")
-    return result
-
-
 def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = False, texts: Sequence[str] = (),
                 tolerance: float | None = None, int8_tolerance: float | None = None, overwrite: bool = False,
                 log: Callable[[str], None] = lambda _m: None,
@@ -298,8 +178,6 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     if images and loaded.family != IMAGE_TEXT:
         raise ConfigError(f"parity images are for {IMAGE_TEXT} models; this one is {loaded.family}")
     if loaded.family == "question-answering":
-        from fedclinic.export.causal_lm import export_causal_lm_into
-
         tolerance = QA_FP32_TOLERANCE if tolerance is None else tolerance
 
         def run(stage: Path) -> ExportReport:
@@ -410,7 +288,7 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
             (out / name).write_bytes(package.files[name])
             report.files.append(name)
     notes = _write_image_preprocessing(out, loaded, report) if loaded.family == IMAGE_TEXT else []
-    _write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []),
+    write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []),
                        notes)
     (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
@@ -481,66 +359,6 @@ def _fuse_encoder_attention(path: Path, config, log) -> int:
         fused_path.unlink(missing_ok=True)
 
 
-def quantize_int8(src: Path, dst: Path) -> list[str]:
-    """Dynamic int8 quantization of the graph at ``src`` into ``dst``: int8 weights, per output channel, on the
-    MatMuls (activations are quantized on the fly by onnxruntime).
-
-    A BERT graph is first rewritten for onnxruntime's faster int8 kernels (:mod:`fedclinic.export.encoder_int8`):
-    its fused attention ops are unpacked into three projections and the ONNX ``Attention`` op, and a sequence
-    classifier's last layer is computed at the first token only. When the installed onnxruntime cannot load the
-    rewritten graph, the fused ops are quantized whole instead (``QAttention``). Returns the rewrites made."""
-    import onnx
-
-    from fedclinic.export import encoder_int8 as onnx_encoder_int8
-
-    # the exporter's recorded intermediate shapes can contradict onnx's own inference (a fixed example
-    # size); the quantizer re-infers them, so hand it the graph without them
-    graph = onnx.load(str(src))
-    graph.graph.ClearField("value_info")
-    if any(n.op_type == "Attention" and n.domain == "com.microsoft" for n in graph.graph.node):
-        unpacked = onnx.ModelProto()
-        unpacked.CopyFrom(graph)
-        if onnx_encoder_int8.unpack_attention(unpacked):
-            rewrites = [f"attention unpacked into int8 Q/K/V projections and the ONNX Attention op (opset "
-                        f"{onnx_encoder_int8.UNPACKED_ATTENTION_OPSET})"]
-            if onnx_encoder_int8.keep_first_token(unpacked):
-                rewrites.append("last layer computed at the first token only")
-            _quantize_dynamic(unpacked, dst, ["MatMul"])
-            if _loads_in_onnxruntime(dst):
-                return rewrites
-    # a fused Attention becomes QAttention (int8 Q/K/V projection, attention in the same op)
-    _quantize_dynamic(graph, dst, ["MatMul", "Attention"])
-    return []
-
-
-def _quantize_dynamic(graph, dst: Path, op_types: list[str]) -> None:
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    plain = dst.with_name(dst.name + ".plain")
-    onnx.save(graph, str(plain))
-    try:
-        # per-channel weight scales on the MatMuls: on MiniLM, per-tensor scales moved logits by up to 2.3
-        # and flipped 4.5 % of test predictions; per-channel MatMul-only flipped none (max |diff| 0.45).
-        # A fused graph holds contrib ops that onnx's shape inference cannot type, hence the default tensor type
-        quantize_dynamic(str(plain), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=op_types,
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-    finally:
-        plain.unlink(missing_ok=True)
-
-
-def _loads_in_onnxruntime(path: Path) -> bool:
-    """Whether the installed onnxruntime has a CPU kernel for every op of the graph at ``path``."""
-    import onnxruntime as ort
-
-    try:
-        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    except Exception:  # onnxruntime raises its own Fail/NotImplemented types for a missing kernel or opset
-        return False
-    return True
-
-
 def _forget_rnn_kernels() -> None:
     """Drop the kernels torch memoised for ``aten.lstm``/``aten.gru`` so this export traces them afresh.
 
@@ -555,19 +373,6 @@ def _forget_rnn_kernels() -> None:
         cache = getattr(op, "_dispatch_cache", None)
         if isinstance(cache, dict):
             cache.clear()
-
-
-def _write_bundle_card(out: Path, report: ExportReport, card: dict | None, package, inputs: list[str],
-                       outputs: list[str], notes: Sequence[str] = ()) -> None:
-    """The package's model card (or one made from fedclinic_model.json) plus the export section, into ``out``;
-    ``notes`` are appended to the card's notes (figures the export section's table does not show)."""
-    from fedclinic.spec.model_card import add_export, card_for_bundle, write_card
-
-    report.files += [CARD_FILE, CARD_MARKDOWN_FILE]
-    base = card_for_bundle(card, package.meta, model_hash=package.manifest().model_hash)
-    if notes:
-        base = {**base, "notes": [*(base.get("notes") or []), *notes]}
-    write_card(out, add_export(base, asdict(report), inputs=inputs, outputs=outputs))
 
 
 def _append_crf(path: Path, crf) -> None:
@@ -590,29 +395,6 @@ def _append_crf(path: Path, crf) -> None:
                    start=crf.start_transitions.detach().cpu().numpy(), end=crf.end_transitions.detach().cpu().numpy())
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
-
-
-def torch_paths(loaded, batches) -> list[np.ndarray]:
-    """PyTorch's Viterbi path ``[batch, seq]`` for every parity batch (``(input_ids, attention_mask)``)."""
-    import torch
-
-    with torch.no_grad():
-        return [loaded.decode(torch.from_numpy(ids), torch.from_numpy(mask)).numpy() for ids, mask in batches]
-
-
-def check_paths(session, want_paths: Sequence[np.ndarray], batches, *, min_agreement: float) -> float:
-    """Share of sequences whose ONNX ``tags`` (from the onnxruntime ``session``) equal PyTorch's paths
-    ``want_paths`` (:func:`torch_paths`) on non-padding positions; ParityError below ``min_agreement``."""
-    same = total = 0
-    for (ids, mask), want in zip(batches, want_paths):
-        got = session.run(["tags"], {"input_ids": ids, "attention_mask": mask})[0]
-        same += int(sum(np.array_equal(g[m > 0], w[m > 0]) for g, w, m in zip(got, want, mask)))
-        total += len(ids)
-    share = same / max(total, 1)
-    if share < min_agreement:
-        raise ParityError(f"parity check failed: the ONNX CRF path equals PyTorch's Viterbi path on {share:.1%} of "
-                          f"{total} sequences (needs {min_agreement:.0%})")
-    return share
 
 
 def add_export_commands(sub) -> None:

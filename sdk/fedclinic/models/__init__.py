@@ -2,18 +2,20 @@
 
 A package names its family in ``fedclinic_model.json``; :func:`build_model` dispatches on it through
 :data:`FAMILIES`. Only built-in families and architectures exist: a package carries tensors and JSON, never
-code. Families register here (``register_family``): "text-classification", "feature-classification",
+code. Families register in :mod:`.families` (``register_family``, re-exported here): "text-classification", "feature-classification",
 "token-classification" (NER), "question-answering" (a causal LM that answers by generation) and
 "image-text-classification" (an image and its report -> multi-label findings: ResNet + BiLSTM, IU-CXR).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.models import (causal_lm, feature_classification, image_text, text_classification,
-                              token_classification)
+from fedclinic.errors import FedclinicError
+from fedclinic.models import lora
+from fedclinic.models.causal_lm import package_qa_pretrained
+from fedclinic.models.families import FAMILIES, SUPPORTED_FORMAT, builder_for, register_family
+from fedclinic.models.image_text import package_image_text_pretrained
 from fedclinic.models.text_classification import (
     ALLOWED_MODEL_TYPES,
     ARCHITECTURES,
@@ -27,23 +29,11 @@ from fedclinic.models.text_classification import (
     tokenizer_pad_id,
     wordlevel_tokenizer_json,
 )
-from fedclinic.transport.package import META_FILE, ModelPackage
+from fedclinic.models.token_classification import package_ner_pretrained
+from fedclinic.transport.package import ModelPackage
 
-SUPPORTED_FORMAT = 1
-
-#: family name -> builder(package) -> a loaded model (``.module``, ``.labels``, ``.multi_label``, ``.logits(*inputs)``)
-FAMILIES: dict[str, Callable[[ModelPackage], Any]] = {
-    text_classification.FAMILY: text_classification.build,
-    feature_classification.FAMILY: feature_classification.build,
-    token_classification.FAMILY: token_classification.build,
-    causal_lm.FAMILY: causal_lm.build,
-    image_text.FAMILY: image_text.build,
-}
-
-
-def register_family(name: str, builder: Callable[[ModelPackage], Any]) -> None:
-    """Add a built-in model family (called by fedclinic's own family modules)."""
-    FAMILIES[name] = builder
+if TYPE_CHECKING:  # pragma: no cover
+    from fedclinic.spec.task import Task
 
 
 def build_model(package: ModelPackage) -> Any:
@@ -53,20 +43,8 @@ def build_model(package: ModelPackage) -> Any:
     IntegrityError when the tensors do not match the declared model (naming the missing, unexpected or
     mis-shaped tensors).
     """
+    builder = builder_for(package)
     meta = package.meta
-    if not meta:
-        raise IntegrityError(f"the package has no {META_FILE}; package models with fedclinic.models."
-                             "package_pretrained() or package_from_config()")
-    fmt = meta.get("format")
-    if fmt != SUPPORTED_FORMAT:
-        raise ConfigError(f"{META_FILE} format {fmt!r} is not supported (this fedclinic reads format "
-                          f"{SUPPORTED_FORMAT}); upgrade fedclinic or re-package the model")
-    family = meta.get("family")
-    builder = FAMILIES.get(family)
-    if builder is None:
-        raise ConfigError(f"unknown model family {family!r}; supported families: {', '.join(sorted(FAMILIES))}")
-    from fedclinic.models import lora
-
     spec = lora.spec_of(meta)
     if spec is None:
         return builder(package)
@@ -77,16 +55,39 @@ def build_model(package: ModelPackage) -> Any:
     return loaded
 
 
+def package_for_task(task: Task) -> ModelPackage:
+    """The initial model package of ``task``: its pretrained folder (``task.model``) packaged for its family.
+
+    Needs the ``[train]`` extra (torch, transformers). Nothing is downloaded.
+    """
+    if not task.model:
+        raise FedclinicError("the task names no model folder; set Task.model or pass package=")
+    if task.family == "question-answering":
+        return package_qa_pretrained(task.model, max_length=task.max_length, config=task.model_config or None)
+    if task.family == "token-classification":
+        return package_ner_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                                      scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed,
+                                      config=task.model_config or None)
+    if task.family == "image-text-classification":
+        return package_image_text_pretrained(task.model, labels=task.labels, max_length=task.max_length,
+                                             seed=task.seed, config=task.model_config or None)
+    return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
+                              multi_label=task.multi_label, max_length=task.max_length, seed=task.seed,
+                              config=task.model_config or None)
+
+
 __all__ = [
     "ALLOWED_MODEL_TYPES",
     "ARCHITECTURES",
     "FAMILIES",
     "LSTM_DEFAULTS",
     "LoadedModel",
+    "SUPPORTED_FORMAT",
     "build_model",
     "load_tensors",
     "load_tokenizer",
     "module_tensors",
+    "package_for_task",
     "package_from_config",
     "package_pretrained",
     "register_family",

@@ -75,22 +75,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
-from fedclinic.models.text_classification import (
+from fedclinic.models.base import (
+    EncodedData,
     HF_CONFIG_FILE,
-    TOKENIZER_FILE,
     LoadedModel,
-    _check_max_length,
-    _fmt,
-    _hf_config_bytes,
-    _max_positions,
-    _meta_bytes,
-    _read_checkpoint,
-    _seeded,
+    TOKENIZER_FILE,
+    check_max_length,
+    format_names,
+    hf_config_bytes,
     load_tensors,
     load_tokenizer,
+    max_positions,
     module_tensors,
+    read_checkpoint,
+    seeded,
 )
-from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage
+from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
 from fedclinic.data.qa_prompt import (
     check_generation_args,
     cut_at_eos,
@@ -103,7 +103,6 @@ from fedclinic.data.qa_prompt import (
     text_token_ids,
     truncate_prompts,
 )
-from fedclinic.training.trainer import EncodedData
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -224,7 +223,7 @@ class CausalLMModel(LoadedModel):
 
     @property
     def max_positions(self) -> int | None:
-        return _max_positions(self.module.config)
+        return max_positions(self.module.config)
 
     def prompt(self, question: str, context: str = "") -> str:
         """The exact prompt text the model is trained and queried with."""
@@ -252,7 +251,7 @@ class CausalLMModel(LoadedModel):
         import torch
 
         max_length = self.max_length if max_length is None else max_length
-        _check_max_length(max_length)
+        check_max_length(max_length)
         if not examples:
             raise DatasetError("no examples to encode; the dataset is empty")
         prefix = str(self.prompt_settings.get("answer_prefix", ""))
@@ -458,7 +457,7 @@ def _hf_lm_config(config_dict: Mapping[str, Any]):
 def _build_module(config, seed: int):
     from transformers import AutoModelForCausalLM
 
-    with _seeded(seed):
+    with seeded(seed):
         module = AutoModelForCausalLM.from_config(config)
     return module.float()
 
@@ -554,7 +553,7 @@ def _check_fits(config, vocab_size: int, max_length: int) -> None:
     if int(config.vocab_size) < vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {config.vocab_size}; "
                           "use the tokenizer the model was trained with or raise vocab_size")
-    limit = _max_positions(config)
+    limit = max_positions(config)
     if limit is not None and max_length > limit:
         raise ConfigError(f"max_length {max_length} exceeds what the model supports ({limit} positions); "
                           "lower max_length")
@@ -577,7 +576,7 @@ def package_qa_from_config(*, tokenizer_json: bytes | str, config: Mapping[str, 
     tokenizer's EOS (``eos_token``, else a conventional name such as ``</s>``) and padding token. ``prompt``:
     ``"auto"`` uses ``chat_template`` when given, else the plain template.
     """
-    _check_max_length(max_length)
+    check_max_length(max_length)
     if isinstance(tokenizer_json, str):
         tokenizer_json = tokenizer_json.encode("utf-8")
     tokenizer = load_tokenizer(tokenizer_json)
@@ -594,8 +593,8 @@ def package_qa_from_config(*, tokenizer_json: bytes | str, config: Mapping[str, 
     generation = _check_generation(max_new_tokens, eval_examples)
     module = _build_module(hf_config, seed)
     meta = _meta(max_length, base_model, hf_config.model_type, specials, prompt_meta, generation)
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json),
-             HF_CONFIG_FILE: _hf_config_bytes(module)}
+    files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json),
+             HF_CONFIG_FILE: hf_config_bytes(module)}
     return ModelPackage(tensors=module_tensors(module, stored_names(module)), files=files)
 
 
@@ -617,7 +616,7 @@ def package_qa_pretrained(path: str | Path, *, max_length: int = 128, prompt: st
         if not (folder / name).is_file():
             raise ConfigError(f"{folder} has no {name}; a causal LM folder needs its Hugging Face config and a "
                               "fast tokenizer's tokenizer.json (save them once with save_pretrained)")
-    _check_max_length(max_length)
+    check_max_length(max_length)
     hf_cfg = _read_json(folder / HF_CONFIG_FILE)
     tok_cfg = _read_json(folder / TOKENIZER_CONFIG_FILE) if (folder / TOKENIZER_CONFIG_FILE).is_file() else {}
     chat_template = tok_cfg.get("chat_template")
@@ -634,10 +633,10 @@ def package_qa_pretrained(path: str | Path, *, max_length: int = 128, prompt: st
     prompt_meta = _resolve_prompt(prompt, chat_template, tok_cfg)
     generation = _check_generation(max_new_tokens, eval_examples)
     module = _build_module(hf_config, 0)
-    load_tensors(module, _map_checkpoint(module, _read_checkpoint(folder)))
+    load_tensors(module, _map_checkpoint(module, read_checkpoint(folder)))
     meta = _meta(max_length, str(hf_cfg.get("_name_or_path") or folder.name), hf_config.model_type, specials,
                  prompt_meta, generation)
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
+    files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: hf_config_bytes(module),
              **{n: (folder / n).read_bytes() for n in _SIDE_FILES if (folder / n).is_file()}}
     return ModelPackage(tensors=module_tensors(module, stored_names(module)), files=files)
 
@@ -666,12 +665,12 @@ def _map_checkpoint(module, checkpoint: Mapping[str, np.ndarray]) -> dict[str, n
             mapped[name] = checkpoint[name[len(prefix) + 1:]]
     missing = [n for n in stored_names(module) if n not in mapped]
     if missing:
-        raise IntegrityError(f"the pretrained weights lack tensor(s) {_fmt(missing)}; the folder does not match "
+        raise IntegrityError(f"the pretrained weights lack tensor(s) {format_names(missing)}; the folder does not match "
                              "its config.json (wrong model_type or a different model)")
     bad = [f"{n} {tuple(a.shape)} != model {tuple(state[n].shape)}" for n, a in mapped.items()
            if tuple(a.shape) != tuple(state[n].shape)]
     if bad:
-        raise IntegrityError(f"pretrained tensor shape mismatch: {_fmt(bad)}")
+        raise IntegrityError(f"pretrained tensor shape mismatch: {format_names(bad)}")
     return mapped
 
 
@@ -709,8 +708,8 @@ def build(package: ModelPackage) -> CausalLMModel:
     missing = [n for n in expected if n not in package.tensors]
     unexpected = [n for n in package.tensors if n not in set(expected)]
     if missing or unexpected:
-        parts = ([f"missing tensor(s) {_fmt(missing)}"] if missing else []) + (
-            [f"unexpected tensor(s) {_fmt(unexpected)}"] if unexpected else [])
+        parts = ([f"missing tensor(s) {format_names(missing)}"] if missing else []) + (
+            [f"unexpected tensor(s) {format_names(unexpected)}"] if unexpected else [])
         raise IntegrityError("the package's weights do not match its declared model: " + "; ".join(parts))
     load_tensors(module, package.tensors)
     module.eval()

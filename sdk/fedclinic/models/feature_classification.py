@@ -94,7 +94,7 @@ def _linear_module(num_features: int, num_labels: int):
 def package_feature_model(*, num_features: int, labels: Sequence[str], architecture: str = "logreg",
                           multi_label: bool = False) -> ModelPackage:
     """A fresh (zero-initialised) model over ``num_features`` inputs predicting ``labels``."""
-    from fedclinic.models.text_classification import module_tensors
+    from fedclinic.models.base import module_tensors
 
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {architecture!r} for family {FAMILY!r}; choose one of "
@@ -113,7 +113,7 @@ def package_feature_model(*, num_features: int, labels: Sequence[str], architect
 
 def build(package: ModelPackage) -> FeatureModel:
     """Build the module of a feature-classification package and load its tensors strictly."""
-    from fedclinic.models.text_classification import load_strict
+    from fedclinic.models.base import load_strict
 
     meta = package.meta
     if meta.get("architecture") not in ARCHITECTURES:

@@ -224,7 +224,7 @@ def _component_types(node: Any, found: dict[str, dict]) -> None:
 
 def token_surface_forms(tokenizer_json: bytes | str) -> list[str]:
     """The characters each token id stands for (``""`` for special tokens); see the module docstring."""
-    from fedclinic.models.text_classification import load_tokenizer
+    from fedclinic.models.base import load_tokenizer
 
     text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, (bytes, bytearray)) else tokenizer_json
     doc = json.loads(text)
@@ -374,7 +374,7 @@ def tagger_class():
 
 def build_tagger(arch_config: Mapping[str, Any], num_tags: int, tokenizer_json: bytes | str):
     """The module for a validated ``arch_config`` (:func:`fedner_arch_config`), with its char table built from
-    ``tokenizer_json``. Parameters are initialised from torch's global RNG (seed it, e.g. ``_seeded``)."""
+    ``tokenizer_json``. Parameters are initialised from torch's global RNG (seed it, e.g. ``seeded``)."""
     table = char_table(tokenizer_json, arch_config["max_chars"])
     if table.shape[0] != int(arch_config["vocab_size"]):
         raise IntegrityError(f"tokenizer.json has {table.shape[0]} tokens but arch_config vocab_size is "

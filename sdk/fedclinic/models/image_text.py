@@ -62,26 +62,25 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
-from fedclinic.models.text_classification import (
+from fedclinic.models.base import (
+    EncodedData,
     HF_CONFIG_FILE,
-    TOKENIZER_FILE,
     LoadedModel,
-    _check_labels,
-    _check_max_length,
-    _fmt,
-    _meta_bytes,
-    _read_checkpoint,
-    _seeded,
+    TOKENIZER_FILE,
+    check_labels,
+    check_max_length,
     encode_texts,
+    format_names,
     load_strict,
     load_tensors,
     load_tokenizer,
-    lstm_final_states_unpacked,
     module_tensors,
+    read_checkpoint,
+    seeded,
     tokenizer_pad_id,
 )
-from fedclinic.transport.package import META_FILE, ModelPackage
-from fedclinic.training.trainer import EncodedData
+from fedclinic.models.text_classification import lstm_final_states_unpacked
+from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -202,7 +201,7 @@ def _net_class():
 
 
 def _build_module(arch: Mapping[str, Any], num_labels: int, seed: int):
-    with _seeded(seed):
+    with seeded(seed):
         return _net_class()(arch, num_labels).float()
 
 
@@ -301,7 +300,7 @@ def encode_image_text(examples: Sequence["ImageTextExample"], loaded: ImageTextM
     from fedclinic.data.image import load_image
 
     max_length = loaded.max_length if max_length is None else max_length
-    _check_max_length(max_length)
+    check_max_length(max_length)
     if not examples:
         raise DatasetError("no examples to encode; the dataset is empty, so there is nothing to train")
     index = {lab: i for i, lab in enumerate(loaded.labels)}
@@ -446,8 +445,8 @@ def package_image_text_from_config(*, labels: Sequence[str], tokenizer_json: byt
     "resnet_layer_type": "basic", ...}``.
     """
     _check_architecture(architecture)
-    labels = _check_labels(labels, True)
-    _check_max_length(max_length)
+    labels = check_labels(labels, True)
+    check_max_length(max_length)
     if isinstance(tokenizer_json, str):
         tokenizer_json = tokenizer_json.encode("utf-8")
     tokenizer = load_tokenizer(tokenizer_json)
@@ -456,7 +455,7 @@ def package_image_text_from_config(*, labels: Sequence[str], tokenizer_json: byt
     module = _build_module(arch, len(labels), seed)
     meta = _meta(labels, max_length, base_model, arch)
     return ModelPackage(tensors=module_tensors(module),
-                        files={META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)})
+                        files={META_FILE: meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)})
 
 
 def package_image_text_pretrained(path: str | Path, *, labels: Sequence[str], tokenizer_json: bytes | str | None = None,
@@ -477,8 +476,8 @@ def package_image_text_pretrained(path: str | Path, *, labels: Sequence[str], to
     if not folder.is_dir():
         raise ConfigError(f"pretrained model folder {folder} does not exist; give a local folder with "
                           f"{HF_CONFIG_FILE} (a ResNet), model.safetensors and {TOKENIZER_FILE}")
-    labels = _check_labels(labels, True)
-    _check_max_length(max_length)
+    labels = check_labels(labels, True)
+    check_max_length(max_length)
     if tokenizer_json is None:
         tok_path = folder / TOKENIZER_FILE
         if not tok_path.is_file():
@@ -511,11 +510,11 @@ def package_image_text_pretrained(path: str | Path, *, labels: Sequence[str], to
     arch = image_text_arch_config(config, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                                   pad_token_id=tokenizer_pad_id(tokenizer_json), base=base)
     module = _build_module(arch, len(labels), seed)
-    load_tensors(module, _map_resnet_checkpoint(module, _read_checkpoint(folder), folder))
+    load_tensors(module, _map_resnet_checkpoint(module, read_checkpoint(folder), folder))
     base_model = str(hf.get("_name_or_path") or folder.name)
     meta = _meta(labels, max_length, base_model, arch)
     return ModelPackage(tensors=module_tensors(module),
-                        files={META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)})
+                        files={META_FILE: meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)})
 
 
 def _map_resnet_checkpoint(module, checkpoint: Mapping[str, np.ndarray], folder: Path) -> dict[str, np.ndarray]:
@@ -533,13 +532,13 @@ def _map_resnet_checkpoint(module, checkpoint: Mapping[str, np.ndarray], folder:
         mapped[stem] = mapped[stem].sum(axis=1, keepdims=True)  # gray replicated on every input channel
     missing = sorted(wanted - set(mapped))
     if missing:
-        raise IntegrityError(f"the ResNet weights in {folder} lack tensor(s) {_fmt(missing)}; the folder does not "
+        raise IntegrityError(f"the ResNet weights in {folder} lack tensor(s) {format_names(missing)}; the folder does not "
                              f"match its {HF_CONFIG_FILE}")
     state = module.state_dict()
     bad = [f"{n} {tuple(a.shape)} != model {tuple(state[n].shape)}" for n, a in mapped.items()
            if tuple(a.shape) != tuple(state[n].shape)]
     if bad:
-        raise IntegrityError(f"pretrained ResNet tensor shape mismatch: {_fmt(bad)}")
+        raise IntegrityError(f"pretrained ResNet tensor shape mismatch: {format_names(bad)}")
     return mapped
 
 
@@ -550,7 +549,7 @@ def build(package: ModelPackage) -> ImageTextModel:
     labels = meta.get("labels")
     if not isinstance(labels, list):
         raise IntegrityError(f"{META_FILE} has no label list")
-    labels = _check_labels(labels, True)
+    labels = check_labels(labels, True)
     if meta.get("multi_label") is not True:
         raise IntegrityError(f"{META_FILE} of an {FAMILY} model must say multi_label: true (sigmoid outputs)")
     tok_bytes = package.files.get(TOKENIZER_FILE)

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.models.families import builder_for
 from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 
 META_KEY = "lora"
@@ -110,14 +111,12 @@ def add_adapters(package: ModelPackage, spec: LoraSpec) -> ModelPackage:
     """A copy of ``package`` with freshly initialised adapters on the linears ``spec`` targets.
 
     Raises ConfigError when the package already has adapters or no linear matches (listing some that exist)."""
-    import torch
-
-    from fedclinic.models import build_model
+    import torch  # lazy: importing fedclinic.models must not import torch
 
     spec.validate()
     if spec_of(package) is not None:
         raise ConfigError("the package already has LoRA adapters; merge them (fedclinic.models.lora.merge) before adding new ones")
-    module = build_model(package).module
+    module = builder_for(package)(package).module  # the package has no adapters: its family's builder alone
     targets = target_linears(module, spec)
     if not targets:
         linears = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]

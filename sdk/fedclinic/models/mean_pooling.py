@@ -23,17 +23,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: pooling forms of the ``transformer`` architecture: ``cls`` = Hugging Face's pooler + head, ``mean`` = this module
-POOLINGS = ("cls", "mean")
+from fedclinic.spec.capabilities import POOLINGS, pooling_problem  # noqa: F401  (re-exported)
+
 #: model types whose base class takes ``add_pooling_layer``
 _WITH_POOLER_FLAG = ("bert", "roberta")
-
-
-def pooling_problem(pooling: Any) -> str | None:
-    """Why ``pooling`` is not a pooling form (None when it is one of :data:`POOLINGS`)."""
-    if pooling not in POOLINGS:
-        return f"pooling must be one of {list(POOLINGS)}, got {pooling!r}"
-    return None
 
 
 def sentence_transformers_pooling(folder: str | Path) -> str | None:

@@ -29,30 +29,49 @@ Architectures
     of token counts (padding excluded), implemented as ``EmbeddingBag(vocab, labels, mode="sum")``.
     Tensors: ``token_weights.weight`` (vocab x labels) and ``bias``. Initialised at zero (the problem is
     convex, so the seed does not matter).
+
+What every family shares (the loaded model, tokenizers, tensor I/O, checkpoint reading) is in
+:mod:`fedclinic.models.base`; this module holds the family's own modules, packaging and building.
 """
 
 from __future__ import annotations
 
-import warnings
-
-import contextlib
 import json
 import logging
-import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models.mean_pooling import (POOLINGS, mean_pooled_classifier_class, pooling_problem,
                                            sentence_transformers_pooling)
-from fedclinic.models.meta import ModelMeta
+# ALLOWED_MODEL_TYPES, encode_texts, tokenize_truncated and wordlevel_tokenizer_json are also re-exported here,
+# where they were defined before fedclinic.models.base
+from fedclinic.models.base import (  # noqa: F401
+    ALLOWED_MODEL_TYPES,
+    HF_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_SIDE_FILES,
+    LoadedModel,
+    check_labels,
+    check_max_length,
+    check_model_type,
+    check_transformer_fits,
+    encode_texts,
+    hf_config_bytes,
+    load_strict,
+    load_tensors,
+    load_tokenizer,
+    map_checkpoint,
+    module_tensors,
+    read_checkpoint,
+    seeded,
+    tokenize_truncated,
+    tokenizer_pad_id,
+    wordlevel_tokenizer_json,
+)
 from fedclinic.transport.package import META_FILE, WEIGHTS_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    import tokenizers
     import torch
 
 log = logging.getLogger("fedclinic.models")
@@ -60,15 +79,6 @@ log = logging.getLogger("fedclinic.models")
 FAMILY = "text-classification"
 FORMAT = 1
 ARCHITECTURES = ("transformer", "lstm", "logreg")
-#: HF ``model_type`` values whose sequence-classification classes may be built (all ship in transformers).
-ALLOWED_MODEL_TYPES = ("bert", "roberta", "distilbert", "electra")
-TOKENIZER_FILE = "tokenizer.json"
-HF_CONFIG_FILE = "config.json"
-#: Plain-JSON tokenizer side files copied from a pretrained folder (so the package is a usable HF folder).
-_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
-#: Sub-modules a sequence-classification model may lack in a pretrained checkpoint (newly initialised).
-_FRESH_MODULES = ("classifier.", "pre_classifier.")
-_PAD_CANDIDATES = ("[PAD]", "<pad>", "<PAD>", "[pad]")
 
 LSTM_DEFAULTS: dict[str, Any] = {
     "embedding_dim": 128,
@@ -77,34 +87,6 @@ LSTM_DEFAULTS: dict[str, Any] = {
     "bidirectional": True,
     "dropout": 0.1,
 }
-
-
-# ------------------------------------------------------------------------------------------------------------
-# loaded model
-
-
-@dataclass
-class LoadedModel(ModelMeta):
-    """A built model: the torch module, the task's tokenizer and the parsed ``fedclinic_model.json``.
-
-    ``tokenizer`` is a :class:`tokenizers.Tokenizer` with padding disabled (the trainer pads per batch).
-    """
-
-    module: "torch.nn.Module"
-    tokenizer: "tokenizers.Tokenizer"
-    meta: dict
-    #: id used to pad token sequences (from the tokenizer's padding settings or its [PAD]/<pad> token)
-    pad_id: int = 0
-
-    @property
-    def max_length(self) -> int:
-        return int(self.meta.get("max_length", 128))
-
-    def logits(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
-        """Forward pass: ``[batch, seq]`` ids and mask -> ``[batch, num_labels]`` logits."""
-        if self.architecture == "transformer":
-            return self.module(input_ids=input_ids, attention_mask=attention_mask).logits
-        return self.module(input_ids, attention_mask)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -214,215 +196,11 @@ def _logreg_class():
     return BagOfTokensLogReg
 
 
-# ------------------------------------------------------------------------------------------------------------
-# tokenizer helpers
-
-
-def load_tokenizer(tokenizer_json: bytes | str) -> "tokenizers.Tokenizer":
-    """Parse a ``tokenizer.json`` (padding switched off; truncation is set per call by the encoder)."""
-    from tokenizers import Tokenizer
-
-    text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, (bytes, bytearray)) else tokenizer_json
-    try:
-        tok = Tokenizer.from_str(text)
-    except Exception as exc:  # tokenizers raises a plain Exception on bad JSON
-        raise IntegrityError(f"{TOKENIZER_FILE} could not be parsed: {exc}; re-export it with "
-                             "tokenizer.save_pretrained() from a fast tokenizer") from None
-    tok.no_padding()
-    tok.no_truncation()
-    return tok
-
-
-def tokenize_truncated(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int,
-                       offsets: bool = True) -> list:
-    """The tokenizer's encodings of ``texts``, each truncated to ``max_length`` tokens (no padding): the one
-    tokenization step of every text family (:func:`encode_texts`, the NER encoder with offsets). Without
-    ``offsets`` the character offsets are not computed (``encode_batch_fast``: the same ids, about a quarter less
-    time on a batch of reviews)."""
-    tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length)
-    try:
-        encode = tokenizer.encode_batch if offsets else tokenizer.encode_batch_fast
-        return encode(list(texts))
-    finally:
-        tokenizer.no_truncation()
-
-
-def pad_encodings(encs: Sequence, *, pad_id: int, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(input_ids, attention_mask)``, int64 ``[n, width]``, right-padded with ``pad_id`` to the longest
-    encoding (or to ``pad_to``)."""
-    width = max(pad_to or 0, 1, *(len(e.ids) for e in encs))
-    ids = np.full((len(encs), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(encs), width), dtype=np.int64)
-    for i, e in enumerate(encs):
-        ids[i, :len(e.ids)] = e.ids
-        mask[i, :len(e.ids)] = 1
-    return ids, mask
-
-
-def encode_texts(tokenizer: "tokenizers.Tokenizer", texts: Sequence[str], *, max_length: int, pad_id: int,
-                 pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(input_ids, attention_mask)``, int64 ``[n, width]``: each text tokenized and truncated to ``max_length``,
-    right-padded with ``pad_id`` to the longest one (or to ``pad_to``). The one tokenization path of the
-    trainer, the exporter and the serving bundle, so a served model sees exactly what it was trained on.
-    """
-    return pad_encodings(tokenize_truncated(tokenizer, texts, max_length=max_length, offsets=False), pad_id=pad_id,
-                         pad_to=pad_to)
-
-
-def tokenizer_pad_id(tokenizer_json: bytes | str) -> int:
-    """The padding id: the token named in the file's padding settings, else [PAD]/<pad>, else 0."""
-    doc = json.loads(tokenizer_json)
-    tok = load_tokenizer(tokenizer_json)
-    names = [(doc.get("padding") or {}).get("pad_token"), *_PAD_CANDIDATES]
-    for name in names:
-        idx = tok.token_to_id(name) if name else None
-        if idx is not None:
-            return int(idx)
-    return 0
-
-
-def wordlevel_tokenizer_json(words: Sequence[str], *, lowercase: bool = True) -> bytes:
-    """A small BERT-style word-level ``tokenizer.json`` for tests and demos, built with ``tokenizers``.
-
-    Ids: 0 ``[PAD]``, 1 ``[UNK]``, 2 ``[CLS]``, 3 ``[SEP]``, then ``words`` in the given order (duplicates
-    dropped). Text is split on whitespace and punctuation (``BertPreTokenizer``); each sequence becomes
-    ``[CLS] ... [SEP]``.
-    """
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
-    vocab: dict[str, int] = {t: i for i, t in enumerate(specials)}
-    for w in words:
-        w = w.lower() if lowercase else w
-        if not w or any(c.isspace() for c in w):
-            raise ConfigError(f"tokenizer word {w!r} must be non-empty and contain no whitespace")
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    if lowercase:
-        tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    tok.add_special_tokens(specials)
-    return tok.to_str().encode("utf-8")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# tensors <-> module
-
-
-def module_tensors(module: "torch.nn.Module", names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-    """Detached CPU copies of the module's (persistent) state-dict entries as numpy arrays.
-
-    Floating tensors come back as float32 (whatever the module's dtype); integer buffers keep their dtype.
-    ``names`` restricts the result (unknown names raise :class:`IntegrityError`).
-    """
-    torch = _torch()
-    state = module.state_dict()
-    if names is None:
-        names = list(state)
-    else:
-        unknown = [n for n in names if n not in state]
-        if unknown:
-            raise IntegrityError(f"the model has no tensor(s) {_fmt(unknown)}; it holds e.g. {_fmt(list(state))}")
-    out: dict[str, np.ndarray] = {}
-    for name in names:
-        t = state[name].detach()
-        if t.is_floating_point():
-            t = t.to(device="cpu", dtype=torch.float32)
-        else:
-            t = t.to("cpu")
-        out[name] = t.numpy().copy()
-    return out
-
-
-def load_tensors(module: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -> None:
-    """Copy ``tensors`` into the module's state in place (a partial update; the others stay as they are).
-
-    Every name must exist and every shape must match, else :class:`IntegrityError` names the offenders and
-    nothing is changed.
-    """
-    torch = _torch()
-    state = module.state_dict()
-    unknown = [n for n in tensors if n not in state]
-    bad_shape = [f"{n} {tuple(np.shape(a))} != model {tuple(state[n].shape)}"
-                 for n, a in tensors.items() if n in state and tuple(np.shape(a)) != tuple(state[n].shape)]
-    if unknown or bad_shape:
-        parts = []
-        if unknown:
-            parts.append(f"unknown tensor(s) {_fmt(unknown)}")
-        if bad_shape:
-            parts.append(f"shape mismatch: {_fmt(bad_shape)}")
-        raise IntegrityError("cannot load weights: " + "; ".join(parts)
-                             + ". The package does not belong to this model (check family/architecture/config)")
-    with torch.no_grad(), warnings.catch_warnings():
-        # Read-only arrays (downloads, memory maps) are fine here: the tensor is only read by copy_().
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for name, arr in tensors.items():
-            dst = state[name]
-            src = torch.from_numpy(np.ascontiguousarray(arr))
-            dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
-
-
-def _fmt(items: Sequence[str], limit: int = 8) -> str:
-    items = list(items)
-    shown = ", ".join(repr(i) if " " not in str(i) else str(i) for i in items[:limit])
-    return shown + (f" ... ({len(items)} in all)" if len(items) > limit else "")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# validation
-
-
-def _check_labels(labels: Sequence[str], multi_label: bool) -> list[str]:
-    if isinstance(labels, str):
-        raise ConfigError("labels must be a list of label names, not one string")
-    labels = list(labels)
-    if not all(isinstance(x, str) and x.strip() for x in labels):
-        raise ConfigError(f"labels must be non-empty strings, got {labels!r}")
-    dupes = sorted({x for x in labels if labels.count(x) > 1})
-    if dupes:
-        raise ConfigError(f"labels must be unique; repeated: {dupes}")
-    need = 1 if multi_label else 2
-    if len(labels) < need:
-        raise ConfigError(f"a {'multi' if multi_label else 'single'}-label task needs at least {need} labels, "
-                          f"got {labels}")
-    return labels
-
-
 def _check_architecture(architecture: str) -> str:
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {architecture!r} for family {FAMILY!r}; "
                           f"choose one of: {', '.join(ARCHITECTURES)}")
     return architecture
-
-
-def _check_model_type(model_type: Any) -> str:
-    if model_type not in ALLOWED_MODEL_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not allowed for the transformer architecture; "
-                          f"allowed: {', '.join(ALLOWED_MODEL_TYPES)} (classes built into transformers; "
-                          "no remote code is ever run)")
-    return str(model_type)
-
-
-def _check_max_length(max_length: int) -> int:
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2:
-        raise ConfigError(f"max_length must be an integer >= 2, got {max_length!r}")
-    return max_length
-
-
-_meta_bytes = meta_bytes  # the family modules import it from here
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Run with torch's global RNG seeded, restoring the caller's RNG state afterwards."""
-    torch = _torch()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        yield
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -433,7 +211,7 @@ def _hf_config(config_dict: Mapping[str, Any], labels: Sequence[str], multi_labe
     from transformers import AutoConfig
 
     d = dict(config_dict)
-    model_type = _check_model_type(d.pop("model_type", None))
+    model_type = check_model_type(d.pop("model_type", None))
     for key in ("_name_or_path", "auto_map", "trust_remote_code"):
         d.pop(key, None)
     d["id2label"] = {i: lab for i, lab in enumerate(labels)}
@@ -446,36 +224,9 @@ def _hf_config(config_dict: Mapping[str, Any], labels: Sequence[str], multi_labe
         raise ConfigError(f"invalid {model_type} config: {exc}") from None
 
 
-def _max_positions(config) -> int | None:
-    n = getattr(config, "max_position_embeddings", None)
-    if n is None:
-        return None
-    if config.model_type == "roberta":  # positions start after the padding index
-        return int(n) - int(config.pad_token_id or 0) - 1
-    return int(n)
-
-
-def _check_transformer_fits(config, vocab_size: int, max_length: int) -> None:
-    if int(config.vocab_size) < vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
-                          f"{config.vocab_size}; use the tokenizer the model was trained with or raise vocab_size")
-    limit = _max_positions(config)
-    if limit is not None and max_length > limit:
-        raise ConfigError(f"max_length {max_length} exceeds what the model supports ({limit} positions); "
-                          f"lower max_length")
-
-
-def _hf_config_bytes(module, architecture: str | None = None) -> bytes:
-    """The module's HF ``config.json``; ``architectures`` names ``architecture`` or else the module's class."""
-    d = module.config.to_dict()
-    d.pop("_name_or_path", None)
-    d["architectures"] = [architecture or type(module).__name__]
-    return (json.dumps(d, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-
 def _transformer_config_bytes(module, pooling: str) -> bytes:
     # a mean-pooled classifier is not a Hugging Face class; its encoder is (the head is fedclinic's)
-    return _hf_config_bytes(module, type(module.encoder).__name__ if pooling == "mean" else None)
+    return hf_config_bytes(module, type(module.encoder).__name__ if pooling == "mean" else None)
 
 
 def _pop_pooling(config: dict[str, Any]) -> str:
@@ -495,87 +246,12 @@ def _transformer_arch_config(model_type: str, pooling: str) -> dict[str, Any]:
 def _build_hf_module(config, seed: int, pooling: str = "cls"):
     from transformers import AutoModelForSequenceClassification
 
-    with _seeded(seed):
+    with seeded(seed):
         if pooling == "mean":
             module = mean_pooled_classifier_class()(config)
         else:
             module = AutoModelForSequenceClassification.from_config(config)
     return module.float()
-
-
-def _read_checkpoint(folder: Path) -> dict[str, np.ndarray]:
-    """Read safetensors weights (single file or sharded with an index); never pickle-based formats."""
-    from safetensors.numpy import load_file
-
-    single = folder / WEIGHTS_FILE
-    index = folder / "model.safetensors.index.json"
-    if single.is_file():
-        return _load_safetensors(single, load_file)
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        out: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            shard_path = (folder / shard).resolve()
-            if not shard_path.is_relative_to(folder.resolve()):
-                raise IntegrityError(f"{index} points outside its folder: {shard!r}")
-            out.update(_load_safetensors(shard_path, load_file))
-        return out
-    raise ConfigError(f"{folder} holds no {WEIGHTS_FILE}; only safetensors weights are loaded (pickle-based "
-                      "pytorch_model.bin is refused). Convert it once with save_pretrained(safe_serialization=True)")
-
-
-def _load_safetensors(path: Path, load_file) -> dict[str, np.ndarray]:
-    try:
-        arrays = load_file(str(path))
-    except Exception as exc:
-        # bf16 has no numpy dtype: fall back to torch's reader (still safetensors, no pickle)
-        try:
-            from safetensors.torch import load_file as torch_load_file
-
-            return {k: v.float().numpy() if v.is_floating_point() else v.numpy()
-                    for k, v in torch_load_file(str(path)).items()}
-        except Exception:
-            raise IntegrityError(f"cannot read weights {path}: {exc}") from None
-    return arrays
-
-
-def _map_checkpoint(module, checkpoint: Mapping[str, np.ndarray],
-                    fresh_modules: tuple[str, ...] = _FRESH_MODULES) -> dict[str, np.ndarray]:
-    """Match checkpoint names to the module's state-dict names.
-
-    Accepts names with or without the base-model prefix (``bert.``) and legacy LayerNorm ``gamma``/``beta``.
-    Raises IntegrityError when a tensor of the encoder itself is missing or has the wrong shape. The
-    classification head is never taken from the checkpoint (a new task has new labels) and a pooler may be
-    absent; those keep their seeded initialisation. ``fresh_modules``: name prefixes of the task's new head(s).
-    """
-    state = module.state_dict()
-    prefix = getattr(module, "base_model_prefix", "") or ""
-    normalised: dict[str, np.ndarray] = {}
-    for key, arr in checkpoint.items():
-        key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
-        key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
-        normalised[key] = arr
-    mapped: dict[str, np.ndarray] = {}
-    for name in state:
-        if name.startswith(fresh_modules):
-            continue  # the task's labels get a new head, even when the checkpoint has one for other labels
-        if name in normalised:
-            mapped[name] = normalised[name]
-        elif prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in normalised:
-            mapped[name] = normalised[name[len(prefix) + 1:]]
-    missing = [n for n in state if n not in mapped]
-    fresh = [n for n in missing if n.startswith(fresh_modules) or ".pooler." in f".{n}"]
-    hard_missing = [n for n in missing if n not in fresh]
-    if hard_missing:
-        raise IntegrityError(f"the pretrained weights lack encoder tensor(s) {_fmt(hard_missing)}; the folder "
-                             "does not match its config.json (wrong model_type or a different model)")
-    bad = [f"{n} {tuple(a.shape)} != model {tuple(state[n].shape)}" for n, a in mapped.items()
-           if tuple(a.shape) != tuple(state[n].shape)]
-    if bad:
-        raise IntegrityError(f"pretrained tensor shape mismatch: {_fmt(bad)}")
-    if fresh:
-        log.info("newly initialised (seeded): %s", ", ".join(fresh))
-    return mapped
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -614,7 +290,7 @@ def package_pretrained(
     cfg_path = folder / HF_CONFIG_FILE
     hf_cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     base_model = str(hf_cfg.get("_name_or_path") or folder.name)
-    side_files = {n: (folder / n).read_bytes() for n in _TOKENIZER_SIDE_FILES if (folder / n).is_file()}
+    side_files = {n: (folder / n).read_bytes() for n in TOKENIZER_SIDE_FILES if (folder / n).is_file()}
     if architecture != "transformer":
         pkg = package_from_config(architecture=architecture, labels=labels, tokenizer_json=tokenizer_json,
                                   config=dict(config or {}), multi_label=multi_label, max_length=max_length,
@@ -623,8 +299,8 @@ def package_pretrained(
         return pkg
     if not cfg_path.is_file():
         raise ConfigError(f"{folder} has no {HF_CONFIG_FILE}; a transformer folder needs its Hugging Face config")
-    labels = _check_labels(labels, multi_label)
-    _check_max_length(max_length)
+    labels = check_labels(labels, multi_label)
+    check_max_length(max_length)
     merged = {**hf_cfg, **dict(config or {})}
     pooling = _pop_pooling(merged)
     declared = sentence_transformers_pooling(folder)
@@ -633,13 +309,13 @@ def package_pretrained(
                  folder, declared, declared, pooling)
     hf_config = _hf_config(merged, labels, multi_label)
     tokenizer = load_tokenizer(tokenizer_json)
-    _check_transformer_fits(hf_config, tokenizer.get_vocab_size(with_added_tokens=True), max_length)
-    checkpoint = _read_checkpoint(folder)
+    check_transformer_fits(hf_config, tokenizer.get_vocab_size(with_added_tokens=True), max_length)
+    checkpoint = read_checkpoint(folder)
     module = _build_hf_module(hf_config, seed, pooling)
-    load_tensors(module, _map_checkpoint(module, checkpoint))
+    load_tensors(module, map_checkpoint(module, checkpoint))
     meta = _meta(architecture, labels, multi_label, max_length, base_model,
                  _transformer_arch_config(hf_config.model_type, pooling))
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json,
+    files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: tokenizer_json,
              HF_CONFIG_FILE: _transformer_config_bytes(module, pooling),
              **side_files}
     return ModelPackage(tensors=module_tensors(module), files=files)
@@ -665,8 +341,8 @@ def package_from_config(
     ``logreg``: no keys. ``vocab_size`` always comes from the tokenizer for lstm/logreg.
     """
     _check_architecture(architecture)
-    labels = _check_labels(labels, multi_label)
-    _check_max_length(max_length)
+    labels = check_labels(labels, multi_label)
+    check_max_length(max_length)
     if isinstance(tokenizer_json, str):
         tokenizer_json = tokenizer_json.encode("utf-8")
     tokenizer = load_tokenizer(tokenizer_json)
@@ -679,16 +355,16 @@ def package_from_config(
         config.setdefault("pad_token_id", pad_id)
         pooling = _pop_pooling(config)
         hf_config = _hf_config(config, labels, multi_label)
-        _check_transformer_fits(hf_config, vocab_size, max_length)
+        check_transformer_fits(hf_config, vocab_size, max_length)
         module = _build_hf_module(hf_config, seed, pooling)
         arch_config: dict[str, Any] = _transformer_arch_config(hf_config.model_type, pooling)
         files[HF_CONFIG_FILE] = _transformer_config_bytes(module, pooling)
     else:
         arch_config = _arch_config(architecture, config, vocab_size, pad_id)
-        with _seeded(seed):
+        with seeded(seed):
             module = _build_own_module(architecture, arch_config, len(labels))
     meta = _meta(architecture, labels, multi_label, max_length, base_model, arch_config)
-    files[META_FILE] = _meta_bytes(meta)
+    files[META_FILE] = meta_bytes(meta)
     return ModelPackage(tensors=module_tensors(module), files=files)
 
 
@@ -744,7 +420,7 @@ def build(package: ModelPackage) -> LoadedModel:
     if not isinstance(labels, list):
         raise IntegrityError(f"{META_FILE} has no label list")
     multi_label = bool(meta.get("multi_label", False))
-    labels = _check_labels(labels, multi_label)
+    labels = check_labels(labels, multi_label)
     tok_bytes = package.files.get(TOKENIZER_FILE)
     if tok_bytes is None:
         raise IntegrityError(f"the package has no {TOKENIZER_FILE}; every text model carries its tokenizer")
@@ -759,7 +435,7 @@ def build(package: ModelPackage) -> LoadedModel:
         pooling = (meta.get("arch_config") or {}).get("pooling", "cls")
         if pooling not in POOLINGS:
             raise IntegrityError(f"{META_FILE} declares pooling {pooling!r}; this version knows {list(POOLINGS)}")
-        _check_model_type(hf.get("model_type"))
+        check_model_type(hf.get("model_type"))
         if declared is not None and declared != hf.get("model_type"):
             raise IntegrityError(f"{META_FILE} says model_type {declared!r} but {HF_CONFIG_FILE} says "
                                  f"{hf.get('model_type')!r}")
@@ -773,23 +449,10 @@ def build(package: ModelPackage) -> LoadedModel:
         if int(arch.get("vocab_size", -1)) != vocab_size:
             raise IntegrityError(f"{META_FILE} declares vocab_size {arch.get('vocab_size')} but {TOKENIZER_FILE} "
                                  f"has {vocab_size} tokens")
-        with _seeded(0):  # the initial values are overwritten; seeding keeps the caller's RNG untouched
+        with seeded(0):  # the initial values are overwritten; seeding keeps the caller's RNG untouched
             module = _build_own_module(architecture, arch, len(labels))
     load_strict(module, package.tensors)
     module.eval()
     return LoadedModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
 
 
-def load_strict(module, tensors: Mapping[str, np.ndarray]) -> None:
-    """Load a full set of tensors: missing, unexpected or mis-shaped ones raise IntegrityError naming them."""
-    state = module.state_dict()
-    missing = [n for n in state if n not in tensors]
-    unexpected = [n for n in tensors if n not in state]
-    parts = []
-    if missing:
-        parts.append(f"missing tensor(s) {_fmt(missing)}")
-    if unexpected:
-        parts.append(f"unexpected tensor(s) {_fmt(unexpected)}")
-    if parts:
-        raise IntegrityError("the package's weights do not match its declared model: " + "; ".join(parts))
-    load_tensors(module, tensors)

@@ -42,32 +42,31 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
-from fedclinic.models.text_classification import (
+from fedclinic.models.base import (
     ALLOWED_MODEL_TYPES,
-    LoadedModel,
+    EncodedData,
     HF_CONFIG_FILE,
+    LoadedModel,
     TOKENIZER_FILE,
-    _TOKENIZER_SIDE_FILES,
-    _check_max_length,
-    _check_model_type,
-    _check_transformer_fits,
-    _hf_config_bytes,
-    _map_checkpoint,
-    _meta_bytes,
-    _read_checkpoint,
-    _seeded,
+    TOKENIZER_SIDE_FILES,
+    check_max_length,
+    check_model_type,
+    check_transformer_fits,
+    hf_config_bytes,
     load_strict,
     load_tensors,
     load_tokenizer,
+    map_checkpoint,
     module_tensors,
     pad_encodings,
+    read_checkpoint,
+    seeded,
     tokenize_truncated,
     tokenizer_pad_id,
 )
 from fedclinic.data.ner_tags import (SCHEMES, entity_scores, spans_to_token_tags, tag_set, tags_to_spans,
                                 token_spans_to_char_spans)
-from fedclinic.transport.package import META_FILE, ModelPackage
-from fedclinic.training.trainer import EncodedData
+from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -201,7 +200,7 @@ def encode_ner(examples: Sequence["NerExample"], loaded: TokenModel, *, max_leng
     import torch
 
     max_length = loaded.max_length if max_length is None else max_length
-    _check_max_length(max_length)
+    check_max_length(max_length)
     if not examples:
         raise DatasetError("no examples to encode; the dataset is empty")
     known = set(loaded.labels)
@@ -280,7 +279,7 @@ def _hf_token_config(config_dict: Mapping[str, Any], tags: Sequence[str]):
     from transformers import AutoConfig
 
     d = dict(config_dict)
-    model_type = _check_model_type(d.pop("model_type", None))
+    model_type = check_model_type(d.pop("model_type", None))
     for key in ("_name_or_path", "auto_map", "trust_remote_code", "problem_type", "architectures"):
         d.pop(key, None)
     d["id2label"] = {i: t for i, t in enumerate(tags)}
@@ -297,7 +296,7 @@ def _build_module(config, architecture: str, num_tags: int, seed: int):
 
     from fedclinic.models.crf import CRF
 
-    with _seeded(seed):
+    with seeded(seed):
         module = AutoModelForTokenClassification.from_config(config)
         if architecture == "transformer-crf":
             module.crf = CRF(num_tags)
@@ -318,10 +317,10 @@ def _package_fedner(*, labels: Sequence[str], tags: list[str], scheme: str, toke
 
     vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
     arch = fedner.fedner_arch_config(config, vocab_size=vocab, pad_token_id=tokenizer_pad_id(tokenizer_json))
-    with _seeded(seed):
+    with seeded(seed):
         module = fedner.build_tagger(arch, len(tags), tokenizer_json).float()
     meta = _meta(fedner.ARCHITECTURE, list(labels), scheme, max_length, base_model, arch)
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)}
+    files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json)}
     return ModelPackage(tensors=module_tensors(module), files=files)
 
 
@@ -341,7 +340,7 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
                           f"{HF_CONFIG_FILE}, model.safetensors and {TOKENIZER_FILE}")
     architecture = _check_architecture(architecture)
     tags = tag_set(labels, _check_scheme(scheme))
-    _check_max_length(max_length)
+    check_max_length(max_length)
     if architecture not in HF_ARCHITECTURES:
         if not (folder / TOKENIZER_FILE).is_file():
             raise ConfigError(f"{folder} has no {TOKENIZER_FILE}; the {architecture} architecture takes its "
@@ -352,7 +351,7 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
                               tokenizer_json=(folder / TOKENIZER_FILE).read_bytes(), config=dict(config or {}),
                               max_length=max_length, seed=seed,
                               base_model=str(hf_cfg.get("_name_or_path") or folder.name))
-        pkg.files.update({n: (folder / n).read_bytes() for n in _TOKENIZER_SIDE_FILES if (folder / n).is_file()})
+        pkg.files.update({n: (folder / n).read_bytes() for n in TOKENIZER_SIDE_FILES if (folder / n).is_file()})
         return pkg
     for name in (HF_CONFIG_FILE, TOKENIZER_FILE):
         if not (folder / name).is_file():
@@ -361,13 +360,13 @@ def package_ner_pretrained(path: str | Path, *, labels: Sequence[str], architect
     hf_cfg = json.loads((folder / HF_CONFIG_FILE).read_text())
     tokenizer_json = (folder / TOKENIZER_FILE).read_bytes()
     config = _hf_token_config({**hf_cfg, **dict(config or {})}, tags)
-    _check_transformer_fits(config, load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True), max_length)
+    check_transformer_fits(config, load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True), max_length)
     module = _build_module(config, architecture, len(tags), seed)
-    load_tensors(module, _map_checkpoint(module, _read_checkpoint(folder), fresh_modules=("classifier.", "crf.")))
+    load_tensors(module, map_checkpoint(module, read_checkpoint(folder), fresh_modules=("classifier.", "crf.")))
     meta = _meta(architecture, list(labels), scheme, max_length, str(hf_cfg.get("_name_or_path") or folder.name),
                  {"model_type": config.model_type})
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: _hf_config_bytes(module),
-             **{n: (folder / n).read_bytes() for n in _TOKENIZER_SIDE_FILES if (folder / n).is_file()}}
+    files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: tokenizer_json, HF_CONFIG_FILE: hf_config_bytes(module),
+             **{n: (folder / n).read_bytes() for n in TOKENIZER_SIDE_FILES if (folder / n).is_file()}}
     return ModelPackage(tensors=module_tensors(module), files=files)
 
 
@@ -380,7 +379,7 @@ def package_ner_from_config(*, labels: Sequence[str], tokenizer_json: bytes | st
     always come from the tokenizer). Same seed, same package."""
     architecture = _check_architecture(architecture)
     tags = tag_set(labels, _check_scheme(scheme))
-    _check_max_length(max_length)
+    check_max_length(max_length)
     if isinstance(tokenizer_json, str):
         tokenizer_json = tokenizer_json.encode("utf-8")
     if architecture not in HF_ARCHITECTURES:
@@ -392,10 +391,10 @@ def package_ner_from_config(*, labels: Sequence[str], tokenizer_json: bytes | st
     cfg.setdefault("vocab_size", vocab)
     cfg.setdefault("pad_token_id", tokenizer_pad_id(tokenizer_json))
     hf_config = _hf_token_config(cfg, tags)
-    _check_transformer_fits(hf_config, vocab, max_length)
+    check_transformer_fits(hf_config, vocab, max_length)
     module = _build_module(hf_config, architecture, len(tags), seed)
     meta = _meta(architecture, list(labels), scheme, max_length, base_model, {"model_type": hf_config.model_type})
-    files = {META_FILE: _meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json), HF_CONFIG_FILE: _hf_config_bytes(module)}
+    files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: bytes(tokenizer_json), HF_CONFIG_FILE: hf_config_bytes(module)}
     return ModelPackage(tensors=module_tensors(module), files=files)
 
 
@@ -421,7 +420,7 @@ def build(package: ModelPackage) -> TokenModel:
         arch = fedner.stored_arch_config(meta.get("arch_config") or {},
                                          vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                                          pad_token_id=tokenizer_pad_id(tok_bytes))
-        with _seeded(0):  # the initial values are overwritten; seeding keeps the caller's RNG untouched
+        with seeded(0):  # the initial values are overwritten; seeding keeps the caller's RNG untouched
             module = fedner.build_tagger(arch, len(tags), tok_bytes).float()
         load_strict(module, package.tensors)
         module.eval()

@@ -63,32 +63,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
+from fedclinic.spec.capabilities import ALTERNATIVE, REFUSED, SUPPORTED, check_supported  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     import torch
 
     from fedclinic.training.trainer import TrainConfig, TrainResult
 
-#: family -> architectures with sample-level DP-SGD
-SUPPORTED = {"text-classification": ("transformer",), "feature-classification": ("logreg",),
-             "token-classification": ("transformer", "transformer-crf"), "question-answering": ("causal-lm",)}
-_LSTM = ("its LSTM is torch's nn.LSTM over packed sequences, for which Opacus computes no per-sample gradients "
-         "(Opacus' DPLSTM is a different module with other tensors, not the architecture the task declared)")
-#: (family, architecture) -> why sample-level DP-SGD is refused for it
-REFUSED = {
-    ("text-classification", "lstm"): _LSTM,
-    ("text-classification", "logreg"): ("the bag-of-tokens logistic regression keeps its bias outside any layer "
-                                         "Opacus knows and reads two inputs per token"),
-    ("token-classification", "cnn-bilstm-crf"): _LSTM,
-    ("image-text-classification", "resnet-bilstm"): (
-        "the ResNet's batch normalisation mixes the examples of a batch in training (each example's gradient "
-        "depends on the others, so clipping it bounds nothing), and " + _LSTM),
-}
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
 GHOST_FAMILIES = ("text-classification", "feature-classification")
 #: HF model types whose default position ids are 0..L-1 for right-padded input (see the module docstring)
 ARANGE_POSITIONS = ("bert", "distilbert", "electra", "gpt2", "llama")
-ALTERNATIVE = 'use client-level DP instead (privacy level "client" / strategy "dp-fedavg")'
 
 
 @dataclass(frozen=True)
@@ -109,16 +94,6 @@ class DPSGD:
             raise ConfigError(f"DP-SGD sample rate must be in (0, 1], got {self.sample_rate}")
         if self.steps <= 0:
             raise ConfigError(f"DP-SGD needs at least one step, got {self.steps}")
-
-
-def check_supported(family: str, architecture: str) -> None:
-    """ConfigError with the reason and the alternative unless sample-level DP-SGD is available for the model."""
-    if architecture in SUPPORTED.get(family, ()):
-        return
-    supported = "; ".join(f"{f}: {', '.join(a)}" for f, a in SUPPORTED.items())
-    reason = REFUSED.get((family, architecture), "fedclinic has no per-example objective for it")
-    raise ConfigError(f"sample-level DP-SGD is not available for {family} / {architecture}: {reason}; "
-                      f"{ALTERNATIVE} (DP-SGD supports {supported})")
 
 
 def explicit_ids_hook(module: "torch.nn.Module") -> list:
@@ -367,4 +342,3 @@ class _OpacusRun:
 
     def close(self) -> None:
         self.gsm._close()
-

@@ -58,6 +58,9 @@ from fedclinic.models.meta import ModelMeta
 QA_FAMILY = "question-answering"
 IMAGE_TEXT_FAMILY = "image-text-classification"
 TEXT_FAMILIES = ("text-classification", "token-classification", QA_FAMILY, IMAGE_TEXT_FAMILY)
+#: onnxruntime graph optimizers a serving session turns off: their CPU kernels are slower than the ops they replace
+#: (measurements in :mod:`fedclinic.export.encoder_fusion`, which keeps the same fusions out of the graph)
+SESSION_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion", "BiasGeluFusion")
 #: an image is the bytes of a PNG/JPEG/DICOM file, or the path of one
 ImageInput = bytes | bytearray | memoryview | os.PathLike
 
@@ -101,8 +104,6 @@ class ClassifierBundle(ModelMeta):
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = int(threads)
-        from fedclinic.export.encoder_fusion import SESSION_DISABLED_OPTIMIZERS
-
         try:
             self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"],
                                                 disabled_optimizers=list(SESSION_DISABLED_OPTIMIZERS))
@@ -117,7 +118,7 @@ class ClassifierBundle(ModelMeta):
         if self.family == IMAGE_TEXT_FAMILY:
             self.image = _image_preprocessing(root, self.session)
         if self.family in TEXT_FAMILIES:
-            from fedclinic.models.text_classification import load_tokenizer, tokenizer_pad_id
+            from fedclinic.models.base import load_tokenizer, tokenizer_pad_id
 
             tok_path = root / "tokenizer.json"
             if not tok_path.is_file():
@@ -138,7 +139,7 @@ class ClassifierBundle(ModelMeta):
         if self._tokenizer is None:
             raise ConfigError(f"a {self.family} bundle takes feature vectors, not texts; use predict_features")
         _require_texts(texts)
-        from fedclinic.models.text_classification import encode_texts
+        from fedclinic.models.base import encode_texts
 
         return encode_texts(self._tokenizer, texts, max_length=self.max_length, pad_id=self._pad_id, pad_to=pad_to)
 

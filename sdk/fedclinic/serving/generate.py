@@ -222,7 +222,7 @@ class OnnxQAModel:
         """The bundle in ``folder`` (``model.onnx``, or ``model.int8.onnx`` with ``int8``)."""
         import onnxruntime as ort
 
-        from fedclinic.models.text_classification import load_tokenizer
+        from fedclinic.models.base import load_tokenizer
 
         root = Path(folder)
         name = "model.int8.onnx" if int8 else "model.onnx"

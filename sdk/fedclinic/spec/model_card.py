@@ -74,6 +74,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedclinic.runtime.durable_file import write_atomically
+from fedclinic.spec.safl_settings import SaflConfig
+from fedclinic.version import __version__
 from fedclinic.errors import ConfigError
 from fedclinic.transport.package import CARD_FILE, CARD_MARKDOWN_FILE, META_FILE
 
@@ -100,7 +102,7 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
     card: Card = {
         "schema_version": SCHEMA_VERSION,
         "created": _iso(now or datetime.now(timezone.utc)),
-        "fedclinic_version": _version(),
+        "fedclinic_version": __version__,
         "model_hash": model_hash,
         "model_round": None,
         "is_final": None,
@@ -131,8 +133,6 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
     if spec.update.private_patterns:
         card["notes"].append(PRIVATE_NOTE)
     if spec.update.selection == "safl":
-        from fedclinic.training.safl import SaflConfig
-
         cfg = SaflConfig.from_spec(spec)
         card["update"]["selection"] = {"method": "safl", "top_k": cfg.top_k, "profile_samples": cfg.profile_samples,
                                        "token": cfg.token}
@@ -190,7 +190,7 @@ def add_export(card: Mapping[str, Any], report: Mapping[str, Any], *, inputs: Se
                outputs: Sequence[str], now: datetime | None = None) -> Card:
     """A copy of ``card`` with the ``export`` section, from ``report`` (``asdict`` of an
     :class:`fedclinic.export.onnx_export.ExportReport`) and the graph's input and output names."""
-    section: dict[str, Any] = {"created": _iso(now or datetime.now(timezone.utc)), "fedclinic_version": _version(),
+    section: dict[str, Any] = {"created": _iso(now or datetime.now(timezone.utc)), "fedclinic_version": __version__,
                                "opset": report["opset"], "inputs": list(inputs), "outputs": list(outputs),
                                "files": sorted({*report.get("files", []), CARD_FILE, CARD_MARKDOWN_FILE,
                                                 "export_report.json"})}
@@ -441,12 +441,6 @@ def _iso(when: datetime) -> str:
 
 def _ms(unix_ms: int) -> str | None:
     return _iso(datetime.fromtimestamp(unix_ms / 1000, timezone.utc)) if unix_ms else None
-
-
-def _version() -> str:
-    from fedclinic import __version__
-
-    return __version__
 
 
 def _fmt(value: Any) -> str:

@@ -354,37 +354,6 @@ def _secure_aggregation_config(doc: dict[str, Any]) -> task_pb2.SecureAggregatio
     return config_from_dict(doc)
 
 
-def package_for_task(task: Task):
-    """The initial model package of ``task``: its pretrained folder (``task.model``) packaged for its family.
-
-    Needs the ``[train]`` extra (torch, transformers). Nothing is downloaded.
-    """
-    from fedclinic.errors import FedclinicError
-
-    if not task.model:
-        raise FedclinicError("the task names no model folder; set Task.model or pass package=")
-    if task.family == "question-answering":
-        from fedclinic.models.causal_lm import package_qa_pretrained
-
-        return package_qa_pretrained(task.model, max_length=task.max_length, config=task.model_config or None)
-    if task.family == "token-classification":
-        from fedclinic.models.token_classification import package_ner_pretrained
-
-        return package_ner_pretrained(task.model, labels=task.labels, architecture=task.architecture,
-                                      scheme=task.tag_scheme, max_length=task.max_length, seed=task.seed,
-                                      config=task.model_config or None)
-    if task.family == "image-text-classification":
-        from fedclinic.models.image_text import package_image_text_pretrained
-
-        return package_image_text_pretrained(task.model, labels=task.labels, max_length=task.max_length,
-                                             seed=task.seed, config=task.model_config or None)
-    from fedclinic.models import package_pretrained
-
-    return package_pretrained(task.model, labels=task.labels, architecture=task.architecture,
-                              multi_label=task.multi_label, max_length=task.max_length, seed=task.seed,
-                              config=task.model_config or None)
-
-
 def _pooling_problems(pooling: Any, family: str, architecture: str) -> list[str]:
     from fedclinic.models.mean_pooling import pooling_problem
 

@@ -41,6 +41,7 @@ from typing import ClassVar, Mapping
 
 import numpy as np
 
+from fedclinic.strategies.dp_accounting import epsilon_of
 from fedclinic.strategies.fedavg import FedAvg, check_update
 from fedclinic.strategies.tensorsource import TensorLike, squared_norm
 
@@ -135,8 +136,6 @@ class ClientDP(FedAvg):
 
     def epsilon(self, rounds: int | None = None) -> float:
         """Epsilon at :attr:`delta` after ``rounds`` rounds (default: the rounds run so far), RDP accountant."""
-        from fedclinic.privacy.accounting import epsilon_of
-
         return epsilon_of([(self.noise_multiplier, 1.0, self.rounds_done if rounds is None else rounds)], self.delta)
 
     def state(self) -> dict[str, np.ndarray]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from fedclinic.runtime.durable_file import write_atomically
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.transport.package import safetensors_with_metadata
+from fedclinic.runtime.safetensors_file import safetensors_with_metadata
 from fedclinic.spec.selection import compile_patterns
 
 FORMAT = "fedclinic-private-modules/1"

@@ -38,21 +38,21 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.spec.safl_settings import (  # noqa: F401  (the task settings, re-exported)
+    ATTENTION_ARCHITECTURES,
+    DEFAULT_PROFILE_SAMPLES,
+    SAFL,
+    SELECTIONS,
+    TOKENS,
+    SaflConfig,
+    composition_problems,
+    config_problems,
+    default_token,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SAFL = "safl"
-#: ``[update] selection`` values: the static patterns alone ("" or "static"), or SAFL on top of them
-SELECTIONS = ("", "static", SAFL)
-TOKENS = ("cls", "last", "entities")
-DEFAULT_PROFILE_SAMPLES = 64
-#: families and architectures with attention layers SAFL can profile (Hugging Face modules)
-ATTENTION_ARCHITECTURES: dict[str, tuple[str, ...]] = {
-    "text-classification": ("transformer",),
-    "token-classification": ("transformer", "transformer-crf"),
-    "question-answering": ("causal-lm",),
-}
 #: the task head of each family: always trained and sent under SAFL (when the static patterns allow it)
 HEAD_PATTERNS: dict[str, tuple[str, ...]] = {
     "text-classification": (r"classifier\..*", r"pre_classifier\..*", r"[A-Za-z_]\w*\.pooler\..*"),
@@ -64,74 +64,8 @@ HEAD_PATTERNS: dict[str, tuple[str, ...]] = {
 _LAYER = re.compile(r"^(?:[A-Za-z_]\w*\.)?(?:encoder\.layer|transformer\.layer|transformer\.h|h|layers)\.(\d+)\.")
 
 
-@dataclass(frozen=True)
-class SaflConfig:
-    """A task's SAFL settings (``[update] selection = "safl"``)."""
-
-    top_k: int
-    profile_samples: int = DEFAULT_PROFILE_SAMPLES
-    token: str = "cls"
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> "SaflConfig | None":
-        """From a ``TaskSpec`` proto: None unless its update selection is "safl"; defaults filled in."""
-        u = spec.update
-        if u.selection != SAFL:
-            return None
-        return cls(top_k=int(u.select_top_k_layers), profile_samples=int(u.safl_profile_samples or
-                                                                        DEFAULT_PROFILE_SAMPLES),
-                   token=u.safl_token or default_token(spec.family))
-
-
-def default_token(family: str) -> str:
-    """"last" for causal LMs (no [CLS]; the last token is the pooled one), "cls" for encoders."""
-    return "last" if family == "question-answering" else "cls"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # validation (no torch: the SDK and the aggregator both call these)
-
-
-def config_problems(selection: str, top_k: int, profile_samples: int, token: str, family: str,
-                    architecture: str) -> list[str]:
-    """What is wrong with a task's selection settings, each with what to do (empty when nothing)."""
-    if selection not in SELECTIONS:
-        return [f"update selection {selection!r} is unknown; use \"static\" (the trainable/frozen patterns) or "
-                "\"safl\" (attention-selected layers)"]
-    if selection != SAFL:
-        if top_k or profile_samples or token:
-            return ["safl_top_k / safl_profile_samples / safl_token apply only with [update] selection = \"safl\""]
-        return []
-    p = []
-    if architecture not in ATTENTION_ARCHITECTURES.get(family, ()):
-        usable = "; ".join(f"{f}: {', '.join(a)}" for f, a in ATTENTION_ARCHITECTURES.items())
-        p.append(f"SAFL selects transformer layers by their attention, and {family} / {architecture} has no attention "
-                 f"layers to profile; use static trainable/frozen patterns instead, or an architecture with "
-                 f"attention ({usable})")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        p.append(f"safl_top_k must be an integer >= 1 (the layers each site trains per round), got {top_k!r}")
-    if isinstance(profile_samples, bool) or not isinstance(profile_samples, int) or profile_samples < 0:
-        p.append(f"safl_profile_samples must be an integer >= 1 (0 = {DEFAULT_PROFILE_SAMPLES}), got "
-                 f"{profile_samples!r}")
-    if token and token not in TOKENS:
-        p.append(f"safl_token {token!r} is unknown; use one of {', '.join(TOKENS)}")
-    elif token == "entities" and family != "token-classification":
-        p.append("safl_token \"entities\" needs gold entity spans: it applies to token-classification only; use "
-                 "\"cls\" or \"last\"")
-    return p
-
-
-def composition_problems(strategy: Any, secure_aggregation: bool) -> list[str]:
-    """Why SAFL cannot run with this strategy object or with secure aggregation (empty when it can)."""
-    p = []
-    if secure_aggregation:
-        p.append("SAFL cannot run under secure aggregation: every site of a SecAgg session must send the same "
-                 "tensors, and SAFL sites send the layers they selected; turn off one of the two")
-    reason = strategy.partial_updates_problem()
-    if reason:
-        p.append(f"SAFL sites send different layers, and {reason}; use fedavg (or fedavgm, fedadam, fedyogi, "
-                 "fedadagrad, median, trimmed-mean, norm-bounded, fedatt per_layer)")
-    return p
 
 
 def model_problems(names: Sequence[str], family: str, top_k: int) -> list[str]:

@@ -26,10 +26,11 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, ClassVar, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from fedclinic.models.base import EncodedData, encode_texts
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
 from fedclinic.spec.selection import select_names
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
@@ -108,40 +109,6 @@ class TrainConfig:
         kw["measure_gradient_change"] = bool(kw["measure_gradient_change"])
         kw["device"] = device
         return cls(**kw)
-
-
-@dataclass
-class EncodedData:
-    """Tokenized examples as tensors (CPU), padded to the longest sequence: encode once, train many rounds.
-
-    ``labels``: int64 class indices ``[N]`` (single-label) or float32 multi-hot ``[N, num_labels]``.
-    """
-
-    input_ids: "torch.Tensor"       # [N, L] int64
-    attention_mask: "torch.Tensor"  # [N, L] int64, 1 = token, 0 = padding (right-padded)
-    labels: "torch.Tensor"
-    multi_label: bool
-    num_labels: int
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    #: True when ``labels`` hold one target per token (``[N, L]``, trimmed with the batch), as in NER
-    per_token_labels: ClassVar[bool] = False
-
-    def batch(self, idx: "torch.Tensor", device: "torch.device") -> tuple[tuple["torch.Tensor", ...], "torch.Tensor"]:
-        """((ids, mask), targets) of the examples at ``idx`` on ``device``, trimmed to their longest sequence."""
-        mask = self.attention_mask[idx]
-        width = max(1, int(mask.sum(dim=1).max()))
-        nb = device.type == "cuda"
-        y = self.labels[idx, :width] if self.per_token_labels else self.labels[idx]
-        return ((self.input_ids[idx, :width].to(device, non_blocking=nb), mask[:, :width].to(device, non_blocking=nb)),
-                y.to(device, non_blocking=nb))
-
-    def batches(self, order: "torch.Tensor", batch_size: int, device: "torch.device"):
-        """Yield :meth:`batch` for consecutive ``batch_size`` slices of ``order`` (one epoch)."""
-        for start in range(0, len(order), batch_size):
-            yield self.batch(order[start:start + batch_size], device)
 
 
 @dataclass
@@ -224,7 +191,6 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
             if len(ex.labels) != 1:
                 raise DatasetError(f"example {i}: {len(ex.labels)} labels in a single-label task")
             y[i] = index[ex.labels[0]]
-    from fedclinic.models.text_classification import encode_texts
 
     ids, mask = encode_texts(loaded.tokenizer, [ex.text for ex in examples], max_length=max_length,
                              pad_id=loaded.pad_id)

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fedclinic.errors import IntegrityError
+from fedclinic.runtime.safetensors_file import safetensors_with_metadata  # noqa: F401  (re-exported)
 
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "fedclinic_model.json"
@@ -35,16 +36,6 @@ CARD_MARKDOWN_FILE = "MODEL_CARD.md"
 def meta_bytes(meta: Mapping[str, Any]) -> bytes:
     """``fedclinic_model.json`` as stored in a package: sorted keys, 2-space indent, trailing newline."""
     return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-
-def safetensors_with_metadata(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The tensors of a safetensors file's bytes and its ``__metadata__`` ({} when absent). Malformed bytes
-    raise whatever safetensors or json raises: callers turn that into their own IntegrityError."""
-    import safetensors.numpy
-
-    tensors = safetensors.numpy.load(data)
-    header_len = int.from_bytes(data[:8], "little")
-    return tensors, json.loads(data[8:8 + header_len]).get("__metadata__") or {}
 
 
 def tensor_sha256(array: np.ndarray) -> str:

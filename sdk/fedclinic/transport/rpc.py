@@ -60,7 +60,7 @@ def secure_channel(address: str, tls: TlsFiles, *, server_name: str | None = Non
 
 
 def secure_channel_pem(address: str, cert: bytes, key: bytes, ca: bytes, *, server_name: str | None = None) -> grpc.Channel:
-    """:func:`secure_channel` from PEM bytes already read (e.g. fedclinic.credentials.WatchedCredentials)."""
+    """:func:`secure_channel` from PEM bytes already read (e.g. fedclinic.pki.credentials.WatchedCredentials)."""
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
     options = list(CHANNEL_OPTIONS)
     if server_name:

@@ -22,7 +22,9 @@ import grpc
 import structlog
 
 from fedclinic.errors import FedclinicError
-from fedclinic.pki import PeerIdentity, check_own_certificate, identity_from_pem
+from fedclinic.pki.common import PeerIdentity
+from fedclinic.pki.identity import identity_from_pem
+from fedclinic.pki.preflight import check_own_certificate
 from fedclinic.transport.rpc import TlsFiles
 
 log = structlog.get_logger("fedclinic.credentials")

@@ -1,0 +1,125 @@
+"""Reading dataset files, shared by every family's reader: formats, opening and decoding with errors that say
+what to do, JSONL rows, label parsing and checks.
+
+Every problem raises :class:`~fedclinic.errors.DatasetError` naming the file and the row (1-based). The readers
+(:mod:`.text`, :mod:`.ner`, :mod:`.qa`, :mod:`.image`) build on these and never on each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from fedclinic.errors import ConfigError, DatasetError
+
+FORMATS = ("jsonl", "csv", "tsv")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+MULTI_LABEL_SEPARATOR = "|"
+
+
+def infer_format(path: str | os.PathLike[str]) -> str:
+    """'jsonl' / 'csv' / 'tsv' from the file suffix (.jsonl/.ndjson, .csv, .tsv)."""
+    suffix = Path(path).suffix.lower()
+    try:
+        return _SUFFIXES[suffix]
+    except KeyError:
+        raise DatasetError(f"{path}: cannot tell the format from the suffix {suffix!r}; rename the file to "
+                           f".jsonl/.csv/.tsv or pass format= one of {', '.join(FORMATS)}") from None
+
+
+def require_text(text: object, where: str, field: str, purpose: str) -> str:
+    """``text`` if it is a non-empty string, else a DatasetError naming ``where``, the field and what to do
+    (``purpose``: what every row needs, e.g. "the text to classify")."""
+    if text is None:
+        raise DatasetError(f"{where}: missing text field {field!r}; every row needs {purpose}")
+    if not isinstance(text, str):
+        raise DatasetError(f"{where}: text field {field!r} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise DatasetError(f"{where}: empty text in field {field!r}; remove the row or fill in the text")
+    return text
+
+
+def jsonl_objects(path, lines: Sequence[str], expects: str) -> Iterator[tuple[str, dict]]:
+    """``(where, object)`` for every non-blank line of a JSONL file (``where`` = "PATH: row N", 1-based), the
+    one JSONL row parser of the dataset readers. DatasetError naming the row for invalid JSON or a value that is
+    not an object (``expects`` says what the object should hold)."""
+    for row_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: row {row_no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
+                               "JSON object") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: expected a JSON object with {expects}, got {type(obj).__name__}")
+        yield where, obj
+
+
+def check_label_set(label_set: Sequence[str]) -> list[str]:
+    if isinstance(label_set, str) or not label_set:
+        raise ConfigError(f"label_set must be a non-empty list of label names, got {label_set!r}")
+    labels = list(label_set)
+    if len(set(labels)) != len(labels) or not all(isinstance(x, str) and x for x in labels):
+        raise ConfigError(f"label_set must hold unique non-empty strings, got {labels!r}")
+    return labels
+
+
+def fmt_labels(labels: Sequence[str], limit: int = 30) -> str:
+    shown = ", ".join(repr(x) for x in labels[:limit])
+    return f"[{shown}{', ...' if len(labels) > limit else ''}]"
+
+
+def parse_labels(raw: Any, where: str, label_field: str, fmt: str, allowed: set[str]) -> list[str]:
+    """Normalise a raw label value to a list of label strings (empty = missing)."""
+    if raw is None:
+        return []
+    if isinstance(raw, bool) or isinstance(raw, float):
+        raise DatasetError(f"{where}: label {raw!r} in field {label_field!r} must be a label name (string)")
+    if isinstance(raw, int):
+        return [str(raw)]
+    if isinstance(raw, str):
+        value = raw.strip()
+        if not value:
+            return []
+        if fmt != "jsonl" and value not in allowed and MULTI_LABEL_SEPARATOR in value:
+            return [p.strip() for p in value.split(MULTI_LABEL_SEPARATOR) if p.strip()]
+        return [value]
+    if isinstance(raw, list):
+        out = []
+        for item in raw:
+            if isinstance(item, bool) or not isinstance(item, (str, int)):
+                raise DatasetError(f"{where}: label list in field {label_field!r} holds {item!r}; labels must be "
+                                   "strings")
+            if str(item).strip():
+                out.append(str(item).strip())
+        return out
+    raise DatasetError(f"{where}: label field {label_field!r} must be a string or a list of strings, "
+                       f"got {type(raw).__name__}")
+
+
+def open_text(path: str | os.PathLike[str]):
+    try:
+        return open(path, encoding="utf-8-sig", newline="")
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: file not found; check the dataset path in the site configuration") from None
+    except IsADirectoryError:
+        raise DatasetError(f"{path}: is a directory, not a dataset file") from None
+    except OSError as exc:
+        raise DatasetError(f"{path}: unreadable file ({exc.strerror or exc}); check the path and its "
+                           "permissions") from None
+
+
+def decode_guard(path, fn):
+    try:
+        return fn()
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: unreadable file: not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                           "save it as UTF-8") from None
+    except OSError as exc:
+        raise DatasetError(f"{path}: unreadable file ({exc}); check the path and its permissions") from None
+
+

@@ -1,0 +1,53 @@
+"""What each model family and architecture supports, as torch-free tables the task spec checks against.
+
+The task spec (:mod:`fedclinic.spec.task`), the aggregator and the sites consult the same tables, so a task is
+refused with the same reason everywhere, before any model is built:
+
+- sample-level DP-SGD (:func:`check_supported`; the mechanism is :mod:`fedclinic.privacy.dp_sgd`);
+- the pooling forms of a text-classification transformer (:func:`pooling_problem`; the module is
+  :mod:`fedclinic.models.mean_pooling`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedclinic.errors import ConfigError
+
+#: family -> architectures with sample-level DP-SGD
+SUPPORTED = {"text-classification": ("transformer",), "feature-classification": ("logreg",),
+             "token-classification": ("transformer", "transformer-crf"), "question-answering": ("causal-lm",)}
+_LSTM = ("its LSTM is torch's nn.LSTM over packed sequences, for which Opacus computes no per-sample gradients "
+         "(Opacus' DPLSTM is a different module with other tensors, not the architecture the task declared)")
+#: (family, architecture) -> why sample-level DP-SGD is refused for it
+REFUSED = {
+    ("text-classification", "lstm"): _LSTM,
+    ("text-classification", "logreg"): ("the bag-of-tokens logistic regression keeps its bias outside any layer "
+                                         "Opacus knows and reads two inputs per token"),
+    ("token-classification", "cnn-bilstm-crf"): _LSTM,
+    ("image-text-classification", "resnet-bilstm"): (
+        "the ResNet's batch normalisation mixes the examples of a batch in training (each example's gradient "
+        "depends on the others, so clipping it bounds nothing), and " + _LSTM),
+}
+ALTERNATIVE = 'use client-level DP instead (privacy level "client" / strategy "dp-fedavg")'
+
+
+def check_supported(family: str, architecture: str) -> None:
+    """ConfigError with the reason and the alternative unless sample-level DP-SGD is available for the model."""
+    if architecture in SUPPORTED.get(family, ()):
+        return
+    supported = "; ".join(f"{f}: {', '.join(a)}" for f, a in SUPPORTED.items())
+    reason = REFUSED.get((family, architecture), "fedclinic has no per-example objective for it")
+    raise ConfigError(f"sample-level DP-SGD is not available for {family} / {architecture}: {reason}; "
+                      f"{ALTERNATIVE} (DP-SGD supports {supported})")
+
+
+#: pooling forms of the ``transformer`` architecture: ``cls`` = Hugging Face's pooler + head, ``mean`` = fedclinic.models.mean_pooling
+POOLINGS = ("cls", "mean")
+
+
+def pooling_problem(pooling: Any) -> str | None:
+    """Why ``pooling`` is not a pooling form (None when it is one of :data:`POOLINGS`)."""
+    if pooling not in POOLINGS:
+        return f"pooling must be one of {list(POOLINGS)}, got {pooling!r}"
+    return None
