@@ -16,7 +16,7 @@ from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.runtime.metrics_endpoint import MetricsServer
 from fedclinic.pki import RevocationList
 from fedclinic.proto import agent_pb2_grpc, control_pb2_grpc
-from fedclinic.credentials import WatchedCredentials, reloading_server_credentials
+from fedclinic.pki.credentials import WatchedCredentials, reloading_server_credentials
 from fedclinic.transport.rpc import SERVER_OPTIONS
 
 from aggregator_service.agent_api import AgentApi

@@ -2,7 +2,7 @@
 
 Every call takes its stub from :meth:`AgentChannel.stub` (or the raw upload callable from
 :meth:`AgentChannel.submit_update`), which first looks at the certificate, key and CA files
-(fedclinic.credentials.WatchedCredentials: three ``stat`` calls). When a renewed, valid pair is in place
+(fedclinic.pki.credentials.WatchedCredentials: three ``stat`` calls). When a renewed, valid pair is in place
 the next call goes out on a new channel with it; calls already running on the old channel (an upload, a
 model download, a secure-aggregation answer) finish on it. The old channel is closed when the channel after
 it replaces it, or when the agent stops. ``on_change`` callbacks run after each switch: the worker restarts
@@ -17,7 +17,7 @@ from typing import Callable
 
 import grpc
 
-from fedclinic.credentials import WatchedCredentials
+from fedclinic.pki.credentials import WatchedCredentials
 from fedclinic.proto import agent_pb2, agent_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, secure_channel_pem
 
