@@ -34,7 +34,7 @@ def _mid_round_two(root):
 
 def _finish(root, b) -> np.ndarray:
     store, engine = _engine(root)
-    engine._recover()
+    engine.recover()
     engine.site_connected("s2")
     _send(engine, "s2", b["s2"], {"w": np.ones(3, np.float32)}, key="r2-s2")
     final = store.model(store.one("SELECT final_model FROM tasks").final_model)
