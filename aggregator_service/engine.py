@@ -125,9 +125,6 @@ class Engine:
             self.changed.notify_all()
             return task_id
 
-    def spec(self, task_id: str) -> task_pb2.TaskSpec:
-        return self.rounds.task(task_id).spec
-
     def cancel(self, task_id: str, by: str, reason: str) -> None:
         with self.lock:
             self.rounds.cancel(task_id, by, reason)

@@ -74,11 +74,11 @@ def test_refused_fold_leaves_no_trace_and_the_round_completes(tmp_path):
     with pytest.raises(Refused, match="same tensors") as exc:
         _send(engine, "s2", a["s2"], {"w": np.ones(4, np.float32)}, key="bad")
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert store.one("SELECT COUNT(*) AS n FROM updates").n == 1
+    assert store.update_count(task_id, 1) == 1
     assert len([p for p in (tmp_path / "updates").rglob("*.bin")]) == 1
     _send(engine, "s2", a["s2"], full)
     _send(engine, "s3", a["s3"], {k: 3 * v for k, v in full.items()})
-    status = store.one("SELECT state, final_model FROM tasks WHERE task_id=?", (task_id,))
+    status = store.task(task_id)
     assert status.state == control_pb2.TASK_STATE_COMPLETED
     final = store.model(status.final_model)
     w = engine.blobs.array(final.tensor("w").sha256, "float32", (4,))
@@ -92,7 +92,7 @@ def test_strategy_state_and_open_round_survive_a_new_engine(tmp_path):
     a = _assign(engine, ["s1", "s2"])
     _send(engine, "s1", a["s1"], {"w": np.ones(3, np.float32)})
     _send(engine, "s2", a["s2"], {"w": np.ones(3, np.float32)})
-    row = store.one("SELECT strategy_state FROM rounds WHERE task_id=? AND round=1", (task_id,))
+    row = store.round(task_id, 1)
     assert "m/w" in row.strategy_state and "v/w" in row.strategy_state
     b = _assign(engine, ["s1", "s2"])
     _send(engine, "s1", b["s1"], {"w": np.ones(3, np.float32)}, key="r2-s1")
@@ -101,7 +101,7 @@ def test_strategy_state_and_open_round_survive_a_new_engine(tmp_path):
     engine2.recover()
     engine2.site_connected("s2")
     _send(engine2, "s2", b["s2"], {"w": np.ones(3, np.float32)}, key="r2-s2")
-    final = store2.model(store2.one("SELECT final_model FROM tasks").final_model)
+    final = store2.model(store2.task(task_id).final_model)
     got = engine2.blobs.array(final.tensor("w").sha256, "float32", (3,))
     # FedAdam by hand: two rounds with Delta = 1, eta 0.1, beta1 0.9, beta2 0.99, tau 1e-3, v0 = tau^2
     x, m, v = 0.0, 0.0, 1e-6
@@ -121,9 +121,9 @@ def test_a_task_fails_at_once_when_its_named_sites_decline_it_below_quorum(tmp_p
     a = _assign(engine, ["s1", "s2"])  # the round's target is 2 sites
     engine.decline("s1", named, a["s1"].round, "dataset 'd' is not allowed by this site's policy", permanent=True)
     engine.decline("s2", named, a["s2"].round, "busy this week", permanent=False)
-    assert store.one("SELECT state FROM tasks WHERE task_id=?", (named,)).state == control_pb2.TASK_STATE_RUNNING
+    assert store.task(named).state == control_pb2.TASK_STATE_RUNNING
     engine.decline("s2", named, a["s2"].round, "privacy budget exhausted", permanent=True)
-    task = store.one("SELECT state, error FROM tasks WHERE task_id=?", (named,))
+    task = store.task(named)
     assert task.state == control_pb2.TASK_STATE_FAILED
     assert ("quorum can no longer be reached: 2 of the task's 3 site(s) declined it for good (s1: dataset 'd' is not "
             "allowed by this site's policy; s2: privacy budget exhausted), which leaves 1 (s3) for min_sites 2"
@@ -133,7 +133,7 @@ def test_a_task_fails_at_once_when_its_named_sites_decline_it_below_quorum(tmp_p
     b = _assign(engine, ["s1", "s2"])
     for site in ("s1", "s2"):
         engine.decline(site, open_to_all, b[site].round, "no", permanent=True)
-    assert store.one("SELECT state FROM tasks WHERE task_id=?", (open_to_all,)).state == control_pb2.TASK_STATE_RUNNING
+    assert store.task(open_to_all).state == control_pb2.TASK_STATE_RUNNING
 
 
 def test_a_hold_is_shown_until_the_site_reports_and_is_refused_without_an_open_assignment(tmp_path):
@@ -150,7 +150,7 @@ def test_a_hold_is_shown_until_the_site_reports_and_is_refused_without_an_open_a
     engine.hold("s2", task_id, a["s2"].round, "awaiting approval by its IT")
     assert list(status_of(store, task_id).rounds[0].held) == ["s1: awaiting approval by its IT",
                                                             "s2: awaiting approval by its IT"]
-    events = [e.message for e in store.all("SELECT message FROM events WHERE task_id=? AND kind='held'", (task_id,))]
+    events = [e.message for e in store.events_of(task_id) if e.kind == "held"]
     assert events == ["s1 holds round 1: awaiting approval by its IT", "s2 holds round 1: awaiting approval by its IT"]
     engine.hold("s2", task_id, a["s2"].round, "")
     assert list(status_of(store, task_id).rounds[0].held) == ["s1: awaiting approval by its IT"]
