@@ -22,6 +22,7 @@ import math
 from fedclinic import codec_wire, downlink, private_modules, safl
 from fedclinic.errors import ConfigError
 from fedclinic.package import Manifest
+from fedclinic.privacy.dp_sgd import check_supported  # torch-free at import: the table of DP-SGD-capable models
 from fedclinic.proto import task_pb2
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.selection import select_names
@@ -47,8 +48,6 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
             '"dp-fedavg" (its clip_norm and noise_multiplier set the mechanism)']
     if pc.level != "sample":
         return [f'privacy level must be "sample" (DP-SGD at each site) or "client", got {pc.level!r}']
-    from fedclinic.privacy.dp_sgd import check_supported  # torch-free: the table of DP-SGD-capable models
-
     p = []
     try:
         check_supported(spec.family or "text-classification", spec.architecture or "transformer")
