@@ -98,30 +98,22 @@ class _Round:
 
 
 class SecureRoundHost(Protocol):
-    """What the coordinator needs from the round engine that hosts it."""
+    """What the coordinator needs from the round engine that hosts it: its lock (every coordinator method runs
+    under it) and the condition waiters sleep on, its store, whether a site may take a task, the connected
+    sites, byte accounting, and closing round ``rnd`` with the securely aggregated mean (or failing it when
+    the strategy refuses that)."""
 
-    #: the engine's lock (every coordinator method runs under it) and the condition waiters sleep on
     lock: threading.RLock
     changed: threading.Condition
 
     @property
     def store(self) -> Store: ...
-
-    def eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool:
-        """May ``site`` be assigned rounds of the task?"""
-
-    def connected_sites(self) -> Iterable[str]:
-        """The sites with a work stream open now."""
-
-    def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None:
-        """Charge bytes sent to sites to the task's open round."""
-
-    def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
-        """Charge bytes received outside plain updates to round ``rnd``."""
-
+    def eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool: ...
+    def connected_sites(self) -> Iterable[str]: ...
+    def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None: ...
+    def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None: ...
     def close_secure_round(self, task_id: str, rnd: int, mean: dict[str, np.ndarray], metrics: dict[str, float],
-                           summary: str) -> None:
-        """Close round ``rnd`` with the securely aggregated mean (or fail it when the strategy refuses it)."""
+                           summary: str) -> None: ...
 
 
 class SecureRounds:

@@ -208,3 +208,17 @@ def test_a_stream_that_breaks_midway_leaves_no_spill_file(tmp_path):
     with pytest.raises(ConnectionResetError):
         engine.submit_update("s1", h, broken())
     assert _spill_files(tmp_path) == [] and store.update_count(a["s1"].task_id, 1) == 0
+
+
+def test_the_engine_parts_import_without_the_engine_and_the_validator_without_torch():
+    """No cycle through the engine: secure aggregation and the metrics know it only by Protocol; the task-spec
+    validator the aggregator runs at submit does not load torch (the aggregator image has none)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import aggregator_service.secure_rounds, aggregator_service.metrics, "
+            "aggregator_service.update_admission, aggregator_service.rounds, fedclinic.spec; "
+            "assert 'aggregator_service.engine' not in sys.modules, 'engine imported'; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
