@@ -11,24 +11,26 @@ import structlog
 
 import fedclinic
 from fedclinic.codecs import available_codecs
-from fedclinic.errors import IntegrityError
+from fedclinic.errors import IntegrityError, Refused
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
-from fedclinic.transport.wire import ChunkAssembler, PipelinedAssembler
+from fedclinic.transport.wire import ChunkAssembler
 
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
-from aggregator_service.engine import Engine, Refused, latest_model_hash
+from aggregator_service.engine import Engine
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
-from aggregator_service.transfer import SpillWriter, send_model
+from aggregator_service.status import latest_model_hash
+from aggregator_service.transfer import send_model
+from aggregator_service.update_admission import GRPC_MESSAGE_PREFIX, read_update_stream
 
 log = structlog.get_logger("fedclinic.aggregator.agents")
 
 ACCEPTED_CODECS = ["raw", *available_codecs()]  # update codecs this aggregator decodes (fedclinic.codecs)
-GRPC_MESSAGE_PREFIX = 5  # bytes gRPC puts before each message (compressed flag + length)
 
 
 def abort(context: grpc.ServicerContext, exc: Refused) -> None:
-    context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+    """End the call with the refusal's status code and message."""
+    context.abort(exc.code, exc.message)
 
 
 class AgentApi(agent_pb2_grpc.AgentServiceServicer):
@@ -44,8 +46,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                           f"agent speaks protocol v{request.protocol_version}, this aggregator speaks "
                           f"v{fedclinic.PROTOCOL_VERSION}; upgrade the older side")
         caps = request.capabilities
-        self.engine.secagg.hello(site, list(caps.features), caps.secure_aggregation)
-        self.engine.hello_codecs(site, caps.codecs)
+        self.engine.hello(site, caps.features, caps.secure_aggregation, caps.codecs)
         log.info("agent hello", site=site, agent_version=request.agent_version, devices=list(caps.devices),
                  features=list(caps.features), codecs=list(caps.codecs))
         return agent_pb2.HelloResponse(protocol_version=fedclinic.PROTOCOL_VERSION,
@@ -77,13 +78,13 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
 
     def FetchModel(self, request: agent_pb2.FetchModelRequest, context) -> Iterator[tensors_pb2.ModelChunk]:
         site = peer_identity(context).name
-        task = self.engine.store.one("SELECT 1 FROM assignments WHERE task_id=? AND site=?", (request.task_id, site))
+        assigned = self.engine.store.is_assigned(request.task_id, site)
         model_hash = latest_model_hash(self.engine.store, request.task_id) if request.latest else request.model_hash
-        if task is not None and request.latest and not model_hash:
+        if assigned and request.latest and not model_hash:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"task {request.task_id} has finished no round yet; there is no model to fetch")
         manifest = self.engine.store.model(model_hash)
-        if manifest is None or task is None:
+        if manifest is None or not assigned:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"model {model_hash[:12] or '(latest)'} of task {request.task_id} is not available to {site}; "
                           "models are served only to sites assigned to the task")
@@ -131,41 +132,10 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key must be 1-255 characters")
         if h.secagg_session_id:
             return self._masked_input(site, h, request_iterator, context)
-        prior = self.engine.existing_update(h.task_id, h.idempotency_key)
-        if prior is not None:
-            if prior.site != site:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, "this idempotency key belongs to another site's update")
-            log.info("duplicate update acknowledged", site=site, task_id=h.task_id, round=h.round)
-            return agent_pb2.UpdateReceipt(update_id=prior.update_id, duplicate=True, stored_nbytes=prior.nbytes,
-                                           round=prior.round)
         try:
-            self.engine.check_update_header(site, h)
+            return self.engine.submit_update(site, h, request_iterator, first.ByteSize() + GRPC_MESSAGE_PREFIX)
         except Refused as exc:
             abort(context, exc)
-        spill = SpillWriter(self.engine.spill_path(h.task_id, h.round))
-        assembler = PipelinedAssembler(ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True))
-        path, layout = spill.path, spill.layout
-        try:
-            wire_bytes = first.ByteSize() + GRPC_MESSAGE_PREFIX + read_update_stream(
-                request_iterator, assembler, "the update stream", "nothing was stored")
-            nbytes = spill.finish()
-            path, layout = self.engine.prepare_update(h, spill.path, spill.layout)  # codec payloads checked here
-        except IntegrityError as exc:
-            assembler.abort()
-            spill.discard()
-            spill.path.unlink(missing_ok=True)
-            log.warning("update rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"update rejected: {exc}")
-        except BaseException:
-            assembler.abort()
-            spill.discard()
-            raise
-        try:
-            update_id = self.engine.accept_update(site, h, path, layout, nbytes, wire_bytes)
-        except Refused as exc:
-            path.unlink(missing_ok=True)
-            abort(context, exc)
-        return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
 
     def _masked_input(self, site: str, h: agent_pb2.UpdateHeader, request_iterator, context) -> agent_pb2.UpdateReceipt:
         """A secure-aggregation masked input: one uint32 tensor, assembled in memory (verified chunk by chunk and
@@ -217,27 +187,6 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except Refused as exc:
             abort(context, exc)
         return agent_pb2.HoldResponse()
-
-
-def read_update_stream(request_iterator, assembler, what: str, consequence: str) -> int:
-    """Feed an update stream's tensor chunks to ``assembler`` up to its commit message, check the commit's byte
-    count, and return the serialized bytes the messages took on the wire (each with gRPC's message prefix).
-    IntegrityError for anything else in the stream, a count mismatch, or a stream without its commit."""
-    wire_bytes = 0
-    for msg in request_iterator:
-        wire_bytes += msg.ByteSize() + GRPC_MESSAGE_PREFIX
-        kind = msg.WhichOneof("item")
-        if kind == "tensor":
-            assembler.add(msg.tensor)
-        elif kind == "commit":
-            assembler.finish()
-            if msg.commit.total_encoded_nbytes != assembler.nbytes:
-                raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
-                                     f"{assembler.nbytes} arrived")
-            return wire_bytes
-        else:
-            raise IntegrityError(f"unexpected {kind!r} message inside {what}")
-    raise IntegrityError(f"{what} ended before its commit message; {consequence}")
 
 
 class _ArraySink:

@@ -22,6 +22,10 @@ The backup is written into a hidden sibling folder and renamed into place once v
 DEST with a manifest.json is complete, anything else is not. ``restore`` verifies every file first and writes
 only into an empty or new folder.
 
+SQLite-specific: a backup is a file-level snapshot of the SQLite store (aggregator_service.store.sqlite_store),
+and the references are read from that snapshot file with SQL here. A store on another database (PostgreSQL) is
+backed up with that database's own tools; this module does not apply to it.
+
 Signed backups: the manifest names every file with its sha256, so its signature covers the whole backup. Without
 ``--ca``, verify and restore check the backup's integrity (against accidents: a truncated copy, a flipped bit);
 with ``--ca`` they also require a valid aggregator signature, so someone who can write the backup folder but does
@@ -48,7 +52,8 @@ from fedclinic.runtime.blobstore import blob_relpath
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.proto import control_pb2
 
-from aggregator_service.store import SCHEMA_VERSION, manifest_from_json, read_schema_version
+from aggregator_service.store.migrations import SCHEMA_VERSION, read_schema_version
+from aggregator_service.store.sqlite_store import SqliteStore, manifest_from_json
 
 log = structlog.get_logger("fedclinic.aggregator.backup")
 
@@ -437,9 +442,7 @@ def restore_backup(src: str | os.PathLike[str], state_dir: str | os.PathLike[str
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    from aggregator_service.store import Store
-
-    Store(state_dir).close()  # migrations and spill-path relocation now, not at the service's first start
+    SqliteStore(state_dir).close()  # migrations and spill-path relocation now, not at the service's first start
     log.info("backup restored", src=str(src), state_dir=str(state_dir), files=len(manifest.files),
              schema_version=manifest.schema_version)
     return manifest

@@ -10,13 +10,15 @@ from typing import Iterator
 import grpc
 import structlog
 
-from fedclinic.errors import IntegrityError
+from fedclinic.errors import IntegrityError, Refused
 from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
 from fedclinic.transport.wire import manifest_from_proto
 
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
-from aggregator_service.engine import TERMINAL, Engine, Refused, latest_model_hash, status_of, validate_spec
+from aggregator_service.engine import Engine
+from aggregator_service.rounds import validate_spec
+from aggregator_service.status import TERMINAL, latest_model_hash, status_of
 from aggregator_service.transfer import receive_model, send_model
 
 log = structlog.get_logger("fedclinic.aggregator.control")
@@ -29,7 +31,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
 
     def _visible(self, context, task_id: str) -> None:
         ident = peer_identity(context)
-        row = self.engine.store.one("SELECT owner FROM tasks WHERE task_id=?", (task_id,))
+        row = self.engine.store.task(task_id)
         if row is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"no task {task_id!r} on this aggregator; list tasks with `fedclinic task list`")
@@ -45,8 +47,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         h = first.header
         if not h.idempotency_key or len(h.idempotency_key) > 255:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key must be 1-255 characters")
-        existing = self.engine.store.one("SELECT task_id FROM tasks WHERE owner=? AND idempotency_key=?",
-                                         (owner, h.idempotency_key))
+        existing = self.engine.store.task_by_key(owner, h.idempotency_key)
         if existing is not None:
             return status_of(self.engine.store, existing.task_id)
         try:
@@ -58,7 +59,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         except IntegrityError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model upload rejected: {exc}")
         except Refused as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+            context.abort(exc.code, exc.message)
         log.info("task submitted", task_id=task_id, owner=owner, model_bytes=nbytes)
         return status_of(self.engine.store, task_id)
 
@@ -68,9 +69,8 @@ class ControlApi(control_pb2_grpc.ControlServicer):
 
     def ListTasks(self, request, context) -> control_pb2.ListTasksResponse:
         ident = peer_identity(context)
-        sql = "SELECT task_id, state, owner FROM tasks ORDER BY created_ms"
         out = control_pb2.ListTasksResponse()
-        for row in self.engine.store.all(sql):
+        for row in self.engine.store.tasks():
             if ident.role != "admin" and row.owner != ident.name:
                 continue
             if not request.include_finished and row.state in TERMINAL:
@@ -82,8 +82,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         self._visible(context, request.task_id)
         after = request.after_seq
         while context.is_active() and not self.engine.stopping:
-            events = self.engine.store.all("SELECT * FROM events WHERE task_id=? AND seq>? ORDER BY seq",
-                                           (request.task_id, after))
+            events = self.engine.store.events_of(request.task_id, after)
             if events:
                 status = status_of(self.engine.store, request.task_id)
                 for e in events:
@@ -100,16 +99,15 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         try:
             self.engine.cancel(request.task_id, peer_identity(context).name, request.reason)
         except Refused as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+            context.abort(exc.code, exc.message)
         return status_of(self.engine.store, request.task_id)
 
     def FetchModel(self, request, context) -> Iterator[tensors_pb2.ModelChunk]:
         self._visible(context, request.task_id)
-        task = self.engine.store.one("SELECT * FROM tasks WHERE task_id=?", (request.task_id,))
+        task = self.engine.store.task(request.task_id)
         if request.round > 0:
-            row = self.engine.store.one("SELECT model_hash FROM rounds WHERE task_id=? AND round=? AND model_hash!=''",
-                                        (request.task_id, request.round))
-            if row is None:
+            row = self.engine.store.round(request.task_id, request.round)
+            if row is None or not row.model_hash:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"round {request.round} of task {request.task_id} has no model yet")
             model_hash = row.model_hash

@@ -46,8 +46,7 @@ request never becomes a label.
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -56,8 +55,7 @@ from prometheus_client.registry import Collector
 from fedclinic.runtime.metrics_endpoint import TaskSeries
 from fedclinic.proto import control_pb2
 
-if TYPE_CHECKING:
-    from aggregator_service.engine import Engine
+from aggregator_service.store import Store
 
 S = control_pb2
 P = "fedclinic_aggregator_"
@@ -68,6 +66,16 @@ _ROUND_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, floa
 _UPDATE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 _TASK_STATES = {S.TASK_STATE_QUEUED: "queued", S.TASK_STATE_RUNNING: "running", S.TASK_STATE_COMPLETED: "completed",
                 S.TASK_STATE_FAILED: "failed", S.TASK_STATE_CANCELLED: "cancelled"}
+
+
+class StateSource(Protocol):
+    """What the gauges are read from at scrape time (the round engine)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def connected_count(self) -> int:
+        """How many distinct sites have a work stream open now."""
 
 
 class AggregatorMetrics:
@@ -106,10 +114,10 @@ class AggregatorMetrics:
                                         registry=r)
         self.auth_refusals = Counter(P + "auth_refusals", "Calls refused by the auth interceptor", ["reason"],
                                      registry=r)
-        self._engine: Engine | None = None
+        self._engine: StateSource | None = None
         r.register(_StateCollector(self))
 
-    def attach(self, engine: "Engine") -> None:
+    def attach(self, engine: StateSource) -> None:
         """Read gauges from ``engine`` (its store and connection table) at scrape time."""
         self._engine = engine
 
@@ -171,8 +179,7 @@ class AggregatorMetrics:
     def _round_seconds(self, task_id: str, rnd: Any) -> float | None:
         if self._engine is None or not isinstance(rnd, int):
             return None
-        row = self._engine.store.one("SELECT opened_ms, closed_ms FROM rounds WHERE task_id=? AND round=?",
-                                     (task_id, rnd))
+        row = self._engine.store.round(task_id, rnd)
         return None if row is None or not row.closed_ms else max(0.0, (row.closed_ms - row.opened_ms) / 1000)
 
 
@@ -189,32 +196,24 @@ class _StateCollector(Collector):
         store = engine.store
         yield GaugeMetricFamily(P + "connected_agents", "Sites with a work stream open now",
                                 value=engine.connected_count())
+        gauges = store.gauges()
         tasks = GaugeMetricFamily(P + "tasks", "Tasks by state", labels=["state"])
-        counts = {r.state: r.n for r in store.all("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")}
         for state, name in _TASK_STATES.items():
-            tasks.add_metric([name], counts.get(state, 0))
+            tasks.add_metric([name], gauges.tasks_by_state.get(state, 0))
         yield tasks
-        # a cancelled task's last round keeps state OPEN in the store; only running tasks' rounds are open
-        open_rounds = ("SELECT r.task_id, r.round FROM rounds r JOIN tasks t USING (task_id) WHERE r.state=%d AND "
-                       "t.state=%d" % (S.ROUND_STATE_OPEN, S.TASK_STATE_RUNNING))
-        yield GaugeMetricFamily(P + "open_rounds", "Rounds open now",
-                                value=store.one(f"SELECT COUNT(*) AS n FROM ({open_rounds})").n)
+        yield GaugeMetricFamily(P + "open_rounds", "Rounds open now", value=gauges.open_rounds)
         yield GaugeMetricFamily(P + "pending_updates", "Updates received in open rounds, waiting for them to close",
-                                value=store.one(f"SELECT COUNT(*) AS n FROM updates u JOIN ({open_rounds}) r "
-                                                "USING (task_id, round)").n)
+                                value=gauges.pending_updates)
         yield GaugeMetricFamily(
             P + "outstanding_assignments", "Sites assigned to an open round that have not reported or declined",
-            value=store.one(f"SELECT COUNT(*) AS n FROM assignments a JOIN ({open_rounds}) r USING (task_id, round) "
-                            "WHERE a.declined='' AND NOT EXISTS (SELECT 1 FROM updates u WHERE u.task_id=a.task_id "
-                            "AND u.round=a.round AND u.site=a.site)").n)
+            value=gauges.outstanding_assignments)
         privacy = GaugeMetricFamily(P + "privacy_epsilon", "Privacy spent up to the task's last closed round "
                                     "(client: aggregator accountant; sample: largest site spend)",
                                     labels=["task_id", "level"])
-        running = {r.task_id for r in store.all("SELECT task_id FROM tasks WHERE state=?", (S.TASK_STATE_RUNNING,))}
+        running = {t.task_id for t in store.tasks(S.TASK_STATE_RUNNING)}
         for task_id in sorted(running | self.metrics.series.tracked()):
-            row = store.one("SELECT metrics FROM rounds WHERE task_id=? AND state=? ORDER BY round DESC LIMIT 1",
-                            (task_id, S.ROUND_STATE_CLOSED))
-            figures = json.loads(row.metrics) if row is not None else {}
+            row = store.last_closed_round(task_id)
+            figures = row.metrics if row is not None else {}
             for key, level in (("client_dp_epsilon", "client"), ("dp_epsilon", "sample")):
                 if key in figures:
                     privacy.add_metric([task_id, level], figures[key])

@@ -27,18 +27,22 @@ aggregator restart loses it, the agents re-join when their assignment is deliver
 re-keyed. The engine's round deadline and quorum policy bound everything (a round whose session did not
 finish by then counts as a quorum miss: retry with a new attempt, or fail).
 
-Every method runs under the engine's lock and wakes waiters through its condition variable.
+Every method runs under the engine's lock and wakes waiters through its condition variable. The coordinator
+knows the engine only through :class:`SecureRoundHost` (lock, store, eligibility, byte accounting, closing).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+import threading
+from typing import Iterable, Protocol
 
+import grpc
 import numpy as np
 import structlog
 
+from fedclinic.errors import Refused
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase, SecAggAbort, SecAggConfigError,
@@ -47,10 +51,7 @@ from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase
 from fedclinic.secagg.task_config import floor_of, session_params
 from fedclinic.spec.selection import select_names
 
-from aggregator_service.store import now_ms
-
-if TYPE_CHECKING:
-    from aggregator_service.engine import Engine
+from aggregator_service.store import RoundRecord, Store, now_ms
 
 log = structlog.get_logger("fedclinic.aggregator.secagg")
 S = control_pb2
@@ -96,11 +97,30 @@ class _Round:
         return self.session is not None and self.session.phase not in (Phase.DONE, Phase.ABORTED)
 
 
+class SecureRoundHost(Protocol):
+    """What the coordinator needs from the round engine that hosts it: its lock (every coordinator method runs
+    under it) and the condition waiters sleep on, its store, whether a site may take a task, the connected
+    sites, byte accounting, and closing round ``rnd`` with the securely aggregated mean (or failing it when
+    the strategy refuses that)."""
+
+    lock: threading.RLock
+    changed: threading.Condition
+
+    @property
+    def store(self) -> Store: ...
+    def eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool: ...
+    def connected_sites(self) -> Iterable[str]: ...
+    def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None: ...
+    def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None: ...
+    def close_secure_round(self, task_id: str, rnd: int, mean: dict[str, np.ndarray], metrics: dict[str, float],
+                           summary: str) -> None: ...
+
+
 class SecureRounds:
     """The aggregator's secure-aggregation coordinator (one per engine)."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
+    def __init__(self, host: SecureRoundHost) -> None:
+        self.host = host
         self._rounds: dict[str, _Round] = {}
         self._features: dict[str, frozenset[str]] = {}
         self._outbox: dict[str, list[tuple[int, str, agent_pb2.WorkItem]]] = {}  # site -> (seq, task, item)
@@ -109,7 +129,7 @@ class SecureRounds:
     # capabilities and the work stream ---------------------------------------------------------------------
     def hello(self, site: str, features: list[str], secure_aggregation: bool) -> None:
         """Remember what ``site`` announced at Hello (it must say ``secagg-v1`` to be given secure tasks)."""
-        with self.engine.lock:
+        with self.host.lock:
             self._features[site] = frozenset(features) | (frozenset({"secure_aggregation"}) if secure_aggregation
                                                           else frozenset())
 
@@ -123,7 +143,7 @@ class SecureRounds:
         Only the latest message per (site, task) is kept: each one is sent after the site answered the one
         before, so a reconnected agent needs only that one (it answers a repeat with its first answer), and a
         restarted agent, which lost its keys, gets nothing it could mistake for a session of its own."""
-        with self.engine.lock:
+        with self.host.lock:
             items = [(seq, item) for seq, _, item in self._outbox.get(site, ()) if seq > cursor[0]]
             if items:
                 cursor[0] = items[-1][0]
@@ -133,7 +153,7 @@ class SecureRounds:
         msg = agent_pb2.SecAggPhase(task_id=st.task_id, round=st.round, session_id=st.session_hex, **body)
         items = [i for i in self._outbox.get(site, ()) if i[1] != st.task_id]
         self._outbox[site] = [*items, (next(self._seq), st.task_id, agent_pb2.WorkItem(secagg=msg))]
-        self.engine.add_downlink(st.task_id, msg.ByteSize())
+        self.host.add_downlink(st.task_id, msg.ByteSize())
 
     def _clear_outbox(self, task_id: str) -> None:
         for site, items in list(self._outbox.items()):
@@ -145,27 +165,27 @@ class SecureRounds:
 
     # round bookkeeping -----------------------------------------------------------------------------------
     def _event(self, task_id: str, kind: str, message: str) -> None:
-        with self.engine.store.tx() as c:
-            self.engine.store.add_event(c, task_id, kind, message)
+        with self.host.store.transaction() as tx:
+            tx.add_event(task_id, kind, message)
 
-    def _current(self, task_id: str, *, create: bool = True) -> tuple[_Round | None, object, task_pb2.TaskSpec | None]:
+    def _current(self, task_id: str, *, create: bool = True) -> tuple[_Round | None, RoundRecord | None, task_pb2.TaskSpec | None]:
         """The state of the task's open round attempt (dropping a stale one); (None, None, None) if none."""
-        eng = self.engine
+        store = self.host.store
         st = self._rounds.get(task_id)
-        task = eng.store.one("SELECT state, spec FROM tasks WHERE task_id=?", (task_id,))
-        rnd = eng._open_round(task_id) if task is not None and task.state == S.TASK_STATE_RUNNING else None
+        task = store.task(task_id)
+        rnd = store.open_round_of(task_id) if task is not None and task.state == S.TASK_STATE_RUNNING else None
         if rnd is None:
             if st is not None:
                 self._drop(st, "the task or round ended")
             return None, None, None
-        spec = task_pb2.TaskSpec.FromString(task.spec)
+        spec = task.spec
         if not spec.secure_aggregation.enabled:
             return None, None, None
         if st is not None and (st.round, st.attempt) != (rnd.round, rnd.attempt):
             self._drop(st, f"round {st.round} attempt {st.attempt} is over")
             st = None
         if st is None and create:
-            manifest = eng.store.model(rnd.base_model)
+            manifest = store.model(rnd.base_model)
             assert manifest is not None
             names = tuple(select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
                                        spec.update.frozen_patterns, spec.update.private_patterns))
@@ -207,18 +227,15 @@ class SecureRounds:
     # agent -> aggregator -------------------------------------------------------------------------------
     def respond(self, site: str, msg: agent_pb2.SecAggPhase) -> None:
         """Handle one ``SecAggRespond`` call from ``site`` (the certificate's name); raises Refused."""
-        from aggregator_service.engine import Refused
-
         kind = msg.WhichOneof("body")
-        with self.engine.lock:
+        with self.host.lock:
             st, rnd, spec = self._current(msg.task_id)
             if st is None or rnd.round != msg.round:
-                raise Refused("FAILED_PRECONDITION", f"round {msg.round} of task {msg.task_id} is not an open "
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"round {msg.round} of task {msg.task_id} is not an open "
                                                      "secure-aggregation round; wait for the next assignment")
-            a = self.engine.store.one("SELECT declined FROM assignments WHERE task_id=? AND round=? AND site=?",
-                                      (msg.task_id, msg.round, site))
+            a = self.host.store.assignment(msg.task_id, msg.round, site)
             if a is None or a.declined:
-                raise Refused("PERMISSION_DENIED", f"site {site} is not a participant of round {msg.round} of task "
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"site {site} is not a participant of round {msg.round} of task "
                                                    f"{msg.task_id}")
             st.uplink += msg.ByteSize()
             if kind == "join":
@@ -226,22 +243,20 @@ class SecureRounds:
             elif kind in ("advertise_keys", "share_keys", "unmask_response"):
                 self._phase_message(st, site, msg, kind)
             else:
-                raise Refused("INVALID_ARGUMENT", f"SecAggRespond takes join, advertise_keys, share_keys or "
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"SecAggRespond takes join, advertise_keys, share_keys or "
                                                   f"unmask_response, not {kind or 'an empty body'}")
             self._advance(st, rnd, spec)
-            self.engine.changed.notify_all()
+            self.host.changed.notify_all()
 
-    def _join(self, st: _Round, rnd, spec: task_pb2.TaskSpec, site: str, j: agent_pb2.SecAggJoin) -> None:
-        from aggregator_service.engine import Refused
-
+    def _join(self, st: _Round, rnd: RoundRecord, spec: task_pb2.TaskSpec, site: str, j: agent_pb2.SecAggJoin) -> None:
         if j.model_hash != st.base_model:
-            raise Refused("FAILED_PRECONDITION", f"site {site} trained on model {j.model_hash[:12]}, but round "
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"site {site} trained on model {j.model_hash[:12]}, but round "
                                                  f"{st.round} started from {st.base_model[:12]}")
         if j.attempt != st.attempt:
-            raise Refused("FAILED_PRECONDITION", f"attempt {j.attempt} of round {st.round} is over (now attempt "
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"attempt {j.attempt} of round {st.round} is over (now attempt "
                                                  f"{st.attempt}); wait for the new assignment")
         if j.vector_length != st.vector_length:
-            raise Refused("INVALID_ARGUMENT", f"the update vector has {j.vector_length} values; this round's "
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the update vector has {j.vector_length} values; this round's "
                                               f"tensors {list(st.names)[:4]} have {st.vector_length}")
         if site in st.cohort and st.live:
             return  # already in the running session (a repeated join)
@@ -251,16 +266,14 @@ class SecureRounds:
                      joined=len(st.joined))
 
     def _phase_message(self, st: _Round, site: str, msg: agent_pb2.SecAggPhase, kind: str) -> None:
-        from aggregator_service.engine import Refused
-
         s = st.session
         if s is None or msg.session_id != st.session_hex or not st.live:
-            raise Refused("FAILED_PRECONDITION", f"secure-aggregation session {msg.session_id[:16]} of round "
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation session {msg.session_id[:16]} of round "
                                                  f"{st.round} is over (aborted, finished or re-keyed)")
         phase = {"advertise_keys": Phase.ADVERTISE, "share_keys": Phase.SHARE_KEYS,
                  "unmask_response": Phase.UNMASK}[kind]
         if s.phase is not phase:
-            raise Refused("FAILED_PRECONDITION", f"{kind} from {site} arrived in phase {s.phase.value} of session "
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"{kind} from {site} arrived in phase {s.phase.value} of session "
                                                  f"{st.session_hex[:16]}: that phase closed at its deadline")
         sid = s.params.session_id
         try:
@@ -273,12 +286,12 @@ class SecureRounds:
                 r = msg.unmask_response
                 s.receive_unmask(UnmaskResponse(sid, site, dict(r.self_mask_shares), dict(r.mask_key_shares)))
         except (SecAggProtocolError, SecAggIntegrityError) as exc:
-            raise Refused("INVALID_ARGUMENT", f"{kind} from {site} rejected: {exc}") from None
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{kind} from {site} rejected: {exc}") from None
         st.expected.discard(site)
 
     def declined(self, site: str, task_id: str, rnd: int) -> None:
         """``site`` declined round ``rnd`` (e.g. its own secure-aggregation checks refused): stop waiting for it."""
-        with self.engine.lock:
+        with self.host.lock:
             st = self._rounds.get(task_id)
             if st is None or st.round != rnd:
                 return
@@ -292,53 +305,47 @@ class SecureRounds:
     # masked inputs (through SubmitUpdate) ----------------------------------------------------------------
     def existing_masked(self, site: str, h: agent_pb2.UpdateHeader) -> str | None:
         """The update id of an already folded masked input with this idempotency key (None if new)."""
-        from aggregator_service.engine import Refused
-
-        with self.engine.lock:
+        with self.host.lock:
             st = self._rounds.get(h.task_id)
             prior = st.masked_keys.get(h.idempotency_key) if st is not None else None
             if prior is None:
                 return None
             if prior[0] != site:
-                raise Refused("ALREADY_EXISTS", "this idempotency key belongs to another site's update")
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, "this idempotency key belongs to another site's update")
             return prior[1]
 
     def check_masked_header(self, site: str, h: agent_pb2.UpdateHeader) -> int:
         """Validate a masked-input header before its bytes are read; returns the vector length."""
-        from aggregator_service.engine import Refused
-
-        with self.engine.lock:
+        with self.host.lock:
             st, rnd, _ = self._current(h.task_id)
             if st is None or rnd.round != h.round or st.session is None or h.secagg_session_id != st.session_hex:
-                raise Refused("FAILED_PRECONDITION", f"secure-aggregation session {h.secagg_session_id[:16]} of "
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation session {h.secagg_session_id[:16]} of "
                                                      f"round {h.round} of task {h.task_id} is over; the masked "
                                                      "input was not used")
             s = st.session
             if s.phase is not Phase.MASKED_INPUT:
-                raise Refused("FAILED_PRECONDITION", f"masked input from {site} arrived in phase {s.phase.value}: "
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"masked input from {site} arrived in phase {s.phase.value}: "
                                                      "the masked-input phase is closed")
             if site not in st.expected:
-                raise Refused("ALREADY_EXISTS" if site in st.cohort else "PERMISSION_DENIED",
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS if site in st.cohort else grpc.StatusCode.PERMISSION_DENIED,
                               f"site {site} already sent its masked input with another idempotency key, or did "
                               "not share keys in this session")
             if h.base_model_hash != st.base_model:
-                raise Refused("FAILED_PRECONDITION", f"the masked input was computed against model "
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"the masked input was computed against model "
                                                      f"{h.base_model_hash[:12]}, not {st.base_model[:12]}")
             if h.num_samples or h.metrics or h.eval_metrics or h.HasField("dp"):
-                raise Refused("INVALID_ARGUMENT", "a masked input must not carry num_samples, metrics, "
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a masked input must not carry num_samples, metrics, "
                                                   "eval_metrics or dp: they would travel in the clear beside "
                                                   "the masked vector")
             if (len(h.tensors) != 1 or h.tensors[0].name != MASKED_TENSOR or h.tensors[0].dtype != "uint32"
                     or list(h.tensors[0].shape) != [st.vector_length]):
-                raise Refused("INVALID_ARGUMENT", f"a masked input carries exactly one tensor {MASKED_TENSOR!r}, "
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a masked input carries exactly one tensor {MASKED_TENSOR!r}, "
                                                   f"uint32, shape [{st.vector_length}]")
             return st.vector_length
 
     def accept_masked(self, site: str, h: agent_pb2.UpdateHeader, vector: np.ndarray, nbytes: int) -> str:
         """Fold a verified masked vector into the session; returns its update id (idempotent per key)."""
-        from aggregator_service.engine import Refused
-
-        with self.engine.lock:
+        with self.host.lock:
             prior = self.existing_masked(site, h)
             if prior is not None:
                 return prior
@@ -349,21 +356,21 @@ class SecureRounds:
             try:
                 st.session.receive_masked_input(MaskedInput(st.session.params.session_id, site, vector))
             except SecAggProtocolError as exc:
-                raise Refused("INVALID_ARGUMENT", f"masked input from {site} rejected: {exc}") from None
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"masked input from {site} rejected: {exc}") from None
             update_id = f"m-{st.session_hex[:12]}-{site}"
             st.masked_keys[h.idempotency_key] = (site, update_id)
             st.expected.discard(site)
             st.uplink += nbytes
             log.info("masked input folded", task_id=h.task_id, round=h.round, site=site, nbytes=nbytes)
             self._advance(st, rnd, spec)
-            self.engine.changed.notify_all()
+            self.host.changed.notify_all()
             return update_id
 
     # phases --------------------------------------------------------------------------------------------
     def tick(self) -> float:
         """Apply join and phase deadlines of every secure round; seconds until the next one (<= 1)."""
         wait = 1.0
-        with self.engine.lock:
+        with self.host.lock:
             for task_id in list(self._rounds):
                 st, rnd, spec = self._current(task_id, create=False)
                 if st is None:
@@ -372,12 +379,12 @@ class SecureRounds:
                 if task_id in self._rounds:
                     due = st.phase_deadline_ms if st.live else st.join_deadline_ms
                     wait = min(wait, max(0.0, (due - now_ms()) / 1000))
-            for rnd in self.engine.store.all("SELECT task_id FROM rounds WHERE state=?", (S.ROUND_STATE_OPEN,)):
+            for rnd in self.host.store.open_rounds(running_only=False):
                 if rnd.task_id not in self._rounds:  # e.g. after a restart: wait for joins with a fresh state
                     self._current(rnd.task_id)
         return max(wait, 0.01)
 
-    def _maybe_start(self, st: _Round, rnd, spec: task_pb2.TaskSpec) -> None:
+    def _maybe_start(self, st: _Round, rnd: RoundRecord, spec: task_pb2.TaskSpec) -> None:
         floor = floor_of(spec)
         n, now = len(st.joined), now_ms()
         if n < floor or st.sessions >= MAX_SESSIONS_PER_ATTEMPT:
@@ -417,14 +424,13 @@ class SecureRounds:
                  session=st.session_hex[:16], cohort=list(params.cohort))
 
     def _others_may_join(self, st: _Round, spec: task_pb2.TaskSpec) -> bool:
-        eng = self.engine
-        assigned = {a.site for a in eng.store.all("SELECT site FROM assignments WHERE task_id=? AND round=? AND "
-                                                  "declined=''", (st.task_id, st.round))}
+        host = self.host
+        assigned = {a.site for a in host.store.assignments_of(st.task_id, st.round) if not a.declined}
         if assigned - set(st.joined):
             return True
-        return any(s not in assigned and eng._eligible(st.task_id, spec, s) for s in eng._connected)
+        return any(s not in assigned and host.eligible(st.task_id, spec, s) for s in host.connected_sites())
 
-    def _advance(self, st: _Round, rnd, spec: task_pb2.TaskSpec) -> None:
+    def _advance(self, st: _Round, rnd: RoundRecord, spec: task_pb2.TaskSpec) -> None:
         """Start a session when the joins allow; close the open phase when all answered or its deadline passed."""
         if st.session is None:
             self._maybe_start(st, rnd, spec)
@@ -487,13 +493,13 @@ class SecureRounds:
                    "secagg_error_bound": result.error_bound / m}  # per coordinate, on the mean
         self._rounds.pop(st.task_id, None)
         self._clear_outbox(st.task_id)
-        self.engine.add_uplink(st.task_id, st.round, st.uplink)
+        self.host.add_uplink(st.task_id, st.round, st.uplink)
         self._event(st.task_id, "secagg-result",
                     f"round {st.round}: unmasked the sum of {m} site(s) ({', '.join(result.survivors)})"
                     + (f"; dropped: {', '.join(dropped)}" if dropped else "")
                     + f"; per-value error bound of the mean {metrics['secagg_error_bound']:.3g}")
         log.info("secure aggregation finished", task_id=st.task_id, round=st.round, survivors=m,
                  dropped=dropped)
-        self.engine.close_secure_round(st.task_id, st.round, tensors, metrics,
+        self.host.close_secure_round(st.task_id, st.round, tensors, metrics,
                                        f"the secure sum of {m} site(s)")
 

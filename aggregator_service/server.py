@@ -26,7 +26,7 @@ from aggregator_service.config import AggregatorConfig
 from aggregator_service.control_api import ControlApi
 from aggregator_service.engine import Engine
 from aggregator_service.metrics import AggregatorMetrics
-from aggregator_service.store import Store
+from aggregator_service.store import SqliteStore
 
 log = structlog.get_logger("fedclinic.aggregator")
 
@@ -36,7 +36,7 @@ ADDRESS_FILE = "aggregator.addr"
 class Aggregator:
     def __init__(self, config: AggregatorConfig) -> None:
         self.config = config
-        self.store = Store(config.state_dir)
+        self.store = SqliteStore(config.state_dir)
         #: STATE_DIR/audit.jsonl (aggregator_service.audit_trail): task events after they commit, connections,
         #: downloads, refused certificates
         self.audit = AuditTrail(config.state_dir / "audit.jsonl")

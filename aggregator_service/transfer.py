@@ -13,7 +13,7 @@ from fedclinic.transport.package import Manifest
 from fedclinic.proto import tensors_pb2
 from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
 
-from aggregator_service.engine import UpdateLayout
+from aggregator_service.folding import UpdateLayout
 
 
 class SpillWriter:

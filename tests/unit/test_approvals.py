@@ -70,19 +70,19 @@ def test_policy_approval_setting(tmp_path: Path) -> None:
 
 
 def test_store_hands_events_to_the_audit_hook_only_after_commit(tmp_path: Path) -> None:
-    from aggregator_service.store import Store
+    from aggregator_service.store import SqliteStore
 
-    store = Store(tmp_path)
+    store = SqliteStore(tmp_path)
     seen: list[list[dict]] = []
     store.on_commit = seen.append
     with pytest.raises(RuntimeError):
-        with store.tx() as c:
-            store.add_event(c, "t-1", "submitted", "rolled back", actor="x")
+        with store.transaction() as tx:
+            tx.add_event("t-1", "submitted", "rolled back", actor="x")
             raise RuntimeError("boom")
     assert seen == []
-    with store.tx() as c:
-        store.add_event(c, "t-1", "submitted", "kept", actor="scientist", model_hash="h")
-        store.add_event(c, "t-1", "round-opened", "r1", round=1)
+    with store.transaction() as tx:
+        tx.add_event("t-1", "submitted", "kept", actor="scientist", model_hash="h")
+        tx.add_event("t-1", "round-opened", "r1", round=1)
     assert seen == [[{"task_id": "t-1", "kind": "submitted", "message": "kept", "actor": "scientist",
                       "details": {"model_hash": "h"}},
                      {"task_id": "t-1", "kind": "round-opened", "message": "r1", "actor": "", "details": {"round": 1}}]]

@@ -112,7 +112,8 @@ def test_a_dataset_pinned_to_a_tokenizer_refuses_other_tokenizers(tmp_path):
 
 
 def test_aggregator_refuses_a_spec_whose_tokenizer_hash_is_not_the_models():
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
     from fedclinic.spec.task import Task
 
     from tests.integration.conftest import tiny_package
@@ -163,7 +164,8 @@ def test_aggregator_refuses_misspelt_keys_from_the_file_and_the_environment(tmp_
 def test_aggregator_refuses_sample_level_dp_for_a_model_dp_sgd_cannot_train():
     """The aggregator's own check (an SDK of another version may skip it): DP-SGD for an LSTM or logreg is refused
     at submit with the reason and the alternative, not at every site."""
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
     from fedclinic.spec.task import Task
 
     from tests.integration.conftest import tiny_package

@@ -61,7 +61,8 @@ def test_round_rng_depends_on_task_round_and_tensor():
 
 
 def test_task_declares_a_downlink_codec_and_bad_ones_are_refused(tmp_path):
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
     from tests.integration.conftest import tiny_package
 
     toml = tmp_path / "task.toml"
@@ -78,14 +79,14 @@ def test_task_declares_a_downlink_codec_and_bad_ones_are_refused(tmp_path):
 
 def test_the_store_keeps_each_model_s_changes_and_a_backup_copies_their_payloads(tmp_path):
     from aggregator_service.backup import _references, _snapshot
-    from aggregator_service.store import Store
+    from aggregator_service.store import SqliteStore
 
-    store = Store(tmp_path / "state")
+    store = SqliteStore(tmp_path / "state")
     header = tensors_pb2.TensorHeader(name="w", dtype="float32", shape=[3, 2], codec="int8:block=128", sha256="ab" * 32,
                                       encoded_nbytes=10, codec_params={"scale": "\"fp32\""})
     delta = tensors_pb2.DownlinkDelta(name="w", base_sha256="cd" * 32, header=header)
-    with store.tx() as c:
-        store.put_model_deltas(c, "m1", [delta])
+    with store.transaction() as tx:
+        tx.put_model_deltas("m1", [delta])
     assert store.model_deltas("m1") == {"w": delta} and store.model_deltas("m2") == {}
     _snapshot(store.db_path, tmp_path / "snap.sqlite")
     version, _, blobs, _ = _references(tmp_path / "snap.sqlite")

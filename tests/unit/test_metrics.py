@@ -15,7 +15,7 @@ from aggregator_service import cli as aggregator_cli
 from aggregator_service.config import AggregatorConfig
 from aggregator_service.engine import Engine
 from aggregator_service.metrics import AggregatorMetrics
-from aggregator_service.store import Store
+from aggregator_service.store import SqliteStore
 from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.errors import ConfigError
 from fedclinic.runtime.metrics_endpoint import MetricsAddress, MetricsServer, TaskSeries, parse_metrics_address
@@ -148,7 +148,7 @@ def test_task_labels_stay_bounded():
 
 
 def test_aggregator_counts_lifecycle_events_and_reads_state_from_the_store(tmp_path):
-    store = Store(tmp_path)
+    store = SqliteStore(tmp_path)
     metrics = AggregatorMetrics(keep_ended_tasks=1)
     store.on_commit = metrics.on_commit
     engine = Engine(store, BlobStore(tmp_path / "blobs"), metrics=metrics)

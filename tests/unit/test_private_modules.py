@@ -105,7 +105,8 @@ def test_the_site_model_is_the_global_model_with_the_site_s_private_tensors(tmp_
 
 
 def test_task_toml_declares_private_patterns_and_the_aggregator_checks_them(tmp_path):
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
 
     toml = tmp_path / "task.toml"
     toml.write_text('name = "n"\ndataset = "ner"\nlabels = ["DRUG", "CONDITION"]\nfamily = "token-classification"\n'
@@ -168,7 +169,7 @@ def test_no_private_tensor_appears_in_the_agent_s_serialized_update_stream(agent
     """The agent trains a round with the aggregator's send list (the static selection, which leaves private
     tensors out), then encodes, stores and streams the update exactly as it uploads it: the bytes on the wire
     name no private tensor and carry neither a private tensor's trained values nor its change."""
-    from aggregator_service.engine import sent_tensors
+    from aggregator_service.update_admission import sent_tensors
     from fedclinic.models import build_model, module_tensors
     from fedclinic.proto import agent_pb2
     from hospital_agent.worker import Agent, _TaskState

@@ -109,7 +109,8 @@ def test_multi_krum_needs_enough_sites_and_same_tensors(sites):
 
 
 def test_task_validation_checks_the_strategy_minimum():
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
     from fedclinic.transport.package import ModelPackage
     from fedclinic.spec.task import Task
 

@@ -293,7 +293,8 @@ def test_task_toml_update_section(tmp_path):
 
 
 def test_aggregator_refuses_top_k_beyond_the_model_and_bad_specs():
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
 
     pkg = _package(layers=3)
     validate_spec(_task(safl_top_k=3).to_spec(), pkg.manifest())
@@ -320,7 +321,7 @@ def test_aggregator_refuses_top_k_beyond_the_model_and_bad_specs():
 
 
 def test_aggregator_offers_layers_and_head_only():
-    from aggregator_service.engine import sent_tensors
+    from aggregator_service.update_admission import sent_tensors
 
     pkg = _package(layers=2)
     names = sent_tensors(_task().to_spec(), pkg.manifest())

@@ -9,7 +9,8 @@ import sqlite3
 import pytest
 from structlog.testing import capture_logs
 
-from aggregator_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError
+from aggregator_service.store import MIGRATIONS, SCHEMA_VERSION, StoreError
+from aggregator_service.store import SqliteStore as Store
 
 # The tables exactly as the first release (schema version 1) created them, written out here rather than
 # imported, so this stays a database "made by an older build" whatever the code does later.

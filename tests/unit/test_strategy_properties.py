@@ -314,7 +314,8 @@ def test_dynamic_weighting_code_definition_uses_the_reported_rate():
 
 
 def test_task_validation_requires_measured_gradients_for_the_code_definition():
-    from aggregator_service.engine import Refused, validate_spec
+    from aggregator_service.rounds import validate_spec
+    from fedclinic.errors import Refused
     from fedclinic.transport.package import ModelPackage
     from fedclinic.spec.task import Task
 

@@ -57,7 +57,7 @@ def test_string_strategy_options_travel_in_their_own_map_and_are_checked():
              strategy_params={"server_lr": 4, "granularity": "whole_model"})
     spec = t.to_spec()
     assert dict(spec.strategy_params) == {"server_lr": 4.0} and dict(spec.strategy_options) == {"granularity": "whole_model"}
-    from aggregator_service.engine import strategy_of
+    from fedclinic.spec.validation import strategy_of
 
     assert strategy_of(spec).granularity == "whole_model"
     with pytest.raises(ConfigError, match="granularity must be one of"):

@@ -4,6 +4,8 @@ The task spec (:mod:`fedclinic.spec.task`), the aggregator and the sites consult
 refused with the same reason everywhere, before any model is built:
 
 - sample-level DP-SGD (:func:`check_supported`; the mechanism is :mod:`fedclinic.privacy.dp_sgd`);
+- the local optimizers and their state policies (:func:`check_optimizer_settings`; the optimizers are
+  :mod:`fedclinic.training.optimizers`);
 - the pooling forms of a text-classification transformer (:func:`pooling_problem`; the module is
   :mod:`fedclinic.models.mean_pooling`).
 """
@@ -51,3 +53,20 @@ def pooling_problem(pooling: Any) -> str | None:
     if pooling not in POOLINGS:
         return f"pooling must be one of {list(POOLINGS)}, got {pooling!r}"
     return None
+
+
+#: local optimizer names, as a task's ``optimizer`` field takes them (built by fedclinic.training.optimizers)
+OPTIMIZERS = ("adamw", "adam", "sgd", "self_adam", "padam")
+#: what happens to optimizer state between rounds
+OPTIMIZER_STATE_POLICIES = ("reset", "keep")
+
+
+def check_optimizer_settings(optimizer: str, state_policy: str) -> list[str]:
+    """Problems with an optimizer name and state policy, as sentences (empty when both are valid)."""
+    problems = []
+    if optimizer not in OPTIMIZERS:
+        problems.append(f"optimizer {optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+    if state_policy not in OPTIMIZER_STATE_POLICIES:
+        problems.append(f"optimizer_state {state_policy!r} is unknown; choose one of "
+                        f"{', '.join(OPTIMIZER_STATE_POLICIES)}")
+    return problems

@@ -46,3 +46,19 @@ def select_names(names: Iterable[str], trainable: Sequence[str] = (), frozen: Se
         raise ConfigError(f"no tensor is left to train: trainable={list(trainable)} frozen={list(frozen)} "
                           f"select nothing out of {len(names)} tensors")
     return chosen
+
+
+def private_names(names: Iterable[str], patterns: Sequence[str], frozen: Sequence[str] = ()) -> list[str]:
+    """Names (in the given order) that fully match some private pattern and no ``frozen`` pattern (a frozen
+    tensor is not trained at all); [] when there are no patterns.
+
+    ConfigError for an invalid regex or a pattern that matches no tensor (a typo would otherwise send a
+    module the task meant to keep at the sites)."""
+    names = list(names)
+    compiled = compile_patterns(patterns, "private")
+    for pat in compiled:
+        if not any(pat.fullmatch(n) for n in names):
+            raise ConfigError(f"private pattern {pat.pattern!r} matches no tensor of the model (patterns must match the "
+                              f"whole name); names look like {', '.join(repr(n) for n in names[:3])}")
+    frozen_re = compile_patterns(frozen, "frozen")
+    return [n for n in names if any(p.fullmatch(n) for p in compiled) and not any(p.fullmatch(n) for p in frozen_re)]

@@ -35,16 +35,20 @@ set, the base model (a local pretrained folder) and the training/round settings.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from fedclinic.errors import ConfigError
-from fedclinic.training.optimizers import check_optimizer_settings
 from fedclinic.proto import task_pb2
 from fedclinic.runtime.tomlconfig import load_toml
+from fedclinic.secagg.task_config import config_from_dict
+from fedclinic.secagg.task_config import dict_problems as secagg_dict_problems
+from fedclinic.spec.capabilities import check_optimizer_settings, pooling_problem
+from fedclinic.spec.validation import definition_problems
+from fedclinic.spec.validation import privacy_problems as spec_privacy_problems
+from fedclinic.transport.codec_wire import canonical
 
 FAMILIES = {"text-classification": ("transformer", "lstm", "logreg"),
             "token-classification": ("transformer", "transformer-crf", "cnn-bilstm-crf"),
@@ -132,15 +136,15 @@ class Task:
     secure_aggregation: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        """Raise ConfigError listing every problem (and how to fix it)."""
+        """Raise ConfigError listing every problem (and how to fix it): first the checks of this Python/TOML
+        input that the spec cannot carry (unknown keys, types, the family table, labels, patterns), then the
+        spec's own rules (fedclinic.spec.validation.definition_problems, as the aggregator checks them)."""
         p: list[str] = []
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}", self.name or ""):
+        if self.name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}", self.name):
             p.append("name must be 1-100 letters, digits, spaces, '.', '_' or '-'")
-        if not self.dataset:
-            p.append("dataset must name a dataset in the sites' registries")
-        if self.family not in FAMILIES:
+        if self.family and self.family not in FAMILIES:
             p.append(f"family {self.family!r} is unknown; choose one of {sorted(FAMILIES)}")
-        elif self.architecture not in FAMILIES[self.family]:
+        elif self.family and self.architecture not in FAMILIES[self.family]:
             p.append(f"architecture {self.architecture!r} is not one of {FAMILIES[self.family]}")
         if self.family == "token-classification":
             if not self.labels:
@@ -165,37 +169,16 @@ class Task:
         if len(set(self.labels)) != len(self.labels):
             p.append("labels contains duplicates")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
-        p.extend(privacy_problems(self.privacy, self.family, self.architecture, self.strategy))
-        p.extend(self._secure_aggregation_problems())
-        from fedclinic.transport.codec_wire import spec_problems as codec_problems
-        from fedclinic.transport.downlink import spec_problems as downlink_problems
-
-        p.extend(codec_problems(self.codec, secure_aggregation=bool(self.secure_aggregation.get("enabled"))))
-        p.extend(downlink_problems(self.downlink_codec))
-        p.extend(self._selection_problems())
-        for name, lo in (("local_epochs", 1), ("batch_size", 1), ("num_rounds", 1), ("min_sites", 1),
-                         ("max_length", 8)):
+        p.extend(privacy_input_problems(self.privacy))
+        p.extend(secure_aggregation_input_problems(self.secure_aggregation))
+        for name, lo in (("local_epochs", 1), ("batch_size", 1), ("max_length", 8)):
             if getattr(self, name) < lo:
                 p.append(f"{name} must be >= {lo}")
         if not self.learning_rate > 0:
             p.append("learning_rate must be > 0")
-        if not 0 < self.participation_fraction <= 1:
-            p.append("participation_fraction must be in (0, 1]")
-        if not self.round_timeout_s > 0:
-            p.append("round_timeout_s must be > 0")
-        if self.on_quorum_miss not in ("retry", "fail"):
-            p.append("on_quorum_miss must be 'retry' or 'fail'")
-        bad = sorted(k for k, v in self.strategy_params.items()
-                     if isinstance(v, bool) or not isinstance(v, (int, float, str)))
+        bad = _bad_strategy_params(self.strategy_params)
         if bad:
             p.append(f"strategy parameter(s) {bad} must be numbers or strings")
-        else:
-            from fedclinic.strategies import make_strategy
-
-            try:
-                make_strategy(self.strategy, self.strategy_params)
-            except ConfigError as exc:
-                p.append(str(exc))
         if not isinstance(self.model_config, dict) or not all(isinstance(k, str) for k in self.model_config):
             p.append("model_config must be a table of settings (e.g. [model_config] lstm_hidden = 100)")
         elif "pooling" in self.model_config:
@@ -205,60 +188,51 @@ class Task:
                 re.compile(pat)
             except re.error as exc:
                 p.append(f"pattern {pat!r} is not a valid regular expression ({exc})")
+        p.extend(definition_problems(self._build_spec("", checked=False)))
         if p:
             raise ConfigError(f"task {self.name!r} is invalid: " + "; ".join(p))
 
-    def _selection_problems(self) -> list[str]:
-        from fedclinic.training import safl
-
-        p = safl.config_problems(self.selection, self.safl_top_k, self.safl_profile_samples, self.safl_token,
-                                 self.family, self.architecture)
-        if self.selection != safl.SAFL or p:
-            return p
-        from fedclinic.strategies import make_strategy
-
-        try:
-            strategy = make_strategy(self.strategy, self.strategy_params)
-        except ConfigError:
-            return p  # reported with the strategy's own checks
-        return safl.composition_problems(strategy, bool(self.secure_aggregation.get("enabled")))
-
-    def _secure_aggregation_problems(self) -> list[str]:
-        from fedclinic.secagg import task_config
-
-        problems = task_config.dict_problems(self.secure_aggregation)
-        if problems or not self.secure_aggregation.get("enabled"):
-            return problems
-        spec = task_pb2.TaskSpec(
-            strategy=self.strategy, rounds=task_pb2.RoundConfig(min_sites=self.min_sites),
-            strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
-            strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
-            privacy=task_pb2.PrivacyConfig(level=str(self.privacy.get("level", "")) if self.privacy else ""),
-            secure_aggregation=task_config.config_from_dict(self.secure_aggregation))
-        return task_config.spec_problems(spec)
-
     def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
         self.validate()
-        policy = {"retry": task_pb2.QUORUM_POLICY_RETRY, "fail": task_pb2.QUORUM_POLICY_FAIL}[self.on_quorum_miss]
+        return self._build_spec(tokenizer_sha256, checked=True)
+
+    def _build_spec(self, tokenizer_sha256: str, *, checked: bool) -> task_pb2.TaskSpec:
+        """The TaskSpec of this task. Unchecked (``checked`` False, for validation), values the spec cannot
+        hold are left out and reported by :meth:`validate`'s own checks (a bad codec travels as written, for
+        the spec's rules to name)."""
+        policy = {"retry": task_pb2.QUORUM_POLICY_RETRY, "fail": task_pb2.QUORUM_POLICY_FAIL}
+        params = self.strategy_params if checked else {k: v for k, v in self.strategy_params.items()
+                                                       if k not in _bad_strategy_params(self.strategy_params)}
+        codec = self.codec
+        try:
+            codec = canonical_codec(self.codec)
+        except ConfigError:
+            if checked:
+                raise
+        sound_privacy = checked or not privacy_input_problems(self.privacy)
+        sound_secagg = checked or not secure_aggregation_input_problems(self.secure_aggregation)
         return task_pb2.TaskSpec(
             name=self.name, family=self.family, architecture=self.architecture, dataset=self.dataset,
             labels=self.labels, multi_label=self.multi_label, description=self.description, sites=self.sites,
             training=task_pb2.TrainingConfig(**{k: getattr(self, k) for k in _TRAIN}),
             rounds=task_pb2.RoundConfig(num_rounds=self.num_rounds, min_sites=self.min_sites,
                                         participation_fraction=self.participation_fraction,
-                                        round_timeout_s=self.round_timeout_s, on_quorum_miss=policy,
+                                        round_timeout_s=self.round_timeout_s,
+                                        on_quorum_miss=policy.get(self.on_quorum_miss,
+                                                                  task_pb2.QUORUM_POLICY_UNSPECIFIED),
                                         max_round_retries=self.max_round_retries),
             strategy=self.strategy,
-            strategy_params={k: float(v) for k, v in self.strategy_params.items() if not isinstance(v, str)},
-            strategy_options={k: v for k, v in self.strategy_params.items() if isinstance(v, str)},
-            update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=canonical_codec(self.codec),
+            strategy_params={k: float(v) for k, v in params.items() if not isinstance(v, str)},
+            strategy_options={k: v for k, v in params.items() if isinstance(v, str)},
+            update=task_pb2.UpdateConfig(kind=task_pb2.UPDATE_KIND_DELTA, codec=codec,
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen,
                                          private_patterns=self.private, downlink_codec=self.downlink_codec,
                                          selection="" if self.selection == "static" else self.selection,
                                          select_top_k_layers=self.safl_top_k,
                                          safl_profile_samples=self.safl_profile_samples, safl_token=self.safl_token),
-            privacy=privacy_config(self.privacy),
-            secure_aggregation=_secure_aggregation_config(self.secure_aggregation),
+            privacy=privacy_config(self.privacy) if sound_privacy else task_pb2.PrivacyConfig(),
+            secure_aggregation=(_secure_aggregation_config(self.secure_aggregation) if sound_secagg
+                                else task_pb2.SecureAggregationConfig()),
             tokenizer_sha256=tokenizer_sha256)
 
     @classmethod
@@ -301,38 +275,46 @@ class Task:
 PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant")
 
 
-def privacy_problems(privacy: dict[str, Any], family: str, architecture: str, strategy: str) -> list[str]:
-    """What is wrong with a task's ``[privacy]`` section (empty list when nothing)."""
+def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
+    """What a ``[privacy]`` section holds that a PrivacyConfig cannot: unknown keys, values of the wrong type."""
     if not privacy:
         return []
     p = [f"privacy: unknown setting {k!r} (known: {', '.join(PRIVACY_KEYS)})" for k in privacy if k not in PRIVACY_KEYS]
-    level = privacy.get("level", "")
-    if level == "client":
-        if strategy != "dp-fedavg":
-            p.append('privacy level "client" clips and noises whole updates at the aggregator: use strategy '
-                     '"dp-fedavg" (its clip_norm and noise_multiplier set the mechanism)')
-        return p
-    if level != "sample":
-        return p + [f'privacy level must be "sample" (DP-SGD at each site) or "client", got {level!r}']
-    from fedclinic.privacy.dp_sgd import check_supported
-
-    try:
-        check_supported(family, architecture)
-    except ConfigError as exc:
-        p.append(f"privacy: {exc}")
-    eps, sigma = privacy.get("target_epsilon"), privacy.get("noise_multiplier")
-    if (eps is None) == (sigma is None):
-        p.append("privacy: give target_epsilon (the whole task's budget at each site) or noise_multiplier, not both")
     for key in ("target_epsilon", "noise_multiplier", "max_grad_norm"):
         v = privacy.get(key)
-        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        if v is not None and not _is_number(v):
             p.append(f"privacy: {key} must be a positive number, got {v!r}")
-    delta = privacy.get("target_delta", 1e-5)
-    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
-        p.append(f"privacy: target_delta must be in (0, 1), e.g. 1e-5, got {delta!r}")
-    if privacy.get("accountant", "rdp") not in ("rdp", "prv"):
-        p.append(f"privacy: accountant must be \"rdp\" or \"prv\", got {privacy.get('accountant')!r}")
+    if "target_delta" in privacy and not _is_number(privacy["target_delta"]):
+        p.append(f"privacy: target_delta must be a number in (0, 1), e.g. 1e-5, got {privacy['target_delta']!r}")
+    if not privacy.get("level"):
+        p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site) or "client"')
+    for key in ("level", "accountant"):
+        if key in privacy and not isinstance(privacy[key], str):
+            p.append(f"privacy: {key} must be a string, got {privacy[key]!r}")
     return p
+
+
+def privacy_problems(privacy: dict[str, Any], family: str, architecture: str, strategy: str) -> list[str]:
+    """What is wrong with a task's ``[privacy]`` section (empty list when nothing): its input problems, then
+    the spec's privacy rules (fedclinic.spec.validation.privacy_problems)."""
+    p = privacy_input_problems(privacy)
+    if p or not privacy:
+        return p
+    return spec_privacy_problems(task_pb2.TaskSpec(family=family, architecture=architecture, strategy=strategy,
+                                                   privacy=privacy_config(privacy)))
+
+
+def secure_aggregation_input_problems(doc: dict[str, Any]) -> list[str]:
+    """What a ``[secure_aggregation]`` table holds that the spec cannot (fedclinic.secagg.task_config)."""
+    return secagg_dict_problems(doc)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bad_strategy_params(params: dict[str, Any]) -> list[str]:
+    return sorted(k for k, v in params.items() if isinstance(v, bool) or not isinstance(v, (int, float, str)))
 
 
 def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
@@ -349,14 +331,10 @@ def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
 
 
 def _secure_aggregation_config(doc: dict[str, Any]) -> task_pb2.SecureAggregationConfig:
-    from fedclinic.secagg.task_config import config_from_dict
-
     return config_from_dict(doc)
 
 
 def _pooling_problems(pooling: Any, family: str, architecture: str) -> list[str]:
-    from fedclinic.models.mean_pooling import pooling_problem
-
     if (family, architecture) != ("text-classification", "transformer"):
         return [f"[model_config] pooling applies to text-classification transformer models only, not {family} "
                 f"{architecture}; remove it"]
@@ -365,8 +343,6 @@ def _pooling_problems(pooling: Any, family: str, architecture: str) -> list[str]
 
 
 def canonical_codec(spec: str) -> str:
-    from fedclinic.transport.codec_wire import canonical
-
     return canonical(spec)
 
 

@@ -26,13 +26,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from fedclinic.errors import ConfigError
+from fedclinic.spec.capabilities import (  # noqa: F401  (the task-level table, re-exported)
+    OPTIMIZER_STATE_POLICIES, OPTIMIZERS, check_optimizer_settings)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-OPTIMIZERS = ("adamw", "adam", "sgd", "self_adam", "padam")
-#: what happens to an optimizer's moments between rounds at a site
-OPTIMIZER_STATE_POLICIES = ("reset", "keep")
 
 
 def make_optimizer(name: str, params: Sequence["torch.nn.Parameter"], *, lr: float, weight_decay: float = 0.0,
@@ -122,17 +120,6 @@ def _self_adam_class():
 
     _SELF_ADAM = SelfAdam
     return SelfAdam
-
-
-def check_optimizer_settings(optimizer: str, state_policy: str) -> list[str]:
-    """Problems with an optimizer name and state policy, as sentences (empty when both are valid)."""
-    problems = []
-    if optimizer not in OPTIMIZERS:
-        problems.append(f"optimizer {optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
-    if state_policy not in OPTIMIZER_STATE_POLICIES:
-        problems.append(f"optimizer_state {state_policy!r} is unknown; choose one of "
-                        f"{', '.join(OPTIMIZER_STATE_POLICIES)}")
-    return problems
 
 
 __all__ = ["OPTIMIZERS", "OPTIMIZER_STATE_POLICIES", "add_proximal_gradient", "check_optimizer_settings",

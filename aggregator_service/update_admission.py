@@ -1,0 +1,304 @@
+"""Update admission: one call takes a site's update from its header to a durable, folded update (or a refusal).
+
+:meth:`UpdateAdmission.admit` is the whole path of a plain ``SubmitUpdate``:
+
+1. a retried upload (same task and idempotency key) is acknowledged with the stored update, nothing read;
+2. the header is checked before any byte is read (:meth:`UpdateAdmission.check_header`: task running, round
+   open, site assigned and not yet reported, base model, tensor names/shapes/dtypes/codec, SAFL layers);
+3. the tensor chunks are verified (hash, size, finite values) and spilled to one fsync'd file;
+4. encoded payloads are checked completely, then kept encoded for a linear strategy or decoded into a float32
+   spill file for a strategy that looks at each update;
+5. under the engine's lock the header is checked again (the round may have closed meanwhile), the update is
+   folded into the round's accumulator, and only then recorded in the store (with its event) and acknowledged.
+
+Ownership of spill files: admission creates them and deletes every one it created unless the update was
+recorded; the caller never touches them. Every refusal is :class:`~fedclinic.errors.Refused` with its gRPC
+code (a malformed stream or payload: INVALID_ARGUMENT ``update rejected: ...``); the stream breaking
+(any other exception) propagates after the files are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import grpc
+import numpy as np
+import structlog
+
+from fedclinic.transport import codec_wire
+from fedclinic.training import safl
+from fedclinic.runtime.audit_trail import update_digest
+from fedclinic.runtime.blobstore import fsync_dir
+from fedclinic.codecs import open_payload
+from fedclinic.runtime.durable_file import DurableFile
+from fedclinic.errors import IntegrityError, Refused
+from fedclinic.transport.package import Manifest, TensorEntry
+from fedclinic.proto import agent_pb2, control_pb2, task_pb2
+from fedclinic.spec.selection import select_names
+from fedclinic.spec.validation import strategy_of
+from fedclinic.strategies.tensorsource import dense_blocks
+from fedclinic.transport.wire import ChunkAssembler, PipelinedAssembler
+
+from aggregator_service.folding import Folding, UpdateLayout
+from aggregator_service.metrics import AggregatorMetrics
+from aggregator_service.status import task_of
+from aggregator_service.store import Store, UpdateRecord, now_ms
+from aggregator_service.transfer import SpillWriter
+
+log = structlog.get_logger("fedclinic.aggregator.engine")
+
+S = control_pb2
+GRPC_MESSAGE_PREFIX = 5  # bytes gRPC puts before each message (compressed flag + length)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def sent_tensors(spec: task_pb2.TaskSpec, manifest: Manifest) -> list[str]:
+    """The tensors a site may send for ``spec``: the static selection (trainable/frozen/private patterns), and
+    under SAFL only its layer and head tensors (each update then carries the head and at most top-k layers)."""
+    names = select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
+                         spec.update.frozen_patterns, spec.update.private_patterns)
+    return safl.sendable(names, spec.family) if spec.update.selection == safl.SAFL else names
+
+
+def read_update_stream(request_iterator: Iterable, assembler, what: str, consequence: str) -> int:
+    """Feed an update stream's tensor chunks to ``assembler`` up to its commit message, check the commit's byte
+    count, and return the serialized bytes the messages took on the wire (each with gRPC's message prefix).
+    IntegrityError for anything else in the stream, a count mismatch, or a stream without its commit."""
+    wire_bytes = 0
+    for msg in request_iterator:
+        wire_bytes += msg.ByteSize() + GRPC_MESSAGE_PREFIX
+        kind = msg.WhichOneof("item")
+        if kind == "tensor":
+            assembler.add(msg.tensor)
+        elif kind == "commit":
+            assembler.finish()
+            if msg.commit.total_encoded_nbytes != assembler.nbytes:
+                raise IntegrityError(f"commit declares {msg.commit.total_encoded_nbytes} bytes, "
+                                     f"{assembler.nbytes} arrived")
+            return wire_bytes
+        else:
+            raise IntegrityError(f"unexpected {kind!r} message inside {what}")
+    raise IntegrityError(f"{what} ended before its commit message; {consequence}")
+
+
+def _check_tensor_codec(spec: task_pb2.TaskSpec, t) -> None:
+    """A tensor of an update must use the task's codec with the task's parameters (INVALID_ARGUMENT)."""
+    want = codec_wire.canonical(spec.update.codec)
+    got = t.codec or codec_wire.RAW
+    if got != want:
+        raise Refused(INVALID, f"tensor {t.name!r} is encoded with codec {got!r}, but the task's updates use {want!r}")
+    codec = codec_wire.task_codec(want)
+    try:
+        if codec is None:
+            if t.codec_params:
+                raise IntegrityError(f"tensor {t.name!r}: codec 'raw' takes no codec_params")
+        else:
+            codec_wire.check_header(t.name, t.codec, t.dtype, list(t.shape), int(t.encoded_nbytes))
+            codec_wire.params_of(t.name, codec, list(t.shape), dict(t.codec_params))
+    except IntegrityError as exc:
+        raise Refused(INVALID, str(exc)) from None
+
+
+class UpdateAdmission:
+    """Admits plain updates (module docstring). ``on_accepted(task_id)`` runs under the lock after an update was
+    recorded (the round machine closes the round when it has what it waits for)."""
+
+    def __init__(self, store: Store, folding: Folding, spill_root: Path, lock: threading.RLock,
+                 changed: threading.Condition, metrics: AggregatorMetrics, on_accepted: Callable[[str], None]) -> None:
+        self.store = store
+        self.folding = folding
+        self.spill_root = spill_root
+        self.lock = lock
+        self.changed = changed
+        self.metrics = metrics
+        self._on_accepted = on_accepted
+
+    def admit(self, site: str, h: agent_pb2.UpdateHeader, messages: Iterator, header_wire_bytes: int = 0
+              ) -> agent_pb2.UpdateReceipt:
+        """Take one update from ``site``: ``h`` its header, ``messages`` the rest of its stream (tensor chunks
+        and the commit), ``header_wire_bytes`` what the header message took on the wire. Returns the receipt;
+        Refused for every refusal (module docstring)."""
+        prior = self.store.update_by_key(h.task_id, h.idempotency_key)
+        if prior is not None:
+            if prior.site != site:
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, "this idempotency key belongs to another site's update")
+            log.info("duplicate update acknowledged", site=site, task_id=h.task_id, round=h.round)
+            return agent_pb2.UpdateReceipt(update_id=prior.update_id, duplicate=True, stored_nbytes=prior.nbytes,
+                                           round=prior.round)
+        self.check_header(site, h)
+        spill = SpillWriter(self._spill_path(h.task_id, h.round))
+        assembler = PipelinedAssembler(ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True))
+        try:
+            wire_bytes = header_wire_bytes + read_update_stream(messages, assembler, "the update stream",
+                                                                "nothing was stored")
+            nbytes = spill.finish()
+            path, layout = self._decode(h, spill.path, spill.layout)  # codec payloads checked here
+        except IntegrityError as exc:
+            assembler.abort()
+            spill.discard()
+            spill.path.unlink(missing_ok=True)
+            log.warning("update rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
+            raise Refused(INVALID, f"update rejected: {exc}") from None
+        except BaseException:
+            assembler.abort()
+            spill.discard()
+            spill.path.unlink(missing_ok=True)
+            raise
+        update_id = self._accept(site, h, path, layout, nbytes, wire_bytes)
+        return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
+
+    def check_header(self, site: str, h: agent_pb2.UpdateHeader) -> dict[str, TensorEntry]:
+        """Validate an update header before its bytes are read; returns the expected global tensors."""
+        with self.lock:
+            task = task_of(self.store, h.task_id)
+            if task.state != S.TASK_STATE_RUNNING:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"task {h.task_id} is {S.TaskState.Name(task.state)}; it takes no more updates")
+            rnd = self.store.open_round_of(h.task_id)
+            if rnd is None or rnd.round != h.round:
+                current = rnd.round if rnd is not None else task.current_round
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {h.round} of task {h.task_id} is closed (the task is at round {current}); "
+                              "the update was not stored")
+            a = self.store.assignment(h.task_id, h.round, site)
+            if a is None or a.declined:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"site {site} is not a participant of round "
+                                                                 f"{h.round} of task {h.task_id}; wait for an assignment")
+            if self.store.has_update(h.task_id, h.round, site):
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"site {site} already sent an update for round "
+                                                              f"{h.round} of task {h.task_id} with another "
+                                                              "idempotency key")
+            if h.base_model_hash != rnd.base_model:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the update was computed against model {h.base_model_hash[:12]} but round {h.round} "
+                              f"started from {rnd.base_model[:12]}")
+            if h.num_samples <= 0:
+                raise Refused(INVALID, "num_samples must be positive (it is the FedAvg weight)")
+            if h.kind != task_pb2.UPDATE_KIND_DELTA:
+                raise Refused(INVALID, "only delta updates (UPDATE_KIND_DELTA) are accepted")
+            spec = task.spec
+            manifest = self.store.model(rnd.base_model)
+            assert manifest is not None
+            allowed = set(sent_tensors(spec, manifest))
+            by_name = {t.name: t for t in manifest.tensors}
+            seen: set[str] = set()
+            for t in h.tensors:
+                ref = by_name.get(t.name)
+                if ref is None or t.name not in allowed:
+                    raise Refused(INVALID, f"tensor {t.name!r} is not one this task trains and sends")
+                if t.name in seen:
+                    raise Refused(INVALID, f"tensor {t.name!r} appears twice in the update")
+                seen.add(t.name)
+                if tuple(t.shape) != tuple(ref.shape):
+                    raise Refused(INVALID, f"tensor {t.name!r} has shape {list(t.shape)}; the model's is "
+                                           f"{list(ref.shape)}")
+                if t.dtype != "float32":
+                    raise Refused(INVALID, f"tensor {t.name!r}: deltas must be float32, got {t.dtype}")
+                _check_tensor_codec(spec, t)
+            if not seen:
+                raise Refused(INVALID, "the update carries no tensor")
+            if spec.update.selection == safl.SAFL:
+                try:
+                    safl.check_update_layers(seen, spec.update.select_top_k_layers)
+                except IntegrityError as exc:
+                    raise Refused(INVALID, str(exc)) from None
+            return {n: by_name[n] for n in seen}
+
+    def _spill_path(self, task_id: str, rnd: int) -> Path:
+        d = self.spill_root / task_id / str(rnd)
+        d.mkdir(parents=True, exist_ok=True)
+        return d / f"u-{uuid.uuid4().hex}.bin"
+
+    def _decode(self, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout) -> tuple[Path, UpdateLayout]:
+        """Check the payload of every encoded tensor of a received (durable) update completely; then keep it
+        encoded for a linear strategy (decoded into the accumulator when folded) or decode it, chunk by chunk,
+        into a float32 spill file for a strategy that looks at each update (the encoded file goes). Raw updates
+        pass unchanged. IntegrityError (no decoded file left) for a malformed payload."""
+        task = self.store.task(h.task_id)
+        assert task is not None
+        spec = task.spec
+        codec = codec_wire.task_codec(spec.update.codec)
+        if codec is None:
+            return spill, layout
+        by_name = {t.name: t for t in h.tensors}
+        params = {name: codec_wire.params_of(name, codec, list(by_name[name].shape), dict(by_name[name].codec_params))
+                  for name, *_ in layout.tensors}
+        encoded = UpdateLayout(list(layout.tensors), {n: json.dumps(p, separators=(",", ":")) for n, p in params.items()})
+        for name, _, _, _, _ in layout.tensors:  # full validation before anything is folded or kept
+            t = encoded.tensors_in(spill)[name]
+            try:
+                open_payload(t.payload(), params[name])
+            except IntegrityError as exc:
+                raise IntegrityError(f"tensor {name!r}: {exc}") from None
+        if not strategy_of(spec).needs_per_site_updates:
+            return spill, encoded
+        dense_path = spill.with_name(spill.stem + ".f32")
+        out = DurableFile(dense_path.with_suffix(".part"))
+        dense = UpdateLayout([])
+        scratch = np.empty(1 << 16, dtype=np.float32)
+        offset = 0
+        try:
+            for name, _, shape, _, _ in layout.tensors:
+                t = encoded.tensors_in(spill)[name]
+                reader = open_payload(t.payload(), params[name], chunk=scratch.size)
+                for _, block in dense_blocks(reader.chunks(), t.size, scratch):
+                    out.write(memoryview(block).cast("B"))
+                dense.tensors.append((name, "float32", shape, offset, 4 * t.size))
+                offset += 4 * t.size
+            out.close()
+        except BaseException:
+            out.discard()
+            dense_path.with_suffix(".part").unlink(missing_ok=True)
+            raise
+        os.replace(dense_path.with_suffix(".part"), dense_path)
+        fsync_dir(dense_path.parent)
+        spill.unlink(missing_ok=True)
+        return dense_path, dense
+
+    def _accept(self, site: str, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout, nbytes: int,
+                wire_bytes: int) -> str:
+        """Fold a verified, fsync'd update into the round, then record it durably; returns its update id. The
+        spill file is deleted unless the update was recorded. ``nbytes``: the tensors' payload bytes as sent
+        (encoded); ``wire_bytes``: the serialized SubmitUpdate messages; the fp32-equivalent size comes from the
+        shapes."""
+        with self.lock:
+            recorded = False
+            try:
+                prior = self.store.update_by_key(h.task_id, h.idempotency_key)
+                if prior is not None:
+                    return prior.update_id
+                self.check_header(site, h)  # the round may have closed while the bytes streamed in
+                update_id = "u-" + uuid.uuid4().hex[:16]
+                acc = self.folding.accumulator(h.task_id)
+                try:  # fold first: a strategy that rejects an update leaves itself unchanged (Strategy contract)
+                    acc.fold(update_id, spill, layout, acc.strategy.weight_for(h.num_samples, h.metrics), site)
+                except (IntegrityError, ValueError) as exc:
+                    raise Refused(INVALID, f"update rejected by the {acc.strategy.name} strategy: {exc}") from None
+                try:
+                    with self.store.transaction() as tx:
+                        tx.record_update(UpdateRecord(
+                            update_id, h.task_id, h.round, site, h.idempotency_key, h.num_samples, nbytes, str(spill),
+                            layout.to_json(), dict(h.metrics), dict(h.eval_metrics), now_ms(),
+                            sum(4 * math.prod(t.shape) for t in h.tensors), wire_bytes))
+                        tx.add_event(h.task_id, "update-received", f"{site} sent its round {h.round} update "
+                                     f"({nbytes} bytes, {h.num_samples} samples)", actor=site, round=h.round,
+                                     update_id=update_id, size=nbytes, sha256=update_digest(h.tensors),
+                                     num_samples=h.num_samples)
+                except BaseException:
+                    self.folding.drop(h.task_id)  # it holds an update the store does not: rebuild from disk
+                    raise
+                recorded = True
+            finally:
+                if not recorded:
+                    spill.unlink(missing_ok=True)
+            log.info("update accepted", task_id=h.task_id, round=h.round, site=site, nbytes=nbytes)
+            self.metrics.update_stored(h.task_id, site, nbytes, wire_bytes)
+            self._on_accepted(h.task_id)
+            self.changed.notify_all()
+            return update_id
