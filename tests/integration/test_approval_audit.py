@@ -17,7 +17,7 @@ from fedclinic.localfed import wait_until
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.rpc import TlsFiles, secure_channel
 from fedclinic.task import Task
-from hospital_agent.worker import HOLD_AWAITING_APPROVAL
+from hospital_agent.gates import HOLD_AWAITING_APPROVAL
 
 from tests.integration.conftest import LABELS, tiny_package
 
