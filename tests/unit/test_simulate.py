@@ -164,3 +164,29 @@ def test_private_tensors_stay_at_their_site_and_each_site_is_evaluated_with_its_
         simulate(start, sites, rounds=1, train=cfg, private_patterns=["nothing.*"])
     with pytest.raises(ConfigError, match="site_eval_data has 1 sets"):
         simulate(start, sites, rounds=1, train=cfg, site_eval_data=[sites[0]])
+
+
+def test_secure_aggregation_in_the_simulator_gives_the_uniform_mean_of_the_sites_deltas():
+    """As the aggregator does: the sites' deltas are masked and summed in process (fedclinic.secagg.inprocess), and
+    the strategy gets their mean with weight 1 (no sample counts beside a masked vector); quantization moves each
+    coordinate by at most one level of the 20-bit quantizer over [-clip, clip] per site."""
+    from fedclinic.proto import task_pb2
+
+    start = package("logreg")
+    sites = [examples(n, seed=i) for i, n in enumerate((8, 12, 20))]
+    deltas = {}
+    res = simulate(start, sites, rounds=1, train=TrainConfig(learning_rate=0.05, batch_size=4, max_length=16),
+                   secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True, clip=1.0, bits=20),
+                   site_rounds=lambda r, i, out: deltas.__setitem__(i, out.delta))
+    assert sorted(deltas) == [0, 1, 2]
+    level = 2 * 1.0 / (2 ** 20 - 1)
+    for name in res.trainable:
+        expected = start.tensors[name] + np.mean([deltas[i][name] for i in range(3)], axis=0)
+        assert np.abs(res.package.tensors[name] - expected).max() <= 2 * level, name
+        assert np.abs(deltas[0][name]).max() > 0
+    with pytest.raises(ConfigError, match="at least 3 sites"):
+        simulate(start, sites[:2], rounds=1, train=TrainConfig(max_length=16),
+                 secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True))
+    with pytest.raises(ConfigError, match="cannot be combined with secure aggregation"):
+        simulate(start, sites, rounds=1, train=TrainConfig(max_length=16), codec="int8",
+                 secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True))
