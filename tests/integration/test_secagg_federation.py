@@ -25,7 +25,9 @@ CLIP = 0.5
 
 
 def _secure_task(**kw) -> Task:
-    args = dict(num_rounds=1, min_sites=4, round_timeout_s=60, local_epochs=1, learning_rate=0.05,
+    # seed=1: with the per-site seeds of issue 15 and seed 0, the sites' bias deltas nearly cancel and the uniform and
+    # the sample-weighted mean of the bias come within 10 quantization bounds of each other (the check below)
+    args = dict(num_rounds=1, min_sites=4, round_timeout_s=60, local_epochs=1, learning_rate=0.05, seed=1,
                 secure_aggregation={"enabled": True, "clip": CLIP, "bits": 20, "rounding": "stochastic"})
     args.update(kw)
     return _task(**args)
