@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -41,13 +41,13 @@ import structlog
 
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.transport.package import tensor_sha256
-from fedclinic.proto import agent_pb2, tensors_pb2
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
 from fedclinic.transport.rpc import explain_rpc_error
-from fedclinic.secagg import (AdvertiseKeys, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer, SecAggError,
-                              SessionParams, UnmaskRequest)
+from fedclinic.secagg import (AdvertiseKeys, ClientPolicy, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer,
+                              SecAggError, SessionParams, UnmaskRequest)
 
-if TYPE_CHECKING:
-    from hospital_agent.worker import Agent
+from hospital_agent.config import AgentConfig
+from hospital_agent.outbox import Outbox, OutboxEntry
 
 log = structlog.get_logger("fedclinic.agent.secagg")
 
@@ -71,10 +71,33 @@ class _Job:
     revealed: bool = False             # answered an unmask request: never join another session for this round
 
 
+class SecAggHost(Protocol):
+    """What the secure-aggregation client needs of the agent it runs in (hospital_agent.worker.Agent)."""
+
+    site_id: str                 # this site's name, as the aggregator confirmed it
+    config: AgentConfig
+    outbox: Outbox
+
+    def stub(self) -> agent_pb2_grpc.AgentServiceStub:
+        """The stub for the next call (on the current channel)."""
+
+    def upload_with_retries(self, entry: OutboxEntry) -> None:
+        """Upload an outbox entry (the masked input), retrying while the aggregator is unavailable."""
+
+    def decline_round(self, task_id: str, rnd: int, reason: str, permanent: bool = False) -> None:
+        """Tell the aggregator this site sends nothing for the round, with the reason."""
+
+    def mark_sent(self, task_id: str, rnd: int) -> None:
+        """The round is done at this site: never train or send it again."""
+
+    def secagg_policy(self) -> ClientPolicy:
+        """The site policy's limits on a session (e.g. the smallest cohort it joins)."""
+
+
 class SiteSecAgg:
     """The agent's secure-aggregation client: jobs by task, phase handling on the caller's thread."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: SecAggHost) -> None:
         self.agent = agent
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -126,7 +149,7 @@ class SiteSecAgg:
 
     def _send(self, msg: agent_pb2.SecAggPhase) -> bool:
         try:
-            self.agent._stub.SecAggRespond(msg, timeout=60)
+            self.agent.stub().SecAggRespond(msg, timeout=60)
             return True
         except grpc.RpcError as exc:
             log.warning("secure-aggregation message not accepted", body=msg.WhichOneof("body"),
@@ -196,7 +219,7 @@ class SiteSecAgg:
         if params.session_id.hex() != msg.session_id:
             raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
         job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),
-                                    policy=self.agent.config.policy.secagg_policy())
+                                    policy=self.agent.secagg_policy())
         adv = job.session.advertise()
         log.info("secure-aggregation session joined", session=msg.session_id[:16], cohort=len(params.cohort),
                  threshold=params.threshold)
@@ -227,7 +250,7 @@ class SiteSecAgg:
             encoded_nbytes=int(masked.nbytes)))
         entry = self.agent.outbox.put(header, {MASKED_TENSOR: masked})
         log.info("masked input ready", nbytes=int(masked.nbytes), session=job.session_id[:16])
-        self.agent._upload_with_retries(entry)
+        self.agent.upload_with_retries(entry)
         return self._reply(job)  # the answer went through SubmitUpdate
 
     def _unmask(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
@@ -237,7 +260,7 @@ class SiteSecAgg:
         response = job.session.unmask(UnmaskRequest(job.session.params.session_id, bytes.fromhex(r.model_hash),
                                                     tuple(r.survivors), tuple(r.dropped)))
         job.vector = None
-        self.agent._sent.add((job.task_id, job.round))
+        self.agent.mark_sent(job.task_id, job.round)
         log.info("unmask shares revealed", survivors=len(r.survivors), dropped=list(r.dropped))
         return self._reply(job, unmask_response=agent_pb2.SecAggUnmaskResponse(
             self_mask_shares=dict(response.self_mask_shares), mask_key_shares=dict(response.mask_key_shares)))
@@ -254,4 +277,4 @@ class SiteSecAgg:
     def _refuse(self, job: _Job, reason: str) -> None:
         job.session, job.answers = None, {"setup": agent_pb2.SecAggPhase()}  # answer nothing more in this session
         log.error("secure-aggregation session refused", reason=reason, session=job.session_id[:16])
-        self.agent._decline_round(job.task_id, job.round, f"secure aggregation refused: {reason}")
+        self.agent.decline_round(job.task_id, job.round, f"secure aggregation refused: {reason}")

@@ -86,14 +86,20 @@ def run_task(root: Path, sites, task, package):
             return final, client.fetch_package(status.task_id, round=1)
 
 
-def replay_site_delta(start_package, examples, spec):
-    """What a site computes in one round (delta over every tensor, its sample count), recomputed here with the
-    same shared code from the task's spec: the reference the family federation tests compare against."""
+def replay_site_delta(start_package, examples, spec, *, site, rnd=1):
+    """What site ``site`` computes in round ``rnd`` (delta over every tensor, its sample count), recomputed here
+    with the same shared code from the task's spec: the reference the family federation tests compare against.
+    The training seed is the site's own for the round (fedclinic.federation.site_round.site_seed; issue 15: agents used the
+    task's seed unchanged before)."""
+    from dataclasses import replace
+
     from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
+    from fedclinic.federation.site_round import site_seed
 
     loaded = build_model(start_package)
     cfg = training.TrainConfig.from_proto(spec.training)
+    cfg = replace(cfg, seed=site_seed(cfg.seed, rnd, site))
     data = training.encode(examples, loaded, max_length=cfg.max_length)
     names = list(start_package.tensors)
     before = module_tensors(loaded.module, names)

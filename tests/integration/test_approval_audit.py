@@ -17,7 +17,7 @@ from fedclinic.federation.local_federation import wait_until
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 from fedclinic.spec.task import Task
-from hospital_agent.worker import HOLD_AWAITING_APPROVAL
+from hospital_agent.gates import HOLD_AWAITING_APPROVAL
 
 from tests.integration.conftest import LABELS, tiny_package
 

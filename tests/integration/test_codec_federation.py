@@ -31,7 +31,7 @@ def _replay(models, task_id, spec, codec_spec):
     for rnd, start in ((1, models[-1]), (2, models[1])):
         total, acc = 0, {name: np.zeros(base.shape, np.float64) for name, base in start.tensors.items()}
         for site, rows in sites.items():
-            delta, n = _replay_site(start, rows, spec)
+            delta, n = _replay_site(start, rows, spec, site=site, rnd=rnd)
             total += n
             for name in start.tensors:
                 x = np.ascontiguousarray(delta[name], dtype=np.float32)
@@ -105,7 +105,7 @@ def test_a_per_site_strategy_gets_decoded_updates(federation_factory):
     strategy = make_strategy("median")
     strategy.begin(start.tensors)
     for i, (c, n) in enumerate(zip("abc", SAMPLES)):
-        delta, _ = _replay_site(start, make_examples(n, seed=i), final.spec)
+        delta, _ = _replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{c}", rnd=1)
         fb = ErrorFeedback(codec)
         sent = {}
         for name in start.tensors:

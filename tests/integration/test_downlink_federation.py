@@ -25,10 +25,10 @@ SAMPLES = (24, 32, 40)
 ROUNDS = 3
 
 
-def _fedavg(start, spec):
+def _fedavg(start, spec, rnd):
     total, acc = 0, {name: np.zeros(base.shape, np.float64) for name, base in start.tensors.items()}
     for i, n in enumerate(SAMPLES):
-        delta, count = _replay_site(start, make_examples(n, seed=i), spec)
+        delta, count = _replay_site(start, make_examples(n, seed=i), spec, site=f"site-{'abc'[i]}", rnd=rnd)
         total += count
         for name in start.tensors:
             acc[name] += count * delta[name].astype(np.float64)
@@ -67,7 +67,7 @@ def test_agents_fetch_encoded_changes_and_rebuild_the_broadcast_model_exactly(fe
             rebuilt = downlink.apply(start.tensors[name], codec, payload, params)
             np.testing.assert_array_equal(rebuilt, model.tensors[name], err_msg=f"round {rnd} {name}")
         # ... and the global model is FedAvg of what the sites trained from the previous broadcast, rounded once
-        fedavg = _fedavg(start, spec)
+        fedavg = _fedavg(start, spec, rnd)
         for name, new in fedavg.items():
             change = new - start.tensors[name]
             bound = codec.error_bound(change) + 1e-6  # float-sum order can move one stochastic rounding decision

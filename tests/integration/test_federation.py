@@ -24,15 +24,21 @@ def _task(**kw) -> Task:
     return Task(**base)
 
 
-def _replay_site(package, rows, spec, optimizer_state=None, result_out=None):
-    """What a site computes for one round, recomputed here with the same shared code."""
+def _replay_site(package, rows, spec, *, site, rnd, optimizer_state=None, result_out=None):
+    """What site ``site`` computes for round ``rnd``, recomputed here with the same shared code (its training seed
+    derived from the task's seed, the round and the site's name, fedclinic.federation.site_round.site_seed: issue 15 gave
+    every site and round its own seed; agents used the task's seed unchanged before)."""
+    from dataclasses import replace
+
     from fedclinic.training import trainer as training
     from fedclinic.data.text import Example
     from fedclinic.models import build_model, module_tensors
+    from fedclinic.federation.site_round import site_seed
 
     loaded = build_model(package)
     examples = [Example(r["text"], (r["label"],)) for r in rows]
     cfg = training.TrainConfig.from_proto(spec.training)
+    cfg = replace(cfg, seed=site_seed(cfg.seed, rnd, site))
     data = training.encode(examples, loaded, max_length=cfg.max_length)
     names = list(package.tensors)
     before = module_tensors(loaded.module, names)
@@ -65,7 +71,7 @@ def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory
     # round-2 downlink: only the changed (trained) tensors travel, never the whole model twice
     site_rows = {f"site-{c}": make_examples(n, seed=i) for i, (c, n) in enumerate(zip("abc", (24, 32, 40)))}
     for rnd, start in ((1, models[-1]), (2, models[1])):
-        deltas = [_replay_site(start, rows, final.spec) for rows in site_rows.values()]
+        deltas = [_replay_site(start, rows, final.spec, site=site, rnd=rnd) for site, rows in site_rows.items()]
         total = sum(n for _, n in deltas)
         for name, base in start.tensors.items():
             expected = base + sum(n * d[name] for d, n in deltas) / total
@@ -160,7 +166,7 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
                 s.begin(start.tensors)
                 for i, r in enumerate(rows):
                     out: list = []
-                    delta, n = _replay_site(start, r, final.spec, result_out=out)
+                    delta, n = _replay_site(start, r, final.spec, site=f"site-{'abc'[i]}", rnd=rnd, result_out=out)
                     s.accept(delta, s.weight_for(n, out[0].reported_metrics()), site=f"site-{'abc'[i]}")
                 expected = s.finalize()
                 state = s.state()
@@ -201,7 +207,7 @@ def test_client_level_dp_through_the_service_adds_calibrated_noise_and_accounts(
         s = make_strategy("dp-fedavg", params)
         s.begin(start.tensors)
         for i, r in enumerate(rows):
-            delta, n = _replay_site(start, r, final.spec)
+            delta, n = _replay_site(start, r, final.spec, site=f"site-{'abc'[i]}", rnd=1)
             s.accept(delta, s.weight_for(n, {}), site=f"site-{'abc'[i]}")
         noise_free = s.finalize()
     finally:
@@ -232,7 +238,8 @@ def test_fedpap_with_kept_optimizer_state_through_the_service_matches_a_replay(f
         s.begin(start.tensors)
         for i, r in enumerate(rows):
             out: list = []
-            delta, n = _replay_site(start, r, final.spec, optimizer_state=kept.get(i), result_out=out)
+            delta, n = _replay_site(start, r, final.spec, site=f"site-{'ab'[i]}", rnd=rnd, optimizer_state=kept.get(i),
+                                    result_out=out)
             kept[i] = out[0].optimizer_state
             s.accept(delta, n, site=f"s{i}")
         for name, arr in s.finalize().items():

@@ -60,8 +60,8 @@ def test_image_text_task_trains_across_agents_with_dicom_and_png_sites(tmp_path)
         assert final.rounds[1].metrics[f"eval_{key}"] == pytest.approx(here[key], abs=1e-5), key
 
     # the DICOM site and the PNG sites computed what the shared code computes: FedAvg of the replayed deltas
-    deltas = [replay_site_delta(start, read_dataset(FAMILY, m, label_set=LABELS), final.spec)
-              for m in train_manifests]
+    deltas = [replay_site_delta(start, read_dataset(FAMILY, m, label_set=LABELS), final.spec, site=site[0])
+              for site, m in zip(SITES, train_manifests)]
     total = sum(n for _, n in deltas)
     for name, base in start.tensors.items():
         expected = base + sum(n * d[name] for d, n in deltas) / total

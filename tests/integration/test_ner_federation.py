@@ -72,7 +72,7 @@ def test_ner_task_trains_across_agents_with_conll_and_jsonl_sites(tmp_path):
     here = training.evaluate(model, training.encode(eval_examples, model))
     assert final.rounds[1].metrics["eval_strict_f1"] == pytest.approx(here["strict_f1"], abs=1e-9)
     # the CoNLL site read the same examples as its JSONL twin would: FedAvg of the replayed deltas matches
-    deltas = [replay_site_delta(start, ex, final.spec) for ex in site_examples.values()]
+    deltas = [replay_site_delta(start, ex, final.spec, site=site) for site, ex in site_examples.items()]
     total = sum(n for _, n in deltas)
     for name, base in start.tensors.items():
         expected = base + sum(n * d[name] for d, n in deltas) / total

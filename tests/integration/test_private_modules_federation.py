@@ -38,8 +38,11 @@ def _replay(start: ModelPackage, spec, rounds: int):
     ones), keeps its private tensors, and sends its shared delta; sample-weighted FedAvg of the shared deltas.
     Returns the global tensors after each round, each site's private tensors after the last round and each
     site's evaluation per round (and of its own final model, round "final")."""
+    from dataclasses import replace
+
     from fedclinic.training import trainer as training
     from fedclinic.models import build_model, load_tensors, module_tensors
+    from fedclinic.federation.site_round import site_seed
 
     cfg = training.TrainConfig.from_proto(spec.training)
     private = {site: {n: start.tensors[n] for n in PRIVATE} for site in SITES}
@@ -54,7 +57,9 @@ def _replay(start: ModelPackage, spec, rounds: int):
             evals[(site, rnd)] = training.evaluate(loaded, training.encode(held_out, loaded, max_length=cfg.max_length))
             data = training.encode(train, loaded, max_length=cfg.max_length)
             before = module_tensors(loaded.module, SHARED)
-            result = training.train_local(loaded, data, cfg, trainable=SHARED + PRIVATE)
+            # each site's own seed per round (fedclinic.federation.site_round.site_seed; issue 15: agents used the task's seed)
+            site_cfg = replace(cfg, seed=site_seed(cfg.seed, rnd, site))
+            result = training.train_local(loaded, data, site_cfg, trainable=SHARED + PRIVATE)
             delta = training.compute_delta(before, module_tensors(loaded.module, SHARED), SHARED)
             private[site] = module_tensors(loaded.module, PRIVATE)
             for n in SHARED:

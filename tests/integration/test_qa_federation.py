@@ -61,7 +61,7 @@ def test_qa_task_trains_across_agents_and_reports_generation_metrics(tmp_path):
     for key in ("rougeL", "meteor", "loss"):
         assert final.rounds[1].metrics[f"eval_{key}"] == pytest.approx(here[key], abs=1e-6)
     # FedAvg of the replayed site deltas (n-weighted) is round 1's model
-    deltas = [replay_site_delta(start, ex, final.spec) for ex in site_examples.values()]
+    deltas = [replay_site_delta(start, ex, final.spec, site=site) for site, ex in site_examples.items()]
     total = sum(n for _, n in deltas)
     assert "lm_head.weight" not in round1.tensors  # the tied head never travels
     n_embd = 32

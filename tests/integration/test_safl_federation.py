@@ -30,8 +30,11 @@ def _rows(site: str):
 def _replay(start, spec, rnd):
     """Round ``rnd`` recomputed here: each site's SAFL choice (same profiling seed as the agent), training and
     delta on the chosen tensors, then sample-weighted FedAvg per tensor over the sites that sent it."""
+    from dataclasses import replace
+
     from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
+    from fedclinic.federation.site_round import site_seed
 
     cfg = training.TrainConfig.from_proto(spec.training)
     config = safl.SaflConfig.from_spec(spec)
@@ -43,7 +46,9 @@ def _replay(start, spec, rnd):
                                     seed=safl.profile_seed(cfg.seed, rnd, site))
         sent[site] = (choice.layers, set(choice.tensors))
         before = module_tensors(loaded.module, choice.tensors)
-        result = training.train_local(loaded, data, cfg, trainable=choice.tensors)
+        # each site's own seed per round (fedclinic.federation.site_round.site_seed; issue 15: agents used the task's seed)
+        result = training.train_local(loaded, data, replace(cfg, seed=site_seed(cfg.seed, rnd, site)),
+                                      trainable=choice.tensors)
         for name, d in training.compute_delta(before, module_tensors(loaded.module, choice.tensors),
                                               choice.tensors).items():
             sums[name] = sums.get(name, 0.0) + result.num_samples * d.astype(np.float64)

@@ -25,7 +25,9 @@ CLIP = 0.5
 
 
 def _secure_task(**kw) -> Task:
-    args = dict(num_rounds=1, min_sites=4, round_timeout_s=60, local_epochs=1, learning_rate=0.05,
+    # seed=1: with the per-site seeds of issue 15 and seed 0, the sites' bias deltas nearly cancel and the uniform and
+    # the sample-weighted mean of the bias come within 10 quantization bounds of each other (the check below)
+    args = dict(num_rounds=1, min_sites=4, round_timeout_s=60, local_epochs=1, learning_rate=0.05, seed=1,
                 secure_aggregation={"enabled": True, "clip": CLIP, "bits": 20, "rounding": "stochastic"})
     args.update(kw)
     return _task(**args)
@@ -88,7 +90,8 @@ def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_surviv
     assert value(samples, "fedclinic_aggregator_uplink_payload_bytes_total", task_id=st.task_id) == rnd.uplink_bytes
     assert value(samples, "fedclinic_aggregator_downlink_bytes_total", task_id=st.task_id) == rnd.downlink_bytes
 
-    survivors = [_replay_site(start, make_examples(n, seed=i), final.spec) for i, n in enumerate(SAMPLES[:4])]
+    survivors = [_replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)
+                 for i, n in enumerate(SAMPLES[:4])]
     deltas = [d for d, _ in survivors]
     bound = rnd.metrics["secagg_error_bound"]
     assert 0 < bound < 2e-6  # 20 bits over +-0.5: one level is 9.5e-7
@@ -131,7 +134,8 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
     assert len(sessions) == 2, sessions  # the lost session, then a new one (new nonce, new keys) for the same round
     assert sessions[0].split("session ")[1][:16] != sessions[1].split("session ")[1][:16]
     assert final.rounds[0].metrics["secagg_survivors"] == 4
-    deltas = [_replay_site(start, make_examples(n, seed=i), final.spec)[0] for i, n in enumerate(SAMPLES[:4])]
+    deltas = [_replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)[0]
+              for i, n in enumerate(SAMPLES[:4])]
     for name in start.tensors:  # each site's training counted once: the re-keyed session re-used its delta
         expected = start.tensors[name] + np.mean([d[name] for d in deltas], axis=0)
         np.testing.assert_allclose(round1.tensors[name], expected, rtol=0,

@@ -294,7 +294,8 @@ def test_the_agent_refuses_a_bad_manifest_before_any_model_is_fetched(site, tmp_
     from fedclinic.proto import agent_pb2
     from fedclinic.spec.task import Task
     from hospital_agent.config import AgentConfig
-    from hospital_agent.worker import Agent, _TaskState
+    from hospital_agent.task_state import TaskState
+    from hospital_agent.worker import Agent
 
     m = csv_manifest(site, ["ok.png,fine,normal", "ok.png,,effusion"])
     cfg = AgentConfig.from_dict({"aggregator": "127.0.0.1:1", "work_dir": str(tmp_path / "work"),
@@ -306,7 +307,7 @@ def test_the_agent_refuses_a_bad_manifest_before_any_model_is_fetched(site, tmp_
     spec = Task(name="t", dataset="cxr", family="image-text-classification", architecture="resnet-bilstm",
                 labels=LABELS, multi_label=True).to_spec()
     agent = Agent(cfg)
-    state = _TaskState()
+    state = TaskState()
     with pytest.raises(DatasetError, match=r"manifest.csv: row 3: empty text"):
-        agent._prepare_data(agent_pb2.Assignment(task_id="t-1", round=1, spec=spec), state)
+        agent.training.prepare_data(agent_pb2.Assignment(task_id="t-1", round=1, spec=spec), state)
     assert state.loaded is None and state.train_data is None  # nothing was built, encoded or trained

@@ -119,14 +119,14 @@ def test_an_agent_caches_only_the_tensors_a_change_rebuilds_exactly(tmp_path):
         changes[name].commit()
     manifest = ModelPackage(broadcast).manifest()
     changes["v"].data = bytes(len(changes["v"].data))  # a payload that decodes to another tensor
-    failed = agent._rebuild_from_changes(manifest, deltas, changes)
+    failed = agent.model_sync.rebuild_from_changes(manifest, deltas, changes)
     assert failed == ["v"]
     assert agent.cache.has(tensor_sha256(broadcast["w"])) and not agent.cache.has(tensor_sha256(broadcast["v"]))
-    assert agent._usable_deltas(_assignment(deltas), {"w", "v"}) == deltas  # both bases are held
+    assert agent.model_sync.usable_deltas(_assignment(deltas), {"w", "v"}) == deltas  # both bases are held
     agent_without_base = Agent(AgentConfig.from_dict({"aggregator": "127.0.0.1:1", "work_dir": str(tmp_path / "w2"),
                                                       "tls": {"cert": "a", "key": "b", "ca": "c"}},
                                                      base=tmp_path, source="agent.toml"))
-    assert agent_without_base._usable_deltas(_assignment(deltas), {"w", "v"}) == {}  # new agents fetch in full
+    assert agent_without_base.model_sync.usable_deltas(_assignment(deltas), {"w", "v"}) == {}  # new agents fetch in full
 
 
 def _assignment(deltas):

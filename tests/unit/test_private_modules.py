@@ -172,7 +172,8 @@ def test_no_private_tensor_appears_in_the_agent_s_serialized_update_stream(agent
     from aggregator_service.update_admission import sent_tensors
     from fedclinic.models import build_model, module_tensors
     from fedclinic.proto import agent_pb2
-    from hospital_agent.worker import Agent, _TaskState
+    from hospital_agent.task_state import TaskState
+    from hospital_agent.uploader import Uploader
 
     agent, start, examples, training = (agent_and_data.agent, agent_and_data.start, agent_and_data.examples,
                                         agent_and_data.training)
@@ -186,15 +187,16 @@ def test_no_private_tensor_appears_in_the_agent_s_serialized_update_stream(agent
     a = _assignment(start, patterns, codec, send, task_id)
     private = private_names(names, patterns)
     assert sorted(private) == sorted(private_set) and not set(private) & set(send)
-    state = _TaskState(loaded=build_model(start))
+    state = TaskState(loaded=build_model(start))
     state.train_data = training.encode(examples, state.loaded, max_length=32)
-    agent._restore_private(task_id, state, private)
+    agent.training.restore_private(task_id, state, private)
     before = module_tensors(state.loaded.module, private)
-    trained = agent._train_round(a, state, training.TrainConfig.from_proto(a.spec.training), private)
-    header = agent_pb2.UpdateHeader(task_id=task_id, round=1, num_samples=trained.result.num_samples)
-    entry = agent.outbox.put(header, agent._encode_update(a, header, trained.delta, trained.send))
+    trained = agent.training.run(a, state, training.TrainConfig.from_proto(a.spec.training), private)
+    header = agent_pb2.UpdateHeader(task_id=task_id, round=1, num_samples=trained.site.train.num_samples)
+    header.tensors.extend(trained.site.update.headers)
+    entry = agent.outbox.put(header, trained.site.update.payloads)
     try:
-        wire = b"".join(Agent._update_stream(entry))
+        wire = b"".join(Uploader.update_stream(entry))
     finally:
         agent.outbox.remove(entry)
     assert [t.name for t in header.tensors] == send
@@ -211,16 +213,16 @@ def test_no_private_tensor_appears_in_the_agent_s_serialized_update_stream(agent
 
 def test_the_agent_refuses_to_send_a_private_tensor_even_when_the_aggregator_asks(agent_and_data):
     from fedclinic.models import build_model
-    from hospital_agent.worker import _TaskState
+    from hospital_agent.task_state import TaskState
 
     agent, start, examples, training = (agent_and_data.agent, agent_and_data.start, agent_and_data.examples,
                                         agent_and_data.training)
     a = _assignment(start, list(PAPER_PRIVATE_PATTERNS), "raw", list(start.tensors), "t-asks")  # every tensor
-    state = _TaskState(loaded=build_model(start))
+    state = TaskState(loaded=build_model(start))
     state.train_data = training.encode(examples, state.loaded, max_length=32)
     private = private_names(start.tensors, PAPER_PRIVATE_PATTERNS)
     with pytest.raises(IntegrityError, match=r"refusing to send: tensor 'lstm.weight_ih_l0' is private"):
-        agent._train_round(a, state, training.TrainConfig.from_proto(a.spec.training), private)
+        agent.training.run(a, state, training.TrainConfig.from_proto(a.spec.training), private)
     assert not list(agent.outbox.entries())
 
 
@@ -228,17 +230,17 @@ def test_a_restarted_agent_trains_on_from_the_private_tensors_it_kept(agent_and_
     """A new process has no warm model: the private tensors come back from the store, not from the global model
     (whose private tensors hold the initial values)."""
     from fedclinic.models import build_model, module_tensors
-    from hospital_agent.worker import _TaskState
+    from hospital_agent.task_state import TaskState
 
     agent, start = agent_and_data.agent, agent_and_data.start
     private = private_names(start.tensors, PAPER_PRIVATE_PATTERNS)
     kept = {n: start.tensors[n] + 0.5 for n in private}
     agent.private_store.save("t-restart", 3, kept)
-    state = _TaskState(loaded=build_model(start))  # as a restarted agent builds it from the global model
-    agent._restore_private("t-restart", state, private)
+    state = TaskState(loaded=build_model(start))  # as a restarted agent builds it from the global model
+    agent.training.restore_private("t-restart", state, private)
     now = module_tensors(state.loaded.module, private)
     assert all(np.array_equal(now[n], kept[n]) for n in private)
     shrunk = {**kept, "crf.transitions": kept["crf.transitions"][:2]}
     agent.private_store.save("t-other-model", 1, shrunk)
     with pytest.raises(IntegrityError, match="tensor 'crf.transitions' is float32\\[2, 5\\], the model's is"):
-        agent._restore_private("t-other-model", _TaskState(loaded=build_model(start)), private)
+        agent.training.restore_private("t-other-model", TaskState(loaded=build_model(start)), private)

@@ -357,7 +357,7 @@ def _replay_round(start, site_rows, config, train, round_):
 
     from fedclinic.training import trainer as training
     from fedclinic.models import build_model, module_tensors
-    from fedclinic.federation.simulate import site_seed
+    from fedclinic.federation.site_round import site_seed
 
     sums: dict[str, np.ndarray] = {}
     weights: dict[str, float] = {}
@@ -369,7 +369,7 @@ def _replay_round(start, site_rows, config, train, round_):
         choice = safl.select_layers(loaded, data, config, names, seed=safl.profile_seed(train.seed, round_, f"site-{i}"))
         chosen[i] = choice.layers
         before = module_tensors(loaded.module, choice.tensors)
-        result = training.train_local(loaded, data, replace(train, seed=site_seed(0, train.seed, round_, i)),
+        result = training.train_local(loaded, data, replace(train, seed=site_seed(train.seed, round_, f"site-{i}")),
                                       trainable=choice.tensors)
         delta = training.compute_delta(before, module_tensors(loaded.module, choice.tensors), choice.tensors)
         for name, d in delta.items():

@@ -2,44 +2,48 @@
 
 Per round ``r``::
 
-    S_r   = the participating sites (all, or a seeded sample of ceil(participation * K), at least 1)
+    S_r   = the participating sites (all, or a sample of ceil(participation * K) seeded by (seed, r), at least 1)
     for i in S_r:                       # sequentially, one warm model shared by the simulated sites
-        load the global tensors -> [SAFL: choose site i's top-k layers, fedclinic.training.safl.select_layers]
-        -> train_local(seed_{r,i}) -> d_i = local - global on the trainable (SAFL: selected + head) tensors
+        load the global tensors -> fedclinic.federation.site_round.run_site_round(site = site_names[i], round = r)
+        (the site's whole round as an agent runs it: seed, [SAFL selection], training [DP-SGD],
+         d_i = local - global on the sent tensors, the task's codec with error feedback)
         w_i = strategy.weight_for(n_i, metrics_i)   # n_i, or a metric the site reports (train_loss, ...)
-        strategy.accept(d_i, weight=w_i, site=f"site-{i}")
+        strategy.accept(decode(C(d_i)), weight=w_i, site=site_names[i])
+    [secure aggregation: the sites' flattened d_i are masked and summed in-process (fedclinic.secagg.inprocess);
+     the strategy gets their mean, weight 1, as the aggregator does]
     global.update(strategy.finalize())  # e.g. FedAvg: w <- w + eta * sum n_i d_i / sum n_i
     evaluate the new global model on eval_data (if given)
 
-Every site's examples are tokenized once (``encode``) and reused in every round. Per-site per-round
-training seeds are derived from ``seed`` with ``numpy.random.SeedSequence([seed, train.seed, round, site])``, so a run
-is reproducible and sites do not share shuffles.
+Every site's examples are tokenized once (``encode``) and reused in every round. Site ``i`` is named
+``site_names[i]`` (default ``"site-{i}"``); its training seed in round ``r`` is
+``fedclinic.federation.site_round.site_seed(train.seed, r, name)``, the derivation an agent of that name uses, so a
+simulated task trains the models a federation of agents with those names trains. ``seed`` only chooses the
+participating sites.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from fedclinic.transport import codec_wire
+from fedclinic.codecs import ErrorFeedback
 from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError
-from fedclinic.models import build_model, load_tensors, module_tensors
+from fedclinic.models import build_model, load_tensors
 from fedclinic.transport.package import ModelPackage
 from fedclinic.training import safl as safl_layers
 from fedclinic.strategies import make_strategy
 from fedclinic.training import private_modules
+from fedclinic.proto import task_pb2
 from fedclinic.spec.selection import select_names
-from fedclinic.training.trainer import (
-    TrainConfig,
-    compute_delta,
-    encode,
-    evaluate,
-    train_local,
-)
+from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
+from fedclinic.training.trainer import TrainConfig, encode, evaluate
 
 
 @dataclass
@@ -65,10 +69,31 @@ class SimulationResult:
     private: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
-def site_seed(seed: int, train_seed: int, round_: int, site: int) -> int:
-    """The local training seed of ``site`` in ``round_`` (a 31-bit int from a SeedSequence)."""
-    keys = [int(seed) & 0xFFFFFFFF, int(train_seed) & 0xFFFFFFFF, round_, site]
-    return int(np.random.SeedSequence(keys).generate_state(1)[0] >> 1)
+@dataclass(frozen=True)
+class SampleDP:
+    """Sample-level DP-SGD for every simulated site, planned per site as an agent plans it
+    (:func:`fedclinic.privacy.accounting.plan_task` over the task's rounds): ``q = batch_size / n_i``,
+    ``local_epochs * ceil(1/q)`` steps per round, and the noise multiplier given or the one that meets
+    ``target_epsilon`` at ``delta``; ``max_grad_norm`` is the per-example clip C."""
+
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    #: seed of DP-SGD's sampler and noise at every site and round (None: drawn from the OS, as at a site); a
+    #: simulation protects nothing, so a fixed value only makes a private run reproducible
+    entropy: int | None = None
+
+    def for_site(self, num_examples: int, train: TrainConfig, rounds: int):
+        """The :class:`fedclinic.privacy.dp_sgd.DPSGD` settings of one site's rounds."""
+        from fedclinic.privacy.accounting import plan_task
+        from fedclinic.privacy.dp_sgd import DPSGD
+
+        plan = plan_task(num_examples=num_examples, batch_size=train.batch_size, local_epochs=train.local_epochs,
+                         rounds=rounds, delta=self.delta, accountant=self.accountant,
+                         target_epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier)
+        return DPSGD(plan.noise_multiplier, self.max_grad_norm, plan.sample_rate, plan.steps_per_round)
 
 
 def simulate(
@@ -88,6 +113,12 @@ def simulate(
     seed: int = 0,
     progress: Callable[[RoundRecord], None] | None = None,
     safl: "safl_layers.SaflConfig | None" = None,
+    codec: str = codec_wire.RAW,
+    dp: SampleDP | None = None,
+    secure_aggregation: "task_pb2.SecureAggregationConfig | None" = None,
+    site_names: Sequence[str] | None = None,
+    task_id: str = "simulation",
+    site_rounds: "Callable[[int, int, SiteRoundResult], None] | None" = None,
 ) -> SimulationResult:
     """Run ``rounds`` federated rounds over ``site_data`` starting from ``package``; returns the history.
 
@@ -108,6 +139,15 @@ def simulate(
     on a seeded sample of its rows (``fedclinic.training.safl.profile_seed(train.seed, round, "site-{i}")``, as an agent
     named ``site-{i}`` would), trains and sends its top-k layers and the head; the strategy averages each tensor
     over the sites that sent it. ``RoundRecord.selected_layers`` / ``layer_scores`` record the choices.
+
+    As a task's ``[update]``, ``[privacy]`` and ``[secure_aggregation]`` do at the agents: ``codec`` (e.g.
+    ``"topk:0.05+int8"``) encodes every site's update, with its error feedback kept per site, and the strategy
+    gets the decoded deltas; ``dp`` trains every site with DP-SGD; ``secure_aggregation`` (a
+    ``SecureAggregationConfig``, defaults filled in as the aggregator does) sums the sites' updates masked, in
+    process, and gives the strategy their mean. ``site_names`` names the sites (their seeds, the strategy's
+    ``site``, the secure-aggregation cohort); ``task_id`` keys the codecs' stochastic rounding as the task id does
+    at an agent. ``site_rounds(round, site index, result)`` is called after each site's round with what the site
+    computed (its seed, delta and encoded update, fedclinic.federation.site_round.SiteRoundResult).
     """
     if not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be an integer >= 1, got {rounds!r}")
@@ -117,9 +157,26 @@ def simulate(
         raise ConfigError(f"participation must be in (0, 1], got {participation!r}")
     train.validate()
     strat = make_strategy(strategy, strategy_params)
+    names_of = list(site_names) if site_names is not None else [f"site-{i}" for i in range(len(site_data))]
+    if len(names_of) != len(site_data) or len(set(names_of)) != len(names_of):
+        raise ConfigError(f"site_names must name each of the {len(site_data)} sites once, got {names_of!r}")
+    problems = codec_wire.spec_problems(codec, secure_aggregation=secure_aggregation is not None)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if secure_aggregation is not None and safl is not None:
+        raise ConfigError("secure aggregation sums one vector of the same tensors from every site; SAFL sites send "
+                          "different layers: use one or the other")
+    if secure_aggregation is not None:
+        from fedclinic.secagg.config import MIN_COHORT_FLOOR
+
+        floor = max(MIN_COHORT_FLOOR, secure_aggregation.min_cohort)
+        if max(1, math.ceil(participation * len(site_data) - 1e-9)) < floor:
+            raise ConfigError(f"secure aggregation needs at least {floor} sites per round; this simulation has "
+                              f"{max(1, math.ceil(participation * len(site_data) - 1e-9))}")
 
     loaded = build_model(package)
-    names = select_names(list(package.tensors), trainable_patterns, frozen_patterns, private_patterns)
+    # in the order of the model's manifest (by name), as an Assignment's send list gives them to an agent
+    names = select_names(sorted(package.tensors), trainable_patterns, frozen_patterns, private_patterns)
     private_names = private_modules.private_names(package.tensors, private_patterns, frozen=frozen_patterns)
     if site_eval_data is not None and len(site_eval_data) != len(site_data):
         raise ConfigError(f"site_eval_data has {len(site_eval_data)} sets for {len(site_data)} sites")
@@ -169,6 +226,7 @@ def simulate(
 
     initial = {**evaluate_all(), **evaluate_sites()}
     optimizer_states: dict[int, dict] = {}
+    feedback: dict[int, ErrorFeedback] = {}
 
     k_sites = len(site_data)
     per_round = max(1, math.ceil(participation * k_sites - 1e-9))
@@ -186,27 +244,39 @@ def simulate(
         n_sum = 0
         selected: dict[int, list[int]] = {}
         scores: dict[int, dict[int, float]] = {}
+        secure_updates: dict[str, np.ndarray] = {}
         for i in chosen:
-            load_tensors(loaded.module, {**global_tensors, **private.get(i, {})})
-            cfg = replace(train, seed=site_seed(seed, train.seed, r, i))
-            sent = names
-            metrics_i: dict[str, float] = {}
-            if safl is not None:
-                choice = safl_layers.select_layers(loaded, encoded[i], safl, names,
-                                                   seed=safl_layers.profile_seed(train.seed, r, f"site-{i}"))
-                sent, selected[i], scores[i] = choice.tensors, choice.layers, choice.scores
-                metrics_i = choice.metrics()
-            result = train_local(loaded, encoded[i], cfg, trainable=sent + private_names,
-                                 optimizer_state=optimizer_states.get(i))
+            load_tensors(loaded.module, global_tensors)
+            out = run_site_round(loaded, encoded[i], SiteRoundInput(
+                task_id=task_id, site=names_of[i], round=r, send=names, train=train, private=private_names,
+                codec=codec, safl=safl, optimizer_state=optimizer_states.get(i),
+                dp=dp.for_site(len(encoded[i]), train, rounds) if dp is not None else None,
+                private_values=private.get(i, initial_private) if private_names else None,
+                feedback=feedback.get(i), dp_entropy=dp.entropy if dp is not None else None))
+            if site_rounds is not None:
+                site_rounds(r, i, out)
+            result = out.train
             if private_names:
-                private[i] = module_tensors(loaded.module, private_names)
+                private[i] = out.private_values
             if result.optimizer_state is not None:
                 optimizer_states[i] = result.optimizer_state
-            delta = compute_delta(before, module_tensors(loaded.module, sent), sent)
-            strat.accept(delta, weight=strat.weight_for(result.num_samples, {**result.reported_metrics(), **metrics_i}),
-                         site=f"site-{i}")
+            if out.selection is not None:
+                selected[i], scores[i] = out.selection.layers, out.selection.scores
+            if secure_aggregation is not None:
+                secure_updates[names_of[i]] = np.concatenate(
+                    [np.asarray(out.delta[n], np.float32).ravel() for n in out.send]) if out.send \
+                    else np.zeros(0, np.float32)
+            else:
+                strat.accept(out.update.decoded(), weight=strat.weight_for(result.num_samples, out.metrics),
+                             site=names_of[i])
+            if out.feedback is not None:  # delivered in-process: the staged residual becomes the site's
+                out.feedback.commit()
+                feedback[i] = out.feedback
             loss_sum += result.loss * result.num_samples
             n_sum += result.num_samples
+        if secure_aggregation is not None:
+            strat.accept(_secure_mean(secure_aggregation, task_id, r, secure_updates, before), weight=1.0,
+                         site="secure-aggregation")
         new = strat.finalize()
         global_tensors = {**global_tensors, **new}
         metrics: dict[str, float] = {}
@@ -225,4 +295,27 @@ def simulate(
                             private=private)
 
 
-__all__ = ["RoundRecord", "SimulationResult", "simulate", "site_seed"]
+def _secure_mean(cfg: "task_pb2.SecureAggregationConfig", task_id: str, round_: int, updates: dict[str, np.ndarray],
+                 before: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One secure-aggregation session over ``updates`` (site -> flattened delta, in the order of ``before``),
+    run in process with the task's quantizer, degree and threshold; the survivors' mean, unflattened."""
+    from fedclinic.secagg.config import MIN_COHORT_FLOOR, SessionParams
+    from fedclinic.secagg.inprocess import run_round
+    from fedclinic.secagg.task_config import quantizer_of
+
+    length = sum(int(a.size) for a in before.values())
+    model_hash = hashlib.sha256(f"fedclinic-simulation\0{task_id}\0{round_}".encode()).digest()
+    params = SessionParams(task_id=task_id, round=round_, cohort=tuple(sorted(updates)), model_hash=model_hash,
+                           vector_length=length, quantizer=quantizer_of(cfg), degree=cfg.degree or None,
+                           threshold=cfg.threshold)
+    result = run_round(params, updates, min_cohort=max(MIN_COHORT_FLOOR, cfg.min_cohort))
+    mean = result.total / np.float32(len(result.survivors))
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for name, arr in before.items():
+        out[name] = mean[offset:offset + arr.size].reshape(arr.shape)
+        offset += arr.size
+    return out
+
+
+__all__ = ["RoundRecord", "SampleDP", "SimulationResult", "simulate"]

@@ -12,8 +12,9 @@ sample is a noise-only step (the analysed mechanism releases noise then too: ski
 an observer that the sample was empty, an event whose probability depends on the dataset). The accountant
 (:mod:`fedclinic.privacy.accounting`) charges ``(sigma, q, steps)`` per round.
 
-Randomness: the Poisson sampling and the Gaussian noise come from a generator seeded from the operating
-system's entropy every round, never from the task's seed (the data scientist knows that seed; noise they
+Randomness: dropout is seeded from ``cfg.seed`` (the site round's seed) in a forked RNG, as in
+:func:`fedclinic.training.trainer.train_local`. The Poisson sampling and the Gaussian noise come from a generator seeded
+from the operating system's entropy every round, never from the task's seed (the data scientist knows that seed; noise they
 could regenerate would protect nothing). It is torch's Mersenne-Twister generator, not a cryptographic one:
 Opacus' ``secure_mode`` needs torchcsprng, which is not installed; SECURITY.md states the gap.
 
@@ -142,7 +143,8 @@ def _is_hf_model(module) -> bool:
 
 def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainable: Collection[str],
                         progress: Callable[[int, int, float], None] | None = None,
-                        mode: str = "auto", step_hook: Callable[[Any], None] | None = None) -> "TrainResult":
+                        mode: str = "auto", step_hook: Callable[[Any], None] | None = None,
+                        entropy: int | None = None) -> "TrainResult":
     """Train ``loaded.module`` in place with DP-SGD (``dp.steps`` Poisson-sampled steps); only ``trainable``
     tensors change. Same contract as :func:`fedclinic.training.trainer.train_local` otherwise; optimizer state is
     not kept across rounds (it would be a function of earlier noisy gradients only, but the simpler contract
@@ -158,7 +160,9 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     memory follows the batch size, not the sample's. ``step_hook(optimizer)``
     is called after the noise of every step is drawn with an object carrying ``noise_multiplier``,
     ``max_grad_norm``, ``expected_batch_size`` and ``accumulated_iterations`` (Opacus' accountant hook fits: the
-    caller can account what actually ran)."""
+    caller can account what actually ran). ``entropy`` seeds the Poisson sampler and the noise; None (the default,
+    and what every site runs) draws 63 bits from the operating system (``secrets``); a test gives a value to replay
+    a round bit for bit."""
     if mode not in ("auto", "hooks", "ghost"):
         raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
     if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
@@ -192,7 +196,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     train_params = [p for _, p in named_train]
     for name, p in module.named_parameters():
         p.requires_grad_(name in wanted)
-    seed = secrets.randbits(63)
+    seed = secrets.randbits(63) if entropy is None else int(entropy)
     sampler = torch.Generator().manual_seed(seed)
     noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -203,26 +207,28 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     handles = explicit_ids_hook(module)
     run = None
     loss_sum, seen = 0.0, 0
-    try:
-        run = (_GhostRun if ghost else _OpacusRun)(loaded, module, data, device, cfg.batch_size, train_params,
-                                                   optimizer, noisy, noise, step_hook)
-        module.train()
-        for step in range(1, dp.steps + 1):
-            idx = (torch.rand(n, generator=sampler) < dp.sample_rate).nonzero().flatten()
-            loss_sum += run.step(idx)
-            seen += len(idx)
-            if progress is not None:
-                progress(step, dp.steps, loss_sum / max(seen, 1))
-    finally:
-        for h in handles:
-            h.remove()
-        if run is not None:
-            run.close()
-        loaded.module = original
-        for p in module.parameters():
-            p.requires_grad_(True)
-            p.grad = None
-        module.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(int(cfg.seed))  # dropout only (no privacy rests on it): the site round's seed, as train_local
+        try:
+            run = (_GhostRun if ghost else _OpacusRun)(loaded, module, data, device, cfg.batch_size, train_params,
+                                                       optimizer, noisy, noise, step_hook)
+            module.train()
+            for step in range(1, dp.steps + 1):
+                idx = (torch.rand(n, generator=sampler) < dp.sample_rate).nonzero().flatten()
+                loss_sum += run.step(idx)
+                seen += len(idx)
+                if progress is not None:
+                    progress(step, dp.steps, loss_sum / max(seen, 1))
+        finally:
+            for h in handles:
+                h.remove()
+            if run is not None:
+                run.close()
+            loaded.module = original
+            for p in module.parameters():
+                p.requires_grad_(True)
+                p.grad = None
+            module.eval()
     if not math.isfinite(loss_sum):
         raise IntegrityError("private training diverged (loss is NaN/Inf); lower the learning rate")
     return TrainResult(num_samples=n, steps=dp.steps, loss=loss_sum / max(seen, 1))

@@ -1,0 +1,157 @@
+"""Model sync: bring a task's warm model to an assignment's global weights, fetching only unknown tensors.
+
+Tensors are content-addressed in the site's cache (fedclinic.runtime.blobstore). ``sync`` fetches the manifest's tensors
+the cache lacks (``FetchModel`` with the hashes held), those with a usable encoded change (compressed downlink:
+base held, a downlink codec this agent knows) as that change, rebuilt on the base and checked against the
+manifest's sha256 — a change that does not rebuild the tensor exactly is fetched again in full. The first
+round builds the model and encodes the site's data once; later rounds load only the tensors whose hash changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Callable
+
+import numpy as np
+import structlog
+
+from fedclinic.transport import codec_wire
+from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.codecs import parse_codec
+from fedclinic.errors import FedclinicError, IntegrityError
+from fedclinic.transport.package import Manifest, ModelPackage, raw_bytes
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
+from fedclinic.transport.wire import ChunkAssembler, FileAssembler, MemoryWriter, header_of
+
+from hospital_agent.metrics import AgentMetrics
+from hospital_agent.task_state import Stopped, TaskState
+from hospital_agent.uploader import Audit
+
+log = structlog.get_logger("fedclinic.agent")
+
+
+class ModelSync:
+    def __init__(self, cache: BlobStore, stub: Callable[[], agent_pb2_grpc.AgentServiceStub], metrics: AgentMetrics,
+                 audit: Audit, stop_event: threading.Event) -> None:
+        self.cache = cache
+        self._stub = stub
+        self.metrics = metrics
+        self.audit = audit
+        self.stop_event = stop_event
+
+    def sync(self, a: agent_pb2.Assignment, manifest: Manifest, state: TaskState) -> None:
+        """Bring ``state``'s model to the assignment's global weights (built and its data encoded on the first
+        round), fetching only unknown tensors."""
+        # torch-heavy modules, imported when a model is first needed (keeps the agent's start light)
+        from fedclinic.training import trainer as training
+        from fedclinic.models import build_model, load_tensors
+
+        missing = [t for t in manifest.tensors if not self.cache.has(t.sha256)]
+        need_files = any(not self.cache.has(f.sha256) for f in manifest.files)
+        if missing or need_files:
+            self.fetch(a.task_id, manifest, need_files, deltas=self.usable_deltas(a, {t.name for t in missing}))
+        if state.loaded is None:
+            package = ModelPackage(
+                tensors={t.name: np.array(self.cache.array(t.sha256, t.dtype, t.shape)) for t in manifest.tensors},
+                files={f.path: self.cache.read(f.sha256) for f in manifest.files})
+            state.loaded = build_model(package)
+            state.tensor_sha = {t.name: t.sha256 for t in manifest.tensors}
+            cfg = training.TrainConfig.from_proto(a.spec.training)
+            state.train_data = training.encode(state.raw_train, state.loaded, max_length=cfg.max_length)
+            if state.raw_eval is not None:
+                state.eval_data = training.encode(state.raw_eval, state.loaded, max_length=cfg.max_length)
+            return
+        changed = {t.name: np.array(self.cache.array(t.sha256, t.dtype, t.shape))
+                   for t in manifest.tensors if state.tensor_sha.get(t.name) != t.sha256}
+        if changed:
+            load_tensors(state.loaded.module, changed)
+            state.tensor_sha.update({t.name: t.sha256 for t in manifest.tensors})
+
+    def usable_deltas(self, a: agent_pb2.Assignment, missing: set[str]) -> dict[str, tensors_pb2.DownlinkDelta]:
+        """The assignment's encoded changes (compressed downlink) for missing tensors whose base this agent holds
+        and whose codec is a downlink codec it knows; the other missing tensors are fetched in full."""
+        from fedclinic.transport import downlink
+
+        return {d.name: d for d in a.downlink_deltas
+                if d.name in missing and self.cache.has(d.base_sha256) and not downlink.spec_problems(d.header.codec)
+                and d.header.dtype == "float32"}
+
+    def fetch(self, task_id: str, manifest: Manifest, include_files: bool,
+              deltas: dict[str, tensors_pb2.DownlinkDelta] | None = None) -> None:
+        """Download the tensors (and files) of ``manifest`` this agent does not hold; those in ``deltas`` as their
+        encoded change, rebuilt on the base tensor (fedclinic.transport.downlink.apply) and checked against the manifest's
+        sha256; a change that does not rebuild the tensor exactly is fetched again in full."""
+        deltas = deltas or {}
+        have = [t.sha256 for t in manifest.tensors if self.cache.has(t.sha256)]
+        expect = {t.name: deltas[t.name].header if t.name in deltas else header_of(t)
+                  for t in manifest.tensors if t.sha256 not in set(have)}
+        changes: dict[str, MemoryWriter] = {}
+
+        def begin(h: tensors_pb2.TensorHeader):
+            if h.name in deltas:
+                changes[h.name] = MemoryWriter()
+                return changes[h.name]
+            return self.cache.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True)
+
+        tensors = ChunkAssembler(begin, expect=expect)
+        files = FileAssembler()
+        stream = self._stub().FetchModel(agent_pb2.FetchModelRequest(
+            task_id=task_id, model_hash=manifest.model_hash, have_sha256=have, include_files=include_files,
+            delta_names=sorted(deltas)))
+        try:
+            for chunk in stream:
+                if self.stop_event.is_set():
+                    stream.cancel()
+                    raise Stopped("agent is stopping")
+                kind = chunk.WhichOneof("item")
+                if kind == "manifest":
+                    if chunk.manifest.model_hash != manifest.model_hash:
+                        raise IntegrityError("the aggregator sent a different model than the one assigned")
+                elif kind == "tensor":
+                    tensors.add(chunk.tensor)
+                elif kind == "file":
+                    files.add(chunk.file)
+            tensors.finish()
+            files.finish()
+        except BaseException:
+            tensors.abort()
+            raise
+        declared = {f.path: f.sha256 for f in manifest.files}
+        for path, data in files.files.items():
+            if path not in declared:
+                raise IntegrityError(f"the aggregator sent file {path!r}, which is not in the model manifest")
+            self.cache.put(data, declared[path])
+        log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have), as_changes=len(deltas))
+        self.metrics.fetched(task_id, tensors.nbytes + sum(len(data) for data in files.files.values()))
+        self.audit("model.fetched", task_id, model_hash=manifest.model_hash, bytes=int(tensors.nbytes),
+                   tensors=len(expect), skipped=len(have), files=len(files.files), as_changes=len(deltas))
+        failed = self.rebuild_from_changes(manifest, deltas, changes)
+        if failed:
+            log.warning("encoded changes did not rebuild the global tensors; fetching them in full", tensors=failed)
+            self.fetch(task_id, manifest, include_files=False)
+
+    def rebuild_from_changes(self, manifest: Manifest, deltas: dict[str, tensors_pb2.DownlinkDelta],
+                             changes: dict[str, MemoryWriter]) -> list[str]:
+        """Cache each tensor fetched as an encoded change: base + decode(change), when it hashes to the manifest's
+        sha256. Returns the names that did not (left uncached)."""
+        from fedclinic.transport import downlink
+
+        failed = []
+        for name, writer in changes.items():
+            entry, h = manifest.tensor(name), deltas[name].header
+            try:
+                codec = parse_codec(h.codec)
+                params = codec_wire.params_of(name, codec, list(h.shape), dict(h.codec_params))
+                base = self.cache.array(deltas[name].base_sha256, "float32", tuple(entry.shape))
+                tensor = downlink.apply(base, codec, writer.data, params)
+            except (FedclinicError, ValueError) as exc:
+                log.warning("encoded change unusable", tensor=name, error=str(exc))
+                failed.append(name)
+                continue
+            data = raw_bytes(tensor)
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                failed.append(name)
+                continue
+            self.cache.put(data, entry.sha256, verified=True)  # hashed just above
+        return failed

@@ -1,0 +1,145 @@
+"""The agent's training step: one assignment's local round, through the one site round the simulator runs.
+
+For an assignment whose model is synced (hospital_agent.model_sync)::
+
+    private values -> the model (memory, else the private store, else the global model's initial values)
+    eval_metrics   = evaluate(model, the site's held-out split)      (when configured)
+    site round     = fedclinic.federation.site_round.run_site_round(task, site = this site's name, round, send_tensors,
+                     private tensors, codec + this task's error-feedback state, SAFL, DP-SGD plan)
+    keep the private tensors (memory and the private store) before the update exists
+
+The site round derives the training seed from (the task's seed, round, site name), exactly as the simulator
+does for a site of that name. The caller charges privacy, then :meth:`TrainingStep.stage_feedback` makes the
+staged error-feedback residual durable, then the update goes to the outbox.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Collection
+
+import structlog
+
+from fedclinic.transport import codec_wire
+from fedclinic.codecs import ErrorFeedback
+from fedclinic.training.private_modules import PrivateStore
+from fedclinic.proto import agent_pb2
+from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
+
+from hospital_agent.config import AgentConfig
+from hospital_agent.metrics import AgentMetrics
+from hospital_agent.task_state import Stopped, TaskState
+from hospital_agent.uploader import feedback_path
+
+if TYPE_CHECKING:
+    from fedclinic.training.trainer import TrainConfig
+
+log = structlog.get_logger("fedclinic.agent")
+
+
+@dataclass
+class Trained:
+    """One round's local result, as the agent sends it."""
+
+    site: SiteRoundResult
+    metrics: dict[str, float]                   # reported with the update (site round's + train_seconds)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainingStep:
+    def __init__(self, config: AgentConfig, private_store: PrivateStore, metrics: AgentMetrics,
+                 site_id: Callable[[], str], stop_event: threading.Event, cancelled: Collection[str]) -> None:
+        self.config = config
+        self.private_store = private_store
+        self.metrics = metrics
+        self._site_id = site_id
+        self.stop_event = stop_event
+        self._cancelled = cancelled
+        #: DP-SGD's sampler/noise seed for every round; None (always, in a running agent) draws it from the OS.
+        #: Only a test that replays a private round sets it.
+        self.dp_entropy: int | None = None
+
+    def prepare_data(self, a: agent_pb2.Assignment, state: TaskState) -> None:
+        """Read and validate the task's dataset (once per task): DatasetError names the file and row."""
+        from fedclinic.data.text import read_dataset  # with the data modules' dependencies, when a task first needs them
+
+        entry = self.config.datasets[a.spec.dataset]
+        kwargs = dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
+                      entities_field=entry.entities_field, question_field=entry.question_field,
+                      answer_field=entry.answer_field, context_field=entry.context_field,
+                      image_field=entry.image_field, label_set=list(a.spec.labels),
+                      multi_label=a.spec.multi_label)
+        if state.raw_train is None:
+            state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
+            state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
+
+    def restore_private(self, task_id: str, state: TaskState, private: list[str]) -> None:
+        """Put the site's own private tensors into the warm model (after each sync to the global weights): from
+        memory, else from the private store (a restarted agent), else the global model's initial values (the
+        site's first round). IntegrityError (the assignment is declined for now) when the stored file does not
+        fit the model."""
+        from fedclinic.models import load_tensors, module_tensors  # torch-heavy: imported when a round runs
+
+        if state.private_values is None:
+            current = module_tensors(state.loaded.module, private)
+            stored = self.private_store.load(task_id, {n: (a.shape, a.dtype) for n, a in current.items()})
+            state.private_values = stored[0] if stored is not None else current
+            if stored is not None:
+                log.info("private modules restored", tensors=len(private), from_round=stored[1])
+        load_tensors(state.loaded.module, state.private_values)
+
+    def run(self, a: agent_pb2.Assignment, state: TaskState, cfg: "TrainConfig", private: list[str]) -> Trained:
+        """Evaluate the synced model (global shared tensors + this site's private ones) on the site's held-out
+        split, run the site round and keep the private tensors. IntegrityError if a private tensor is to be sent
+        (the last gate before anything is written)."""
+        from fedclinic.training import safl
+        from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
+
+        loaded = state.loaded
+        eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
+        started = time.monotonic()
+
+        def progress(step: int, total: int, loss: float) -> None:
+            if self.stop_event.is_set():
+                raise Stopped("agent is stopping")
+            if a.task_id in self._cancelled:
+                raise Stopped("task cancelled")
+            if step == total or step % 10 == 0:
+                log.info("training", step=step, steps=total, loss=round(loss, 4))
+
+        codec = codec_wire.task_codec(a.spec.update.codec)
+        path = feedback_path(self.config.work_dir, a.task_id)
+        feedback = ErrorFeedback.load(path, codec) if codec_wire.uses_error_feedback(codec) and path.exists() else None
+        out = run_site_round(loaded, state.train_data, SiteRoundInput(
+            task_id=a.task_id, site=self._site_id(), round=a.round, send=list(a.send_tensors), train=cfg,
+            private=private, codec=a.spec.update.codec, safl=safl.SaflConfig.from_spec(a.spec),
+            dp=state.private.dp_sgd if state.private is not None else None,
+            optimizer_state=state.optimizer_state if state.private is None else None,
+            feedback=feedback, progress=progress,
+            dp_entropy=self.dp_entropy))
+        if out.selection is not None:
+            log.info("layers selected", layers=out.selection.layers, tensors=len(out.send))
+        state.optimizer_state = out.train.optimizer_state
+        self.metrics.trained(a.task_id, time.monotonic() - started)
+        # the module now holds local weights; remember that so the next round reloads the global ones
+        for name in out.send:
+            state.tensor_sha[name] = ""
+        if private:  # kept before the update exists: a restart trains the next round from these values
+            state.private_values = out.private_values
+            self.private_store.save(a.task_id, a.round, state.private_values)
+        metrics = {**out.metrics, "train_seconds": time.monotonic() - started}
+        return Trained(out, metrics, {k: float(v) for k, v in eval_metrics.items()})
+
+    def stage_feedback(self, task_id: str, trained: Trained) -> None:
+        """Make the round's staged error-feedback residual durable (before the update exists; committed when the
+        aggregator acknowledges it, hospital_agent.uploader)."""
+        if trained.site.feedback is None:
+            return
+        path = feedback_path(self.config.work_dir, task_id)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        trained.site.feedback.save(path)
+
+
+__all__ = ["Trained", "TrainingStep"]
