@@ -6,6 +6,8 @@ reason the task owner sees; *permanent* when the task can never run here). The a
 that is not *proceed* (hospital_agent.worker). Nothing is downloaded, read or trained before the chain passes:
 
 ==========================  ==================================================================================
+:class:`SpecGate`           the task spec passes the one validator the SDK and the aggregator run
+                            (:mod:`fedclinic.spec.validation`), against the model the assignment names
 :class:`PolicyGate`         the site policy (families, datasets, DP floor, secure-aggregation requirement, ...)
 :class:`ApprovalGate`       ``approval = "manual"``: a task waits until IT approves it; a rejected one is declined
 :class:`TokenizerGate`      the model's tokenizer.json is the one the task declares
@@ -24,9 +26,11 @@ from typing import Callable, Protocol, Sequence
 
 import structlog
 
-from fedclinic.training import private_modules
-from fedclinic.errors import ConfigError
+from fedclinic.errors import ConfigError, FedclinicError
 from fedclinic.proto import agent_pb2
+from fedclinic.spec.validation import spec_problems
+from fedclinic.training import private_modules
+from fedclinic.transport.wire import manifest_from_proto
 
 from hospital_agent.approvals import APPROVED, REJECTED, ApprovalStore
 from hospital_agent.config import AgentConfig
@@ -76,6 +80,25 @@ class GateChain:
             if not verdict.proceed:
                 return verdict
         return GO
+
+
+class SpecGate:
+    """Declines, for good, a task whose spec the SDK's own validator refuses (against the model it names).
+
+    The aggregator runs the same check at submit; this one means that an aggregator of another version, or one
+    that altered a spec after submit, still cannot make this site train something the rules forbid."""
+
+    def check(self, a: agent_pb2.Assignment) -> Verdict:
+        try:
+            problems = spec_problems(a.spec, manifest_from_proto(a.model))
+        except FedclinicError as exc:
+            problems = [f"the assignment's model manifest is unusable: {exc}"]
+        if not problems:
+            return GO
+        reason = ("task spec rejected at this site (fedclinic.spec.validation): " + "; ".join(problems)
+                  + "; the task owner must fix and resubmit the task")
+        log.warning("assignment refused: invalid task spec", task_id=a.task_id, problems=problems)
+        return Verdict(DECLINE, reason, refused="spec", audit="task.refused_invalid_spec")
 
 
 class PolicyGate:

@@ -15,7 +15,8 @@ Counters (``_total``) and histograms, updated by hooks in hospital_agent.worker;
   (encoded as sent: the aggregator's ``uplink_bytes`` for this site); ``update_wire_bytes_sent_total{task_id}``:
   the serialized SubmitUpdate messages of those uploads, with gRPC's 5-byte message prefixes
 - ``model_bytes_received_total{task_id}``: model tensor and file bytes fetched (cached tensors are not fetched)
-- ``policy_refusals_total{reason}``: assignments this site refused: ``policy`` (site policy), ``privacy_budget``
+- ``policy_refusals_total{reason}``: assignments this site refused: ``spec`` (the task spec fails
+  fedclinic.spec.validation), ``policy`` (site policy), ``privacy_budget``
   (admission or a round's charge refused by the privacy ledger), ``rejected`` (manual approval said no),
   ``data`` (the dataset does not meet the task's data contract), ``error`` (another error; see the log)
 

@@ -43,7 +43,7 @@ from fedclinic.transport.wire import manifest_from_proto
 from hospital_agent.approvals import ApprovalStore
 from hospital_agent.config import AgentConfig
 from hospital_agent.connection import AgentChannel
-from hospital_agent.gates import (DECLINE, HOLD, ApprovalGate, GateChain, PolicyGate, PrivacyBudget,
+from hospital_agent.gates import (DECLINE, HOLD, ApprovalGate, GateChain, PolicyGate, PrivacyBudget, SpecGate,
                                   PrivateModulesGate, TokenizerGate, Verdict, private_names)
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.model_sync import ModelSync
@@ -95,7 +95,7 @@ class Agent:
         self._resend_outbox = threading.Event()
         self._watch_call = None
         self.approval = ApprovalGate(config, self.approvals, self.audit, self.site_name)
-        self.admission = GateChain([PolicyGate(config), self.approval])
+        self.admission = GateChain([SpecGate(), PolicyGate(config), self.approval])
         self.model_checks = GateChain([TokenizerGate(), PrivateModulesGate()])
         self.budget = PrivacyBudget(self.privacy)
         #: Prometheus metrics (hospital_agent.metrics), served by the CLI when metrics_address is set
