@@ -1,4 +1,4 @@
-"""The aggregator's audit trail: ``STATE_DIR/audit.jsonl``, append-only and hash-chained (fedclinic.runtime.audit_trail).
+"""The aggregator's audit trail: ``STATE_DIR/audit.jsonl``, append-only and hash-chained (fedclinic.runtime.audit_log).
 
 What is recorded, and when:
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from fedclinic.runtime.audit_trail import AuditError, AuditEvent, AuditLog
+from fedclinic.runtime.audit_log import AuditError, AuditEvent, AuditLog
 
 log = structlog.get_logger("fedclinic.aggregator.audit")
 

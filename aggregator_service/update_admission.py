@@ -33,7 +33,7 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.training import safl
-from fedclinic.runtime.audit_trail import update_digest
+from fedclinic.runtime.audit_log import update_digest
 from fedclinic.runtime.blobstore import fsync_dir
 from fedclinic.codecs import open_payload
 from fedclinic.runtime.durable_file import DurableFile

@@ -95,7 +95,7 @@ def privacy_finish(config_path: str, task_id: str) -> int:
     round of it would be withheld and declined). Audited; no network."""
     import getpass
 
-    from fedclinic.runtime.audit_trail import AuditLog
+    from fedclinic.runtime.audit_log import AuditLog
 
     from hospital_agent.config import AgentConfig
     from hospital_agent.privacy_ledger import PrivacyLedger

@@ -144,7 +144,7 @@ def show_task(config, task_id: str) -> int:
 
 
 def decide(config, task_id: str, *, approve: bool, reason: str = "") -> int:
-    from fedclinic.runtime.audit_trail import AuditLog
+    from fedclinic.runtime.audit_log import AuditLog
 
     by = f"site-admin:{getpass.getuser()}"
     r = _store(config).decide(task_id, approve=approve, by=by, reason=reason)

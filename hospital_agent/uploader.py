@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Protocol
 import grpc
 import structlog
 
-from fedclinic.runtime.audit_trail import update_digest
+from fedclinic.runtime.audit_log import update_digest
 from fedclinic.codecs import ErrorFeedback
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.proto import agent_pb2

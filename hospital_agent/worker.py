@@ -30,7 +30,7 @@ import grpc
 import structlog
 
 import fedclinic
-from fedclinic.runtime.audit_trail import AuditError, AuditLog
+from fedclinic.runtime.audit_log import AuditError, AuditLog
 from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.codecs import available_codecs
 from fedclinic.errors import DatasetError, FedclinicError, IntegrityError
@@ -80,7 +80,7 @@ class Agent:
         self.private_store = PrivateStore(private_store_folder(config.work_dir))
         #: tasks seen and their approval (hospital_agent.approvals; shared with `hospital-agent tasks`)
         self.approvals = ApprovalStore(config.work_dir / "approvals.sqlite")
-        #: the site's audit trail (fedclinic.runtime.audit_trail); the `hospital-agent tasks` CLI appends to it too
+        #: the site's audit trail (fedclinic.runtime.audit_log); the `hospital-agent tasks` CLI appends to it too
         self.audit_log = AuditLog(config.work_dir / "audit.jsonl", on_torn_tail="quarantine")
         self._cert_name = _certificate_name(config)  # the site's name before Hello has confirmed it
         self.stop_event = threading.Event()

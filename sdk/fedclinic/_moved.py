@@ -19,7 +19,7 @@ from typing import Any
 
 #: old module path -> new module path
 MOVED_MODULES: dict[str, str] = {
-    "fedclinic.audit": "fedclinic.runtime.audit_trail",
+    "fedclinic.audit": "fedclinic.runtime.audit_log",
     "fedclinic.blobstore": "fedclinic.runtime.blobstore",
     "fedclinic.durable_file": "fedclinic.runtime.durable_file",
     "fedclinic.failpoints": "fedclinic.runtime.failpoints",

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_commands(sub)
     add_serve_command(sub)
 
-    from fedclinic.runtime.audit_trail import add_audit_commands
+    from fedclinic.runtime.audit_log import add_audit_commands
 
     add_audit_commands(sub)
 

@@ -24,7 +24,7 @@ The tree (every class fedclinic raises on purpose derives from :class:`Fedclinic
     │                               SecAggInputError (bad update vector), and the two above
     ├── PkiError                    (fedclinic.pki) a certificate, key, CSR, CRL or CA folder is missing, invalid,
     │                               expired, revoked or mismatched
-    ├── AuditError                  (fedclinic.runtime.audit_trail) the audit log cannot be written or read as asked
+    ├── AuditError                  (fedclinic.runtime.audit_log) the audit log cannot be written or read as asked
     ├── StoreError                  (aggregator_service.store) the state database cannot be opened or migrated
     ├── BackupError                 (aggregator_service.backup) a backup cannot be taken, verified or restored
     ├── BudgetExceeded              (hospital_agent.privacy_ledger) a task would overspend a dataset's budget

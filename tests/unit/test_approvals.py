@@ -91,7 +91,7 @@ def test_store_hands_events_to_the_audit_hook_only_after_commit(tmp_path: Path) 
 
 def test_audit_trail_maps_events_and_verifies(tmp_path: Path) -> None:
     from aggregator_service.audit_trail import AuditTrail
-    from fedclinic.runtime.audit_trail import verify
+    from fedclinic.runtime.audit_log import verify
 
     trail = AuditTrail(tmp_path / "audit.jsonl")
     trail.on_commit([{"task_id": "t-1", "kind": "update-received", "message": "m", "actor": "site-a",

@@ -1,4 +1,4 @@
-"""Hash-chained audit log (fedclinic.runtime.audit_trail): a clean log verifies; every kind of tampering is caught at the
+"""Hash-chained audit log (fedclinic.runtime.audit_log): a clean log verifies; every kind of tampering is caught at the
 right line; concurrent writers (threads and processes) keep one valid chain; a torn tail is never overwritten."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedclinic.runtime.audit_trail import (GENESIS_HASH, AuditError, AuditEvent, AuditLog, TornTailError, canonical_json,
+from fedclinic.runtime.audit_log import (GENESIS_HASH, AuditError, AuditEvent, AuditLog, TornTailError, canonical_json,
                              record_hash, verify)
 
 
