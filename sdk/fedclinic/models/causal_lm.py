@@ -103,6 +103,7 @@ from fedclinic.data.qa_prompt import (
     text_token_ids,
     truncate_prompts,
 )
+from fedclinic.evaluation.generation import generation_scores
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -301,8 +302,6 @@ class CausalLMModel(LoadedModel):
         """Loss, token accuracy and generation metrics (see the module docstring)."""
         import torch
         import torch.nn.functional as F
-
-        from fedclinic.evaluation.generation import generation_scores
 
         if len(data) == 0:
             raise DatasetError("no evaluation examples; the evaluation set is empty")

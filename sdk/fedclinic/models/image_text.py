@@ -81,6 +81,8 @@ from fedclinic.models.base import (
 )
 from fedclinic.models.text_classification import lstm_final_states_unpacked
 from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
+from fedclinic.data.image import load_image
+from fedclinic.evaluation.multilabel import multilabel_scores
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -270,8 +272,6 @@ class ImageTextModel(LoadedModel):
         """Label probabilities ``[N, C]`` (sigmoid of the logits) for image files and their reports."""
         import torch
 
-        from fedclinic.data.image import load_image
-
         if len(images) != len(texts):
             raise ConfigError(f"{len(images)} images but {len(texts)} texts; give one report per image")
         if not images:
@@ -296,8 +296,6 @@ def encode_image_text(examples: Sequence["ImageTextExample"], loaded: ImageTextM
     longer decodes (it was valid when the manifest was read).
     """
     import torch
-
-    from fedclinic.data.image import load_image
 
     max_length = loaded.max_length if max_length is None else max_length
     check_max_length(max_length)
@@ -334,8 +332,6 @@ def evaluate_image_text(loaded: ImageTextModel, data: ImageTextData, *, batch_si
     """
     import torch
     import torch.nn.functional as F
-
-    from fedclinic.evaluation.multilabel import multilabel_scores
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
