@@ -18,6 +18,13 @@ import sys
 from google.protobuf import json_format
 
 from fedclinic.errors import FedclinicError
+from fedclinic.export.onnx_export import add_export_commands
+from fedclinic.federation.demo import add_demo_arguments, run_demo
+from fedclinic.federation.experiment import add_experiment_commands
+from fedclinic.pki import add_pki_commands
+from fedclinic.runtime.audit_log import add_audit_commands
+from fedclinic.serving.http_server import add_serve_command
+from fedclinic.spec.task import Task
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +35,7 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args):
+    # lazy: grpc loads only for the task subcommands (every other command starts without it)
     from fedclinic.client import connect
 
     missing = [n for n in ("address", "cert", "key", "ca") if not getattr(args, n)]
@@ -38,6 +46,7 @@ def _client(args):
 
 
 def _print_status(st, as_json: bool) -> None:
+    # lazy: grpc loads only for the task subcommands (every other command starts without it)
     from fedclinic.client import held_sites, state_name, waiting_sites
 
     if as_json:
@@ -64,8 +73,8 @@ def _print_status(st, as_json: bool) -> None:
 
 
 def _task_command(args) -> int:
+    # lazy: grpc loads only for the task subcommands (every other command starts without it)
     from fedclinic.client import state_name
-    from fedclinic.spec.task import Task
 
     with _client(args) as client:
         if args.task_cmd == "submit":
@@ -98,8 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedclinic", description="fedclinic: federated learning for hospitals")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from fedclinic.pki import add_pki_commands
-
     add_pki_commands(sub)
 
     task = sub.add_parser("task", help="submit and follow federated tasks")
@@ -128,22 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)
 
-    from fedclinic.federation.experiment import add_experiment_commands
-    from fedclinic.export.onnx_export import add_export_commands
-
-    from fedclinic.serving.http_server import add_serve_command
-
     add_experiment_commands(sub)
     add_export_commands(sub)
     add_serve_command(sub)
 
-    from fedclinic.runtime.audit_log import add_audit_commands
-
     add_audit_commands(sub)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
-    from fedclinic.federation.demo import add_demo_arguments, run_demo
-
     add_demo_arguments(demo)
     demo.set_defaults(func=run_demo)
     return parser

@@ -25,6 +25,8 @@ from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.spec.task import Task
 from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto, receive_package
+from fedclinic.pki import check_own_certificate
+from fedclinic.spec.model_card import build_card, write_card
 
 _SUBMIT_TENSOR_FIELD = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
 TERMINAL = (control_pb2.TASK_STATE_COMPLETED, control_pb2.TASK_STATE_FAILED, control_pb2.TASK_STATE_CANCELLED)
@@ -180,8 +182,6 @@ class Client:
         The card is built from ``status`` when given, else from the task's status fetched after the model (so
         it knows every round that went into it).
         """
-        from fedclinic.spec.model_card import build_card, write_card
-
         package, model_hash = self._fetch(task_id, round)
         folder = package.save(out_dir)
         if status is None:
@@ -199,8 +199,6 @@ def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,
     """
     tls = TlsFiles(Path(cert), Path(key), Path(ca))
     if check:
-        from fedclinic.pki import check_own_certificate
-
         ident = check_own_certificate(tls.cert, tls.key, tls.ca)
         if ident.role not in ("scientist", "admin"):
             raise FedclinicError(f"certificate {cert} has role {ident.role!r}; the control API needs a 'scientist' "

@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError
+from fedclinic.models.base import wordlevel_tokenizer_json
 
 STANDIN_LABELS = ("ct", "mr", "marker")
 SOURCES = {"ct": "CT_small.dcm", "mr": "MR_small.dcm"}
@@ -67,8 +68,6 @@ def standin_words() -> list[str]:
 
 def standin_tokenizer_json() -> bytes:
     """A word-level ``tokenizer.json`` covering :func:`standin_words` (see ``wordlevel_tokenizer_json``)."""
-    from fedclinic.models.base import wordlevel_tokenizer_json
-
     return wordlevel_tokenizer_json(standin_words())
 
 

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from fedclinic.data.files import check_label_set, decode_guard, fmt_labels, open_text, jsonl_objects, require_text
 from fedclinic.errors import DatasetError
+from fedclinic.data.ner_tags import tags_to_spans
 
 NER_FORMATS = ("jsonl", "conll")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".conll": "conll", ".bio": "conll", ".iob": "conll",
@@ -226,8 +227,6 @@ def _read_conll(path, lines: list[str], labels: list[str]) -> list[NerExample]:
 def _conll_example(tokens: list[str], tags: list[tuple[str, str]]) -> NerExample:
     """Tokens joined by single spaces; entities chunked by :func:`fedclinic.data.ner_tags.tags_to_spans` (the one
     chunking implementation), which reads every B/I/E/S file under the BIOES prefixes."""
-    from fedclinic.data.ner_tags import tags_to_spans
-
     offsets = []
     pos = 0
     for tok in tokens:

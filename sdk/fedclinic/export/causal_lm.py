@@ -79,7 +79,8 @@ from fedclinic.serving.generate import (
     past_name,
     present_name,
 )
-from fedclinic.transport.package import META_FILE
+from fedclinic.data.qa_prompt import left_pad
+from fedclinic.transport.package import meta_bytes, META_FILE
 
 #: parity questions when the export is given none: (question, context)
 DEFAULT_QUESTIONS: tuple[tuple[str, str], ...] = (
@@ -177,8 +178,6 @@ def torch_prompt_logits(loaded, prompts: Sequence[Sequence[int]]) -> tuple[np.nd
     """PyTorch's first-step logits on a left-padded prompt batch (the layout of :func:`left_pad`)."""
     import torch
 
-    from fedclinic.data.qa_prompt import left_pad
-
     ids, mask, positions = (torch.from_numpy(a) for a in left_pad(prompts, loaded.pad_id))
     with torch.no_grad():
         logits = loaded.module(input_ids=ids, attention_mask=mask, position_ids=positions).logits
@@ -259,8 +258,6 @@ def export_causal_lm_into(stage: Path, loaded, package, *, int8: bool, questions
     """Export the built :class:`CausalLMModel` ``loaded`` of ``package`` into the folder ``stage`` and run the
     parity checks of the module docstring; returns the report (written there as ``export_report.json``)."""
     import onnxruntime as ort
-
-    from fedclinic.transport.package import meta_bytes
 
     module = loaded.module.eval()
     prompts = parity_prompts(loaded, questions, contexts)

@@ -85,7 +85,13 @@ from fedclinic.export.parity import (  # noqa: F401  (the names of fedclinic.exp
     write_bundle_card,
 )
 from fedclinic.export.quantize import quantize_int8
-from fedclinic.models import lora
+from fedclinic.data.image import resolve_image_path
+from fedclinic.export import encoder_fusion as onnx_encoder_fusion
+from fedclinic.export.crf import append_viterbi
+from fedclinic.models import build_model, lora
+from fedclinic.models.image_text import PREPROCESSING_FILE, preprocessing_spec
+from fedclinic.spec.model_card import read_card
+from fedclinic.transport.package import ModelPackage
 
 _SIDE_FILES = ("tokenizer.json", "fedclinic_model.json", "config.json", "tokenizer_config.json",
                "special_tokens_map.json")
@@ -157,9 +163,6 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     Raises ConfigError for bad arguments, ParityError when a check fails (nothing is written then)."""
     import torch
 
-    from fedclinic.models import build_model
-    from fedclinic.transport.package import ModelPackage
-
     if not (tolerance is None or tolerance > 0) or not (int8_tolerance is None or int8_tolerance > 0):
         raise ConfigError("tolerances must be > 0")
     src, out = Path(model_dir), Path(out_dir)
@@ -167,8 +170,6 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         raise ConfigError(f"{src} is not a folder; give a model package folder (e.g. from `fedclinic task download`)")
     if (out / "model.onnx").exists() and not overwrite:
         raise ConfigError(f"{out / 'model.onnx'} exists; choose another OUT_DIR or pass --overwrite")
-    from fedclinic.spec.model_card import read_card
-
     source_card = read_card(src)  # before any work: an unreadable card is reported at once
     package = ModelPackage.load(src)
     if lora.spec_of(package) is not None:
@@ -222,8 +223,6 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
     import onnx
     import onnxruntime as ort
     import torch
-
-    from fedclinic.export import encoder_fusion as onnx_encoder_fusion
 
     out = stage  # every file below lands in the staging folder
     tmp = out / "model.onnx.tmp"
@@ -296,8 +295,6 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
 
 def _write_image_preprocessing(out: Path, loaded, report: ExportReport) -> list[str]:
     """Write the image-text bundle's ``preprocessing.json``; returns the model card's notes about its inputs."""
-    from fedclinic.models.image_text import PREPROCESSING_FILE, preprocessing_spec
-
     spec = preprocessing_spec(loaded)
     (out / PREPROCESSING_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     report.files.append(PREPROCESSING_FILE)
@@ -342,8 +339,6 @@ def _quiet_third_party_logs():
 
 def _fuse_encoder_attention(path: Path, config, log) -> int:
     """Replace the graph at ``path`` by its attention-fused form when every layer fuses; returns how many did."""
-    from fedclinic.export import encoder_fusion as onnx_encoder_fusion
-
     fused_path = path.with_name(path.name + ".fused")
     layers = int(config.num_hidden_layers)
     try:
@@ -378,8 +373,6 @@ def _forget_rnn_kernels() -> None:
 def _append_crf(path: Path, crf) -> None:
     """Append the CRF's Viterbi decoding to the exported emission graph at ``path`` (output ``tags``)."""
     import onnx
-
-    from fedclinic.export.crf import append_viterbi
 
     model = onnx.load(str(path))
     model.graph.ClearField("value_info")  # the exporter's recorded shapes are of its example; let onnx re-infer
@@ -454,6 +447,4 @@ def _row_image(path: Path, line: int, row: dict) -> Path | None:
     value = row.get("image")
     if value is None:
         return None
-    from fedclinic.data.image import resolve_image_path
-
     return resolve_image_path(path.resolve().parent, value, f"{path}:{line}")

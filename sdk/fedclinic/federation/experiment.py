@@ -59,6 +59,11 @@ from typing import Any, Callable, Mapping
 from fedclinic.runtime.durable_file import write_atomically
 from fedclinic.errors import ConfigError
 from fedclinic.runtime.tomlconfig import load_toml
+from fedclinic.assets.synthetic import synthetic
+from fedclinic.federation.simulate import simulate
+from fedclinic.models.feature_classification import build, encode_features, package_feature_model
+from fedclinic.strategies import make_strategy
+from fedclinic.training.trainer import TrainConfig
 
 #: FLCMC's algorithm matrix (spec 2.10): name -> (strategy, local optimizer, whether mu applies)
 PRESETS: dict[str, tuple[str, str, bool]] = {
@@ -104,8 +109,6 @@ class Experiment:
 
 def load_experiment(path: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Experiment:
     """Read and check an experiment config; every problem is reported at once as a ConfigError."""
-    from fedclinic.training.trainer import TrainConfig
-
     doc = load_toml(path)
     src = str(path)
     problems: list[str] = []
@@ -158,8 +161,6 @@ def load_experiment(path: str | os.PathLike[str], output: str | os.PathLike[str]
         problems.append(f"defaults: unknown setting(s) {bad_defaults}")
     if not algorithms and not problems:
         problems.append("no [algorithms.NAME] section: give at least one algorithm")
-    from fedclinic.strategies import make_strategy
-
     for a in algorithms:
         try:
             make_strategy(a.strategy, a.strategy_params)
@@ -179,9 +180,6 @@ def load_experiment(path: str | os.PathLike[str], output: str | os.PathLike[str]
 def _load_synthetic(d: Mapping[str, Any], model):
     import numpy as np
 
-    from fedclinic.assets.synthetic import synthetic
-    from fedclinic.models.feature_classification import encode_features
-
     clients = synthetic(float(d.get("alpha", 0.0)), float(d.get("beta", 0.0)), num_clients=int(d.get("num_clients", 30)),
                         seed=int(d.get("data_seed", 0)), iid=bool(d.get("iid", False)))
     sites = [encode_features(c.x_train, c.y_train, model) for c in clients]
@@ -195,10 +193,6 @@ def _load_synthetic(d: Mapping[str, Any], model):
 def run_one(data_name: str, data: Mapping[str, Any], algorithm: Algorithm, seed: int, rounds: int) -> list[dict]:
     """Simulate one (data, algorithm, seed) and return its per-round rows (ROUND_COLUMNS)."""
     import torch
-
-    from fedclinic.models.feature_classification import build, package_feature_model
-    from fedclinic.federation.simulate import simulate
-    from fedclinic.training.trainer import TrainConfig
 
     torch.set_num_threads(1)
     package = package_feature_model(num_features=int(data.get("dim", 60)),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedclinic.errors import FedclinicError
+from fedclinic import pki
 
 
 @dataclass
@@ -105,8 +106,6 @@ class LocalFederation:
 
     # PKI --------------------------------------------------------------------------------------------------
     def make_pki(self) -> None:
-        from fedclinic import pki
-
         if not (self.ca_dir / "ca.crt").exists():
             pki.init_ca(self.ca_dir, common_name="fedclinic local demo CA", days=30)
         pki.issue(self.ca_dir, role="aggregator", name="aggregator", out_dir=self.pki_dir / "aggregator", days=7)
@@ -199,6 +198,7 @@ class LocalFederation:
             self.start_agent(site)
 
     def client(self):
+        # lazy: grpc loads only when a caller talks to the aggregator (the CLI imports this module via the demo)
         from fedclinic.client import connect
 
         c = self.creds("scientist")

@@ -87,6 +87,7 @@ class SampleDP:
 
     def for_site(self, num_examples: int, train: TrainConfig, rounds: int):
         """The :class:`fedclinic.privacy.dp_sgd.DPSGD` settings of one site's rounds."""
+        # lazy: opacus loads only for a private simulation
         from fedclinic.privacy.accounting import plan_task
         from fedclinic.privacy.dp_sgd import DPSGD
 
@@ -167,7 +168,7 @@ def simulate(
         raise ConfigError("secure aggregation sums one vector of the same tensors from every site; SAFL sites send "
                           "different layers: use one or the other")
     if secure_aggregation is not None:
-        from fedclinic.secagg.config import MIN_COHORT_FLOOR
+        from fedclinic.secagg.config import MIN_COHORT_FLOOR  # lazy: cryptography only for a secure simulation
 
         floor = max(MIN_COHORT_FLOOR, secure_aggregation.min_cohort)
         if max(1, math.ceil(participation * len(site_data) - 1e-9)) < floor:
@@ -299,6 +300,7 @@ def _secure_mean(cfg: "task_pb2.SecureAggregationConfig", task_id: str, round_: 
                  before: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One secure-aggregation session over ``updates`` (site -> flattened delta, in the order of ``before``),
     run in process with the task's quantizer, degree and threshold; the survivors' mean, unflattened."""
+    # lazy: cryptography only for a secure simulation
     from fedclinic.secagg.config import MIN_COHORT_FLOOR, SessionParams
     from fedclinic.secagg.inprocess import run_round
     from fedclinic.secagg.task_config import quantizer_of

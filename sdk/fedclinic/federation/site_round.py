@@ -98,7 +98,7 @@ class EncodedUpdate:
 
     def decoded(self) -> dict[str, np.ndarray]:
         """What the aggregator decodes from it: float32 deltas by name."""
-        from fedclinic.codecs import decode, parse_codec
+        from fedclinic.codecs import decode, parse_codec  # cheap, but only tests and the simulator decode
 
         out: dict[str, np.ndarray] = {}
         for h in self.headers:
@@ -130,6 +130,8 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
     """Run one site's local round (see the module docstring) on ``loaded``, which holds the global model's
     tensors on entry and the site's locally trained ones on return. IntegrityError if a private tensor is
     among those to send; FedclinicError if a tensor cannot be encoded with the task's codec."""
+    # lazy: torch/transformers load when a round runs (the agent imports this module at start-up, before it
+    # knows whether this site will ever train)
     from fedclinic.training import safl as safl_layers
     from fedclinic.models import load_tensors, module_tensors
     from fedclinic.training.trainer import compute_delta, train_local
@@ -150,7 +152,7 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
     cfg = replace(inp.train, seed=seed)
     before = module_tensors(loaded.module, send)
     if inp.dp is not None:
-        from fedclinic.privacy.dp_sgd import train_local_private
+        from fedclinic.privacy.dp_sgd import train_local_private  # lazy: opacus only for private rounds
 
         result = train_local_private(loaded, data, cfg, inp.dp, trainable=send + private, progress=inp.progress,
                                      entropy=inp.dp_entropy)

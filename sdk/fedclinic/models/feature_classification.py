@@ -24,6 +24,7 @@ import numpy as np
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models.meta import ModelMeta
 from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
+from fedclinic.models.base import load_strict, module_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -94,8 +95,6 @@ def _linear_module(num_features: int, num_labels: int):
 def package_feature_model(*, num_features: int, labels: Sequence[str], architecture: str = "logreg",
                           multi_label: bool = False) -> ModelPackage:
     """A fresh (zero-initialised) model over ``num_features`` inputs predicting ``labels``."""
-    from fedclinic.models.base import module_tensors
-
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {architecture!r} for family {FAMILY!r}; choose one of "
                           f"{', '.join(ARCHITECTURES)}")
@@ -113,8 +112,6 @@ def package_feature_model(*, num_features: int, labels: Sequence[str], architect
 
 def build(package: ModelPackage) -> FeatureModel:
     """Build the module of a feature-classification package and load its tensors strictly."""
-    from fedclinic.models.base import load_strict
-
     meta = package.meta
     if meta.get("architecture") not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {meta.get('architecture')!r} for family {FAMILY!r}; choose one "

@@ -96,6 +96,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
+from fedclinic.models.base import load_tokenizer
 
 ARCHITECTURE = "cnn-bilstm-crf"
 
@@ -224,8 +225,6 @@ def _component_types(node: Any, found: dict[str, dict]) -> None:
 
 def token_surface_forms(tokenizer_json: bytes | str) -> list[str]:
     """The characters each token id stands for (``""`` for special tokens); see the module docstring."""
-    from fedclinic.models.base import load_tokenizer
-
     text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, (bytes, bytearray)) else tokenizer_json
     doc = json.loads(text)
     tok = load_tokenizer(text)
@@ -287,6 +286,7 @@ def tagger_class():
     from torch import nn
     from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+    # lazy: fedclinic.models.crf imports torch; importing fedclinic.models must not
     from fedclinic.models.crf import CRF
 
     class FedNERTagger(nn.Module):

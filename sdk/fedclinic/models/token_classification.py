@@ -67,6 +67,7 @@ from fedclinic.models.base import (
 from fedclinic.data.ner_tags import (SCHEMES, entity_scores, spans_to_token_tags, tag_set, tags_to_spans,
                                 token_spans_to_char_spans)
 from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
+from fedclinic.models import fedner
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -294,6 +295,7 @@ def _hf_token_config(config_dict: Mapping[str, Any], tags: Sequence[str]):
 def _build_module(config, architecture: str, num_tags: int, seed: int):
     from transformers import AutoModelForTokenClassification
 
+    # lazy: fedclinic.models.crf imports torch; importing fedclinic.models must not
     from fedclinic.models.crf import CRF
 
     with seeded(seed):
@@ -313,8 +315,6 @@ def _meta(architecture: str, labels: list[str], scheme: str, max_length: int, ba
 def _package_fedner(*, labels: Sequence[str], tags: list[str], scheme: str, tokenizer_json: bytes,
                     config: Mapping[str, Any], max_length: int, seed: int, base_model: str) -> ModelPackage:
     """A seeded cnn-bilstm-crf package: tensors, fedclinic_model.json (with arch_config) and tokenizer.json."""
-    from fedclinic.models import fedner
-
     vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
     arch = fedner.fedner_arch_config(config, vocab_size=vocab, pad_token_id=tokenizer_pad_id(tokenizer_json))
     with seeded(seed):
@@ -415,8 +415,6 @@ def build(package: ModelPackage) -> TokenModel:
         raise IntegrityError(f"an NER package needs {TOKENIZER_FILE}")
     tokenizer = load_tokenizer(tok_bytes)
     if architecture not in HF_ARCHITECTURES:
-        from fedclinic.models import fedner
-
         arch = fedner.stored_arch_config(meta.get("arch_config") or {},
                                          vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                                          pad_token_id=tokenizer_pad_id(tok_bytes))

@@ -169,6 +169,8 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
         raise ConfigError(f"ghost clipping is available for {' and '.join(GHOST_FAMILIES)} (per-example losses of "
                           "Linear, LayerNorm and Embedding layers, no parameter used twice); use mode 'hooks' for "
                           "this task")
+    # lazy: torch and opacus load when a private round runs (the agent and the simulator import this module to
+    # plan budgets, which needs neither)
     import torch
 
     from fedclinic.training.optimizers import make_optimizer
@@ -252,6 +254,7 @@ class _GhostRun:
 
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
                  noise, step_hook) -> None:
+        # lazy: torch (see train_local_private)
         from fedclinic.privacy.ghost import GhostClipping
         from fedclinic.privacy.per_example import PerExampleObjective
 
@@ -303,7 +306,7 @@ class _OpacusRun:
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
 
-        from fedclinic.privacy.per_example import PerExampleObjective
+        from fedclinic.privacy.per_example import PerExampleObjective  # lazy: torch (see train_local_private)
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Opacus' notes about secure_mode and full backward hooks

@@ -41,6 +41,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fedclinic.errors import ConfigError
+from fedclinic.models.causal_lm import IGNORE as ANSWER_IGNORE
+from fedclinic.models.token_classification import IGNORE as TOKEN_IGNORE
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -98,12 +100,10 @@ class PerExampleObjective:
     def _token_losses(self, inputs, y):
         import torch.nn.functional as F
 
-        from fedclinic.models.token_classification import IGNORE
-
         ids, mask = inputs
         em = self.loaded.emissions(ids, mask).float()
-        ce = F.cross_entropy(em.transpose(1, 2), y, ignore_index=IGNORE, reduction="none")  # [B, L], 0 if ignored
-        return ce.sum(dim=1) / (y != IGNORE).sum(dim=1).clamp(min=1)
+        ce = F.cross_entropy(em.transpose(1, 2), y, ignore_index=TOKEN_IGNORE, reduction="none")  # [B, L], 0 if ignored
+        return ce.sum(dim=1) / (y != TOKEN_IGNORE).sum(dim=1).clamp(min=1)
 
     def _crf_losses(self, inputs, y):
         ids, mask = inputs
@@ -126,12 +126,10 @@ class PerExampleObjective:
         import torch
         import torch.nn.functional as F
 
-        from fedclinic.models.causal_lm import IGNORE
-
         ids, mask = inputs
         hidden = self.module.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         gold = targets[:, 1:]  # position t predicts token t + 1
-        on = gold != IGNORE
+        on = gold != ANSWER_IGNORE
         counts = on.sum(dim=1)
         width = max(1, int(counts.max()))
         # each row's answer positions, in order, packed to the left of a [B, A] grid
@@ -139,8 +137,8 @@ class PerExampleObjective:
         valid = torch.arange(width, device=ids.device).unsqueeze(0) < counts.unsqueeze(1)
         h = hidden.gather(1, order.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         logits = self.module.get_output_embeddings()(h).float()  # [B, A, vocab]
-        tokens = gold.gather(1, order).masked_fill(~valid, IGNORE)
-        ce = F.cross_entropy(logits.transpose(1, 2), tokens, ignore_index=IGNORE, reduction="none")
+        tokens = gold.gather(1, order).masked_fill(~valid, ANSWER_IGNORE)
+        ce = F.cross_entropy(logits.transpose(1, 2), tokens, ignore_index=ANSWER_IGNORE, reduction="none")
         return ce.sum(dim=1) / counts.clamp(min=1)
 
 

@@ -26,6 +26,7 @@ from fedclinic.proto import task_pb2
 from fedclinic.secagg.config import MIN_COHORT_FLOOR, SessionParams
 from fedclinic.secagg.errors import SecAggConfigError
 from fedclinic.secagg.quantize import Quantizer
+from fedclinic.strategies import make_strategy
 
 KEYS = ("enabled", "min_cohort", "threshold", "clip", "bits", "rounding", "degree")
 DEFAULT_CLIP = 1.0
@@ -120,8 +121,6 @@ def spec_problems(spec: task_pb2.TaskSpec) -> list[str]:
     except SecAggConfigError as exc:
         p.append(f"secure_aggregation (checked for the smallest cohort, {n0} sites): {exc}")
     try:
-        from fedclinic.strategies import make_strategy
-
         strategy = make_strategy(spec.strategy, {**dict(spec.strategy_params), **dict(spec.strategy_options)})
     except Exception:  # a bad strategy is reported by the strategy check itself
         strategy = None

@@ -54,6 +54,12 @@ import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError
 from fedclinic.models.meta import ModelMeta
+from fedclinic.data.image import decode_image, decode_image_bytes, preprocess
+from fedclinic.models.base import encode_texts, load_tokenizer, tokenizer_pad_id
+from fedclinic.models.image_text import PREPROCESSING_FILE
+from fedclinic.models.token_classification import encode_with_offsets, spans_from_tag_ids
+from fedclinic.serving.generate import OnnxQAModel
+from fedclinic.spec.model_card import read_card
 
 QA_FAMILY = "question-answering"
 IMAGE_TEXT_FAMILY = "image-text-classification"
@@ -118,8 +124,6 @@ class ClassifierBundle(ModelMeta):
         if self.family == IMAGE_TEXT_FAMILY:
             self.image = _image_preprocessing(root, self.session)
         if self.family in TEXT_FAMILIES:
-            from fedclinic.models.base import load_tokenizer, tokenizer_pad_id
-
             tok_path = root / "tokenizer.json"
             if not tok_path.is_file():
                 raise ConfigError(f"{root} has no tokenizer.json, which a text model needs; re-run "
@@ -127,8 +131,6 @@ class ClassifierBundle(ModelMeta):
             raw = tok_path.read_bytes()
             self._tokenizer = load_tokenizer(raw)
             if self.family == QA_FAMILY:
-                from fedclinic.serving.generate import OnnxQAModel
-
                 self._qa = OnnxQAModel(self.session, self.meta, self._tokenizer)
             else:
                 self._pad_id = tokenizer_pad_id(raw)
@@ -139,8 +141,6 @@ class ClassifierBundle(ModelMeta):
         if self._tokenizer is None:
             raise ConfigError(f"a {self.family} bundle takes feature vectors, not texts; use predict_features")
         _require_texts(texts)
-        from fedclinic.models.base import encode_texts
-
         return encode_texts(self._tokenizer, texts, max_length=self.max_length, pad_id=self._pad_id, pad_to=pad_to)
 
     def logits(self, texts: Sequence[str], *, pad_to: int | None = None) -> np.ndarray:
@@ -181,8 +181,6 @@ class ClassifierBundle(ModelMeta):
         """``{"entities": [{"start", "end", "label", "text"}, ...]}`` per text (an NER bundle)."""
         if self.family != "token-classification":
             raise ConfigError(f"a {self.family} bundle does not find entities; use predict")
-        from fedclinic.models.token_classification import encode_with_offsets, spans_from_tag_ids
-
         _require_texts(texts)
         outputs = {o.name for o in self.session.get_outputs()}
         tags, scheme = list(self.meta["tags"]), str(self.meta.get("scheme", "BIO"))
@@ -218,8 +216,6 @@ class ClassifierBundle(ModelMeta):
         """The graph's ``image`` input ``[N, 1, S, S]`` float32: each image (file bytes or a path) decoded by
         :mod:`fedclinic.data.image` (as the sites' images are) and preprocessed with the bundle's size and
         normalisation. DatasetError naming the image (0-based) for a missing, unreadable or unsupported one."""
-        from fedclinic.data.image import decode_image, decode_image_bytes, preprocess
-
         if self.image is None:
             raise ConfigError(f"a {self.family} bundle takes no images; only {IMAGE_TEXT_FAMILY} bundles do")
         _require_list_of_images(images)
@@ -296,8 +292,6 @@ def _require_list_of_images(images: Any) -> None:
 
 def _read_card_quietly(root: Path) -> dict[str, Any] | None:
     """The bundle's model card, or None when it has none or it cannot be read (serving does not need it)."""
-    from fedclinic.spec.model_card import read_card
-
     try:
         return read_card(root)
     except ConfigError:
@@ -307,8 +301,6 @@ def _read_card_quietly(root: Path) -> dict[str, Any] | None:
 def _image_preprocessing(root: Path, session) -> ImagePreprocessing:
     """The image input an image-text bundle's graph expects, from its ``preprocessing.json``, checked against the
     graph's ``image`` input shape ``[batch, 1, S, S]``; ConfigError when the file is missing or disagrees."""
-    from fedclinic.models.image_text import PREPROCESSING_FILE
-
     path = root / PREPROCESSING_FILE
     redo = "re-run `fedclinic export onnx` into a fresh folder"
     if not path.is_file():

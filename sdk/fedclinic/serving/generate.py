@@ -46,6 +46,7 @@ from fedclinic.data.qa_prompt import (
     prompt_token_ids,
     truncate_prompts,
 )
+from fedclinic.models.base import load_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnxruntime
@@ -221,8 +222,6 @@ class OnnxQAModel:
     def load(cls, folder: str | Path, *, int8: bool = False, threads: int = 0) -> "OnnxQAModel":
         """The bundle in ``folder`` (``model.onnx``, or ``model.int8.onnx`` with ``int8``)."""
         import onnxruntime as ort
-
-        from fedclinic.models.base import load_tokenizer
 
         root = Path(folder)
         name = "model.int8.onnx" if int8 else "model.onnx"

@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 
 from fedclinic.errors import ConfigError, DatasetError, FedclinicError
+from fedclinic.serving.bundle import ClassifierBundle
+from fedclinic.spec.model_card import card_summary
 
 MAX_ITEMS = 256
 #: questions per request to a question-answering bundle (generation costs one model step per answer token)
@@ -139,8 +141,6 @@ def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingH
         info["image"] = {"channels": 1, "size": bundle.image.size, "mean": bundle.image.mean, "std": bundle.image.std,
                          "formats": ["png", "jpeg", "dicom"]}
     if getattr(bundle, "card", None):
-        from fedclinic.spec.model_card import card_summary
-
         info["card"] = card_summary(bundle.card)
 
     class Handler(BaseHTTPRequestHandler):
@@ -219,6 +219,7 @@ def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingH
 
 
 def _prediction_message(p: dict):
+    # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
     from fedclinic.proto import inference_pb2
 
     return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p.get("scores", {}),
@@ -235,6 +236,7 @@ def make_grpc_server(bundle, address: str, tls=None):
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
     from fedclinic.transport.rpc import server_credentials
 
@@ -300,8 +302,6 @@ def add_serve_command(sub) -> None:
 
 
 def _serve_command(args) -> int:
-    from fedclinic.serving.bundle import ClassifierBundle
-
     tls_args = [args.cert, args.key, args.ca]
     if any(tls_args) and not all(tls_args):
         raise ConfigError("give all of --cert, --key and --ca for mutual TLS, or none of them")
@@ -311,6 +311,7 @@ def _serve_command(args) -> int:
     grpc_server = None
     ports = {"http": port}
     if args.grpc_port is not None:
+        # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
         from fedclinic.transport.rpc import TlsFiles
 
         tls = TlsFiles(Path(args.cert), Path(args.key), Path(args.ca)) if all(tls_args) else None

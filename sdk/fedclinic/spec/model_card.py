@@ -139,6 +139,7 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
     if spec.HasField("privacy") and spec.privacy.level:
         card["privacy"] = _fields(spec.privacy)
     if spec.HasField("secure_aggregation") and spec.secure_aggregation.enabled:
+        # lazy: the SecAgg stack (cryptography) loads only for a task that used it; serving reads cards without it
         from fedclinic.secagg.task_config import effective_config
 
         card["secure_aggregation"] = _fields(effective_config(spec.secure_aggregation))  # defaults filled in
@@ -353,6 +354,7 @@ def render_markdown(card: Mapping[str, Any]) -> str:
 # helpers -------------------------------------------------------------------------------------------------------
 def _rounds_of_model(status: Any, model_hash: str, requested_round: int | None, notes: list[str]) -> list[Any]:
     """The closed rounds whose aggregation led to ``model_hash``, in order."""
+    # lazy: the protobuf stubs load only when a card is built from a task's status; serving reads cards without them
     from fedclinic.proto import control_pb2
 
     closed = sorted((r for r in status.rounds if r.state == control_pb2.ROUND_STATE_CLOSED), key=lambda r: r.round)

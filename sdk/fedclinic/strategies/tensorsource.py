@@ -15,6 +15,8 @@ from typing import Iterable, Iterator, Union
 
 import numpy as np
 
+from fedclinic.codecs import decode, open_payload
+
 
 @dataclass(frozen=True)
 class FileTensor:
@@ -63,8 +65,6 @@ class EncodedTensor:
 
     def read(self) -> np.ndarray:
         """The whole decoded tensor in memory (for small tensors and tests)."""
-        from fedclinic.codecs import decode
-
         return decode(self.payload(), self.decoded_params()).reshape(self.shape)
 
 
@@ -110,8 +110,6 @@ def blocks(x: TensorLike, scratch: np.ndarray) -> Iterator[tuple[int, np.ndarray
     """Yield (start, block) over the flattened tensor as float32, each block living in ``scratch``."""
     n_block = scratch.size
     if isinstance(x, EncodedTensor):
-        from fedclinic.codecs import open_payload
-
         reader = open_payload(x.payload(), x.decoded_params(), chunk=n_block)
         yield from dense_blocks(reader.chunks(), x.size, scratch)
         return
