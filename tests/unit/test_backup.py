@@ -15,28 +15,28 @@ from aggregator_service.backup import MANIFEST, BackupError, create_backup, rest
 from aggregator_service.store import SCHEMA_VERSION
 from fedclinic.transport.package import ModelPackage
 
-from tests.unit.test_engine import _assign, _engine, _send, _submit
+from tests.helpers.engine import assign_sites, make_engine, send_update, submit_task
 
 
 def _mid_round_two(root):
     """A FedAdam task (strategy state in blobs) with round 1 closed and one of two round-2 updates durable."""
-    store, engine = _engine(root)
-    task_id = _submit(engine, ModelPackage({"w": np.zeros(3, np.float32)}), min_sites=2, num_rounds=2,
+    store, engine = make_engine(root)
+    task_id = submit_task(engine, ModelPackage({"w": np.zeros(3, np.float32)}), min_sites=2, num_rounds=2,
                       strategy="fedadam", strategy_params={"server_lr": 0.1})
-    a = _assign(engine, ["s1", "s2"])
-    _send(engine, "s1", a["s1"], {"w": np.ones(3, np.float32)})
-    _send(engine, "s2", a["s2"], {"w": np.ones(3, np.float32)})
-    b = _assign(engine, ["s1", "s2"])
-    _send(engine, "s1", b["s1"], {"w": np.ones(3, np.float32)}, key="r2-s1")
+    a = assign_sites(engine, ["s1", "s2"])
+    send_update(engine, "s1", a["s1"], {"w": np.ones(3, np.float32)})
+    send_update(engine, "s2", a["s2"], {"w": np.ones(3, np.float32)})
+    b = assign_sites(engine, ["s1", "s2"])
+    send_update(engine, "s1", b["s1"], {"w": np.ones(3, np.float32)}, key="r2-s1")
     (root / "audit.jsonl").write_text('{"seq": 1}\n{"seq": 2, "torn')  # a record being appended right now
     return store, engine, task_id, b
 
 
 def _finish(root, b) -> np.ndarray:
-    store, engine = _engine(root)
+    store, engine = make_engine(root)
     engine.recover()
     engine.site_connected("s2")
-    _send(engine, "s2", b["s2"], {"w": np.ones(3, np.float32)}, key="r2-s2")
+    send_update(engine, "s2", b["s2"], {"w": np.ones(3, np.float32)}, key="r2-s2")
     final = store.model(store.task(b["s2"].task_id).final_model)
     out = np.array(engine.blobs.array(final.tensor("w").sha256, "float32", (3,)))
     store.close()

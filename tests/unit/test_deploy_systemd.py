@@ -264,8 +264,8 @@ def test_aggregator_runs_a_round_under_wx_and_answers_the_health_probe(tmp_path)
     from fedclinic.client import state_name
     from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 
-    from tests.integration.conftest import tiny_package, write_site_data
-    from tests.integration.test_federation import _task
+    from tests.helpers.text_models import tiny_package, write_site_data
+    from tests.helpers.tasks import make_task
 
     helper = tmp_path / "mdwe_exec.py"
     helper.write_text(MDWE_EXEC)
@@ -286,7 +286,7 @@ def test_aggregator_runs_a_round_under_wx_and_answers_the_health_probe(tmp_path)
         if "Mdwe" in status:
             assert re.search(r"Mdwe:\s*1", status) or "refuse_exec_gain" in status.lower(), status
         with fed.client() as client:
-            st = client.submit(_task(num_rounds=1, min_sites=2), package=tiny_package())
+            st = client.submit(make_task(num_rounds=1, min_sites=2), package=tiny_package())
             final = client.wait(st.task_id, timeout=240, progress=False)
         assert state_name(final.state) == "completed", final.error + fed.log_text("aggregator")[-3000:]
         creds = fed.creds("aggregator")

@@ -63,7 +63,7 @@ def test_round_rng_depends_on_task_round_and_tensor():
 def test_task_declares_a_downlink_codec_and_bad_ones_are_refused(tmp_path):
     from aggregator_service.rounds import validate_spec
     from fedclinic.errors import Refused
-    from tests.integration.conftest import tiny_package
+    from tests.helpers.text_models import tiny_package
 
     toml = tmp_path / "task.toml"
     toml.write_text('name = "n"\ndataset = "d"\nlabels = ["a", "b"]\narchitecture = "logreg"\n'

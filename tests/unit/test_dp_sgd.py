@@ -14,7 +14,7 @@ from fedclinic.errors import ConfigError
 from fedclinic.privacy import dp_sgd
 from fedclinic.privacy.dp_sgd import DPSGD, check_supported, explicit_ids_hook, train_local_private
 from fedclinic.training.trainer import TrainConfig, _batch_loss, encode, select_tensors
-from tests.unit.test_training import examples, model
+from tests.helpers.symptom_models import examples, model
 
 
 def _trainable(loaded):

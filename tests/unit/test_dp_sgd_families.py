@@ -18,8 +18,9 @@ from fedclinic.privacy.accounting import TaskAccountant, epsilon_of
 from fedclinic.privacy.dp_sgd import DPSGD, check_supported, explicit_ids_hook, train_local_private
 from fedclinic.privacy.per_example import PerExampleObjective
 from fedclinic.training.trainer import TrainConfig
-from tests.unit import test_causal_lm as qa
-from tests.unit import test_token_classification as ner
+
+from tests.helpers import ner_models as ner
+from tests.helpers import qa_models as qa
 
 NO_DROPOUT_BERT = {**ner.TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 FAMILIES = ["ner", "ner-crf", "qa-gpt2", "qa-llama-tied"]

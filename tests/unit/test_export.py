@@ -12,7 +12,7 @@ from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.export.onnx_export import ParityError, check_parity, export_onnx
 from fedclinic.models.feature_classification import package_feature_model
 
-from tests.integration.conftest import tiny_package
+from tests.helpers.text_models import tiny_package
 
 
 @pytest.mark.parametrize("architecture", ["transformer", "lstm", "logreg"])
@@ -83,7 +83,7 @@ def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
     from fedclinic.export.quantize import _quantize_dynamic
     from fedclinic.models import build_model, package_from_config
 
-    from tests.integration.conftest import LABELS, tiny_tokenizer_json
+    from tests.helpers.text_models import LABELS, tiny_tokenizer_json
 
     config = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
               "intermediate_size": 32, "max_position_embeddings": 64}
@@ -236,7 +236,7 @@ def test_lstm_export_path_equals_the_packed_path(config):
 
     from fedclinic.models import build_model, package_from_config
 
-    from tests.integration.conftest import LABELS, tiny_tokenizer_json
+    from tests.helpers.text_models import LABELS, tiny_tokenizer_json
 
     pkg = package_from_config(architecture="lstm", labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
                               config=config, max_length=16, seed=1)
@@ -317,7 +317,7 @@ def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
 
     from fedclinic.models import build_model
 
-    from tests.unit.test_token_classification import make_examples, package
+    from tests.helpers.ner_models import make_examples, package
 
     pkg = package(architecture, scheme="BIOES", seed=4)
     pkg.save(tmp_path / "pkg")
@@ -374,7 +374,7 @@ def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
     from fedclinic.export.onnx_export import check_paths, torch_paths
     from fedclinic.models import build_model
 
-    from tests.unit.test_token_classification import make_examples, package
+    from tests.helpers.ner_models import make_examples, package
 
     pkg = package("transformer-crf", seed=5)
     pkg.save(tmp_path / "pkg")
@@ -438,8 +438,8 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
     from fedclinic.models import build_model
     from fedclinic.serving.bundle import ClassifierBundle
 
-    from tests.unit.test_fedner_model import package as fedner_package
-    from tests.unit.test_token_classification import make_examples
+    from tests.helpers.fedner_models import package as fedner_package
+    from tests.helpers.ner_models import make_examples
 
     pkg = fedner_package(seed=4, scheme="BIOES")
     pkg.save(tmp_path / "pkg")

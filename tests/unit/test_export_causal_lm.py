@@ -19,7 +19,7 @@ from fedclinic.models import build_model, module_tensors
 from fedclinic.models.causal_lm import stored_names
 from fedclinic.transport.package import ModelPackage
 
-from tests.unit.test_causal_lm import TINY, TINY_LLAMA, package, toy_examples, train
+from tests.helpers.qa_models import TINY, TINY_LLAMA, package, toy_examples, train
 
 QUESTIONS = ["what treats headache", "what treats diabetes", "what is the drug for a patient with reflux"]
 CONFIGS = {"gpt2": TINY, "llama": TINY_LLAMA}

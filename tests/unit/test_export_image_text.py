@@ -15,27 +15,11 @@ from fedclinic.export.onnx_export import FP32_TOLERANCE, ParityError, check_pari
 from fedclinic.models import build_model
 from fedclinic.transport.package import ModelPackage
 
-from tests.unit.test_image_text import LABELS
-from tests.unit.test_image_text import package as image_text_package
+from tests.helpers.image_text_models import LABELS, trained_package
+from tests.helpers.image_text_models import package as image_text_package
 
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
-def trained_package(folder, seed: int = 3) -> ModelPackage:
-    """A tiny image-text model trained briefly on 32 stand-in examples (so that its label decisions differ between
-    inputs; an untrained model says the same for everything), as a package."""
-    from fedclinic.training import trainer as training
-    from fedclinic.models import module_tensors
-
-    from tests.unit.test_image_text import examples
-
-    start = image_text_package(seed=seed)
-    model = build_model(start)
-    data = training.encode(examples(folder, 32, seed=1), model)
-    training.train_local(model, data, training.TrainConfig(local_epochs=5, batch_size=8, learning_rate=1e-2, seed=0),
-                         trainable=list(start.tensors))
-    return ModelPackage(module_tensors(model.module), start.files)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +162,7 @@ def test_held_out_rows_must_all_have_images_or_none(exported, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="2 parity images for 1 texts"):
         export_onnx(pkg, tmp_path / "out", texts=["mr image"], images=[data / "images/png-0000.png"] * 2)
-    from tests.integration.conftest import tiny_package
+    from tests.helpers.text_models import tiny_package
 
     tiny_package("logreg").save(tmp_path / "text-pkg")
     with pytest.raises(ConfigError, match="parity images are for image-text-classification models"):

@@ -16,22 +16,8 @@ from fedclinic.models.token_classification import package_ner_from_config, packa
 from fedclinic.transport.package import META_FILE, ModelPackage
 from fedclinic.federation.simulate import simulate
 
-from tests.unit.test_token_classification import LABELS, make_examples, tokenizer
-
-ARCH = "cnn-bilstm-crf"
-TINY = {"embedding_dim": 16, "char_dim": 8, "char_filters": 16, "word_filters": 16, "lstm_hidden": 16,
-        "dropout": 0.1}
-LSTM = [f"lstm.{kind}_l0{suffix}" for suffix in ("", "_reverse")
-        for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-SHARED = ["word_embedding.weight", "char_embedding.weight", "char_cnn.weight", "char_cnn.bias", "word_cnn.weight",
-          "word_cnn.bias"]
-PRIVATE = [*LSTM, "classifier.weight", "classifier.bias", "crf.transitions", "crf.start_transitions",
-           "crf.end_transitions"]
-
-
-def package(seed: int = 0, scheme: str = "BIO", config=TINY, tok: bytes | None = None) -> ModelPackage:
-    return package_ner_from_config(labels=LABELS, tokenizer_json=tok or tokenizer(), config=config, architecture=ARCH,
-                                   scheme=scheme, max_length=32, seed=seed)
+from tests.helpers.fedner_models import ARCH, PRIVATE, SHARED, TINY, package
+from tests.helpers.ner_models import LABELS, assert_learns_the_entities, make_examples, tokenizer
 
 
 def test_package_holds_the_documented_tensors_and_builds():
@@ -231,18 +217,7 @@ def test_packed_and_unpacked_forwards_agree_with_padding():
 @pytest.mark.parametrize("scheme", ["BIO", "BIOES"])
 def test_training_learns_the_entities(scheme):
     model = build_model(package(scheme=scheme))
-    train = training.encode(make_examples(48, seed=1), model)
-    test = training.encode(make_examples(24, seed=2), model)
-    before = training.evaluate(model, test)
-    cfg = training.TrainConfig(local_epochs=12, batch_size=8, learning_rate=1e-2, seed=0)
-    training.train_local(model, train, cfg, trainable=[n for n, _ in model.module.named_parameters()])
-    after = training.evaluate(model, test)
-    assert before["strict_f1"] < 0.5
-    assert after["strict_f1"] > 0.9, after
-    assert after["loss"] < before["loss"]
-    text = "patient took metformin for back pain"
-    ents = model.predict_entities([text])[0]
-    assert {(e["text"], e["label"]) for e in ents} == {("metformin", "DRUG"), ("back pain", "CONDITION")}
+    assert_learns_the_entities(model, learning_rate=1e-2)
 
 
 def test_pretrained_folder_gives_only_its_tokenizer(tmp_path):

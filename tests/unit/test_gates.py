@@ -8,7 +8,7 @@ from fedclinic.proto import agent_pb2
 from fedclinic.spec.task import Task
 from fedclinic.transport.wire import manifest_to_proto
 from hospital_agent.gates import DECLINE, GO, SpecGate
-from tests.integration.conftest import LABELS, tiny_package
+from tests.helpers.text_models import LABELS, tiny_package
 
 
 @pytest.fixture(scope="module")

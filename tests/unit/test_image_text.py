@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from fedclinic.training import trainer as training
-from fedclinic.data.text import read_dataset
-from fedclinic.assets.imaging_standin import STANDIN_LABELS, generate, standin_tokenizer_json, write_standin
+from fedclinic.assets.imaging_standin import STANDIN_LABELS, generate, standin_tokenizer_json
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.models import FAMILIES, build_model
 from fedclinic.models.image_text import (FAMILY, IMAGE_TEXT_DEFAULTS, ImageTextModel, package_image_text_from_config,
@@ -22,20 +21,7 @@ from fedclinic.models.image_text import (FAMILY, IMAGE_TEXT_DEFAULTS, ImageTextM
 from fedclinic.evaluation.multilabel import midranks, multilabel_scores, roc_auc
 from fedclinic.transport.package import META_FILE, ModelPackage
 
-LABELS = list(STANDIN_LABELS)
-TINY = {"image_size": 32, "resnet_embedding_size": 8, "resnet_hidden_sizes": [8, 16], "resnet_depths": [1, 1],
-        "resnet_layer_type": "basic", "embedding_dim": 16, "lstm_hidden": 16, "branch_hidden": 16, "branch_dim": 8,
-        "fusion_hidden": 16, "dropout": 0.0}
-
-
-def package(seed: int = 0, **overrides) -> ModelPackage:
-    return package_image_text_from_config(labels=LABELS, tokenizer_json=standin_tokenizer_json(),
-                                          config={**TINY, **overrides}, max_length=16, seed=seed)
-
-
-def examples(folder, n: int, seed: int, image_format: str = "png"):
-    manifest = write_standin(folder, n=n, seed=seed, image_format=image_format)
-    return read_dataset(FAMILY, manifest, label_set=LABELS, label_field="labels")
+from tests.helpers.image_text_models import LABELS, TINY, examples, package
 
 
 # ------------------------------------------------------------------------------------------------ metrics

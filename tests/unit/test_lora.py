@@ -15,7 +15,7 @@ from fedclinic.models import build_model, module_tensors, package_from_config
 from fedclinic.transport.package import META_FILE, ModelPackage
 from fedclinic.training.trainer import TrainConfig, encode, select_tensors, train_local
 
-from tests.unit.test_training import LABELS, TINY_BERT, TOK, examples
+from tests.helpers.symptom_models import LABELS, TINY_BERT, TOK, examples
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,8 @@ from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models import build_model, package_from_config, package_pretrained, wordlevel_tokenizer_json
 from fedclinic.models.mean_pooling import sentence_transformers_pooling
 from fedclinic.transport.package import META_FILE, ModelPackage
-from tests.unit.test_models import TINY_BERT, WORDS, _pretrained_folder
+from tests.helpers.pretrained import WORDS, pretrained_bert_folder
+from tests.helpers.symptom_models import TINY_BERT
 
 LABELS = ["resp", "skin", "gi"]
 MEAN_BERT = {**TINY_BERT, "pooling": "mean", "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -100,7 +101,7 @@ def test_unknown_pooling_is_refused_when_packaging_and_when_building(tok_json):
 
 
 def test_package_pretrained_takes_the_encoder_and_leaves_the_checkpoints_pooler(tmp_path, tok_json):
-    folder, encoder = _pretrained_folder(tmp_path, tok_json)
+    folder, encoder = pretrained_bert_folder(tmp_path, tok_json)
     pkg = package_pretrained(folder, labels=LABELS, max_length=32, seed=3, config={"pooling": "mean"})
     for name, arr in encoder.items():
         if name.startswith("pooler."):
@@ -122,7 +123,7 @@ def _declare_pooling(folder, **modes) -> None:
 
 
 def test_a_folder_declaring_mean_pooling_is_named_in_the_log_but_the_default_stays(tmp_path, tok_json, caplog):
-    folder, _ = _pretrained_folder(tmp_path, tok_json)
+    folder, _ = pretrained_bert_folder(tmp_path, tok_json)
     assert sentence_transformers_pooling(folder) is None
     _declare_pooling(folder, mean_tokens=True)
     assert sentence_transformers_pooling(folder) == "mean"

@@ -22,10 +22,10 @@ from fedclinic.models import (
 )
 from fedclinic.transport.package import ModelPackage
 
-WORDS = "fever cough chills rash itch hives nausea vomit the patient reports mild severe".split()
+from tests.helpers.pretrained import WORDS, pretrained_bert_folder
+from tests.helpers.symptom_models import TINY_BERT
+
 LABELS = ["resp", "skin", "gi"]
-TINY_BERT = dict(model_type="bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 intermediate_size=64, max_position_embeddings=64)
 CONFIGS = {
     "transformer": TINY_BERT,
     "lstm": {"embedding_dim": 8, "hidden_size": 8, "num_layers": 2, "bidirectional": True, "dropout": 0.0},
@@ -172,38 +172,9 @@ def test_saved_transformer_package_is_a_normal_hf_folder(tok_json, tmp_path):
 # ------------------------------------------------------------------------------------------ pretrained folders
 
 
-def _pretrained_folder(tmp_path, tok_json, *, prefix=False, legacy_ln=False, drop=None, bin_only=False):
-    """A tiny 'pretrained' BertModel folder like a hub download: config.json, model.safetensors, tokenizer."""
-    from safetensors.numpy import save_file
-    from transformers import BertConfig, BertModel
-
-    folder = tmp_path / "pretrained"
-    folder.mkdir()
-    cfg = BertConfig(**{k: v for k, v in TINY_BERT.items() if k != "model_type"}, vocab_size=len(WORDS) + 4)
-    torch.manual_seed(0)
-    enc = BertModel(cfg)
-    cfg.save_pretrained(folder)
-    weights = {k: v.numpy().copy() for k, v in enc.state_dict().items()}
-    if legacy_ln:
-        weights = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-                   for k, v in weights.items()}
-    if prefix:
-        weights = {f"bert.{k}": v for k, v in weights.items()}
-    if drop:
-        weights = {k: v for k, v in weights.items() if drop not in k}
-    weights["embeddings.position_ids"] = np.arange(64, dtype=np.int64)[None]  # a non-persistent buffer in old files
-    if bin_only:
-        (folder / "pytorch_model.bin").write_bytes(b"pickle would be here")
-    else:
-        save_file(weights, str(folder / "model.safetensors"))
-    (folder / "tokenizer.json").write_bytes(tok_json)
-    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
-    return folder, {k: v.numpy() for k, v in enc.state_dict().items()}
-
-
 @pytest.mark.parametrize("variant", [{}, {"prefix": True}, {"legacy_ln": True}])
 def test_package_pretrained_loads_encoder_and_seeds_the_head(tmp_path, tok_json, variant):
-    folder, encoder = _pretrained_folder(tmp_path, tok_json, **variant)
+    folder, encoder = pretrained_bert_folder(tmp_path, tok_json, **variant)
     pkg = package_pretrained(folder, labels=LABELS, max_length=32, seed=3)
     for name, arr in encoder.items():
         np.testing.assert_array_equal(pkg.tensors[f"bert.{name}"], arr)
@@ -219,7 +190,7 @@ def test_package_pretrained_loads_encoder_and_seeds_the_head(tmp_path, tok_json,
 
 @pytest.mark.parametrize("arch", ["lstm", "logreg"])
 def test_package_pretrained_non_transformer_takes_only_the_tokenizer(tmp_path, tok_json, arch):
-    folder, _ = _pretrained_folder(tmp_path, tok_json)
+    folder, _ = pretrained_bert_folder(tmp_path, tok_json)
     pkg = package_pretrained(folder, labels=LABELS, architecture=arch,
                              config={"hidden_size": 4, "embedding_dim": 4} if arch == "lstm" else None)
     assert pkg.files["tokenizer.json"] == tok_json and "config.json" not in pkg.files
@@ -230,7 +201,7 @@ def test_package_pretrained_non_transformer_takes_only_the_tokenizer(tmp_path, t
 def test_package_pretrained_replaces_an_existing_head_and_reads_shards(tmp_path, tok_json):
     from safetensors.numpy import load_file, save_file
 
-    folder, encoder = _pretrained_folder(tmp_path, tok_json, prefix=True)
+    folder, encoder = pretrained_bert_folder(tmp_path, tok_json, prefix=True)
     weights = load_file(str(folder / "model.safetensors"))
     weights["classifier.weight"] = np.ones((7, 32), np.float32)  # a head fine-tuned for 7 other labels
     weights["classifier.bias"] = np.ones(7, np.float32)
@@ -250,26 +221,26 @@ def test_package_pretrained_replaces_an_existing_head_and_reads_shards(tmp_path,
 def test_package_pretrained_errors(tmp_path, tok_json):
     with pytest.raises(ConfigError, match="does not exist"):
         package_pretrained(tmp_path / "nope", labels=LABELS)
-    folder, _ = _pretrained_folder(tmp_path, tok_json, drop="encoder.layer.1.output.dense.weight")
+    folder, _ = pretrained_bert_folder(tmp_path, tok_json, drop="encoder.layer.1.output.dense.weight")
     with pytest.raises(IntegrityError, match=r"lack encoder tensor\(s\) 'bert\.encoder\.layer\.1\.output\.dense\.weight'"):
         package_pretrained(folder, labels=LABELS, max_length=32)
 
 
 def test_package_pretrained_refuses_pickle_weights(tmp_path, tok_json):
-    folder, _ = _pretrained_folder(tmp_path, tok_json, bin_only=True)
+    folder, _ = pretrained_bert_folder(tmp_path, tok_json, bin_only=True)
     with pytest.raises(ConfigError, match="only safetensors weights are loaded"):
         package_pretrained(folder, labels=LABELS, max_length=32)
 
 
 def test_package_pretrained_needs_tokenizer_json(tmp_path, tok_json):
-    folder, _ = _pretrained_folder(tmp_path, tok_json)
+    folder, _ = pretrained_bert_folder(tmp_path, tok_json)
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
         package_pretrained(folder, labels=LABELS)
 
 
 def test_package_pretrained_refuses_model_types_outside_the_allowlist(tmp_path, tok_json):
-    folder, _ = _pretrained_folder(tmp_path, tok_json)
+    folder, _ = pretrained_bert_folder(tmp_path, tok_json)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     cfg["auto_map"] = {"AutoModel": "evil.Model"}

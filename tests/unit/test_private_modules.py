@@ -17,8 +17,8 @@ from fedclinic.transport.package import ModelPackage
 from fedclinic.training.private_modules import PrivateStore, outgoing_problems, private_names
 from fedclinic.spec.task import Task
 
-from tests.unit.test_fedner_model import ARCH, PRIVATE, SHARED, package
-from tests.unit.test_token_classification import LABELS, make_examples
+from tests.helpers.fedner_models import ARCH, PRIVATE, SHARED, package
+from tests.helpers.ner_models import LABELS, make_examples
 
 NAMES = ["emb.weight", "lstm.weight_ih_l0", "lstm.bias_ih_l0", "classifier.weight", "crf.transitions"]
 

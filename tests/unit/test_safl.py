@@ -8,103 +8,26 @@ import numpy as np
 import pytest
 
 from fedclinic.training import safl
-from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.spec.task import Task
 
-LABELS = ["cardio", "neuro"]
-WORDS = ["heart", "chest", "migraine", "seizure", "patient", "reports", "daily", "mild"]
-
-
-def _package(layers: int = 4, seed: int = 0, hidden: int = 8):
-    from fedclinic.models import package_from_config, wordlevel_tokenizer_json
-
-    config = {"model_type": "bert", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 2,
-              "intermediate_size": 16, "max_position_embeddings": 32}
-    return package_from_config(architecture="transformer", labels=LABELS, tokenizer_json=wordlevel_tokenizer_json(WORDS),
-                               config=config, max_length=16, seed=seed)
-
-
-def _examples(n: int, seed: int = 0) -> list[Example]:
-    rng = np.random.default_rng(seed)
-    return [Example(" ".join(rng.choice(WORDS, size=int(rng.integers(2, 7)))), (LABELS[i % 2],)) for i in range(n)]
+from tests.helpers.safl_models import (
+    CLS_LOGITS,
+    FLIP_CLS,
+    FLIP_SEP,
+    LABELS,
+    SEP_LOGITS,
+    WORDS,
+    bert_package,
+    constructed_model,
+    constructed_package,
+    examples,
+    length_examples,
+)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the constructed case: attention to [CLS] / [SEP] set per layer, everything else inert
-
-
-CLS_LOGITS = [1.5, 8.0, 0.0, 4.0]   # layer l: the attention logit of key [CLS] from every query
-SEP_LOGITS = [5.0, 0.0, 2.5, 0.0]   # ... and of key [SEP] (the last real token); other keys: 0
-
-
-def _constructed_model(cls_logits=CLS_LOGITS, sep_logits=SEP_LOGITS, seed: int = 0):
-    """A BERT (one layer per logit) whose hidden states stay the normalised embeddings (attention output and FFN
-    output are zero, so each residual LayerNorm gives back its input) and whose attention rows are all the same:
-    every query is the constant e_0 of its head, keys are k_j = (x_l h_j[0] + y_l h_j[1]) / c on the head's first
-    coordinate (times sqrt(head_dim) = 2). [CLS] embeds as (a, 0, -a/6, ...), [SEP] as (0, a, -a/6, ...), every
-    other token has zero first two coordinates and zero mean; c = LayerNorm([CLS])[0]. So with n real tokens::
-
-        alpha(i -> [CLS]) = e^x / (e^x + e^y + n - 2)    alpha(i -> [SEP]) = e^y / (e^x + e^y + n - 2)
-
-    for every query i and head, and A_l(cls), A_l(last) of an example are exactly these numbers.
-    """
-    import torch
-
-    from fedclinic.models import build_model
-
-    loaded = build_model(_package(layers=len(cls_logits), seed=seed))
-    m = loaded.module
-    vocab = loaded.tokenizer.get_vocab()
-    cls_id, sep_id = vocab["[CLS]"], vocab["[SEP]"]
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        emb = m.bert.embeddings
-        words = torch.zeros_like(emb.word_embeddings.weight)
-        rest = torch.randn(words.shape[0], 6, generator=gen)
-        words[:, 2:] = rest - rest.mean(dim=1, keepdim=True)
-        a = 3.0
-        words[cls_id] = torch.tensor([a, 0.0] + [-a / 6] * 6)
-        words[sep_id] = torch.tensor([0.0, a] + [-a / 6] * 6)
-        c = float(torch.nn.functional.layer_norm(words[cls_id], (8,), eps=m.config.layer_norm_eps)[0])
-        emb.word_embeddings.weight.copy_(words)
-        emb.position_embeddings.weight.zero_()
-        emb.token_type_embeddings.weight.zero_()
-        for layer, x, y in zip(m.bert.encoder.layer, cls_logits, sep_logits):
-            att = layer.attention
-            att.self.query.weight.zero_()
-            att.self.query.bias.zero_()
-            att.self.query.bias[0] = att.self.query.bias[4] = 1.0        # head 0 and head 1 (head_dim 4)
-            att.self.key.weight.zero_()
-            att.self.key.bias.zero_()
-            for row in (0, 4):
-                att.self.key.weight[row, 0] = 2 * x / c
-                att.self.key.weight[row, 1] = 2 * y / c
-            att.output.dense.weight.zero_()
-            att.output.dense.bias.zero_()
-            layer.output.dense.weight.zero_()
-            layer.output.dense.bias.zero_()
-    return loaded
-
-
-def constructed_package(cls_logits, sep_logits, seed: int = 0):
-    """:func:`_constructed_model` as a package (to simulate or submit)."""
-    from fedclinic.models import module_tensors
-    from fedclinic.transport.package import ModelPackage
-
-    loaded = _constructed_model(cls_logits, sep_logits, seed)
-    return ModelPackage(tensors=module_tensors(loaded.module), files=dict(_package(layers=len(cls_logits)).files))
-
-
-#: a 3-layer model whose choice (top-1, token "cls") depends on the text length n: layer 1 (e^x = 6, no [SEP]
-#: competition) wins while 6 / (n + 5) > ~1/2, i.e. for n <= 6; layer 0 (e^x = e^y = e^8) wins for longer texts
-FLIP_CLS, FLIP_SEP = [8.0, math.log(6.0), 0.0], [8.0, 0.0, 0.0]
-
-
-def length_examples(n: int, words: int, seed: int = 0) -> list[Example]:
-    """``n`` rows of exactly ``words`` words ([CLS] and [SEP] make ``words + 2`` tokens)."""
-    rng = np.random.default_rng(seed)
-    return [Example(" ".join(rng.choice(WORDS, size=words)), (LABELS[i % 2],)) for i in range(n)]
 
 
 def _expected(lengths: list[int], token: str) -> np.ndarray:
@@ -120,8 +43,8 @@ def _expected(lengths: list[int], token: str) -> np.ndarray:
 def test_scores_equal_the_closed_form_of_the_constructed_model(token):
     from fedclinic.training import trainer as training
 
-    loaded = _constructed_model()
-    rows = _examples(7, seed=1)
+    loaded = constructed_model()
+    rows = examples(7, seed=1)
     data = training.encode(rows, loaded, max_length=16)
     lengths = [int(n) for n in data.attention_mask.sum(dim=1)]
     assert len(set(lengths)) > 1  # padding is part of the case: padded queries and keys must not count
@@ -133,8 +56,8 @@ def test_scores_equal_the_closed_form_of_the_constructed_model(token):
 def test_constructed_ranking_picks_the_layers_that_attend_most_to_the_token():
     from fedclinic.training import trainer as training
 
-    loaded = _constructed_model()
-    data = training.encode(_examples(5), loaded, max_length=16)
+    loaded = constructed_model()
+    data = training.encode(examples(5), loaded, max_length=16)
     names = list(loaded.module.state_dict())
     cls = safl.select_layers(loaded, data, safl.SaflConfig(top_k=2, token="cls"), names, seed=0)
     assert cls.layers == [1, 3]                  # CLS_LOGITS 8 and 4
@@ -152,10 +75,10 @@ def test_profiling_restores_the_attention_implementation_and_training_mode():
     from fedclinic.training import trainer as training
     from fedclinic.models import build_model
 
-    loaded = build_model(_package(layers=2))
+    loaded = build_model(bert_package(layers=2))
     before = loaded.module.config._attn_implementation
     loaded.module.train()
-    data = training.encode(_examples(4), loaded, max_length=16)
+    data = training.encode(examples(4), loaded, max_length=16)
     safl.attention_scores(loaded, data, [0, 1, 2, 3], "cls")
     assert loaded.module.config._attn_implementation == before
     assert loaded.module.training
@@ -165,8 +88,8 @@ def test_static_patterns_compose_frozen_layers_are_never_selected():
     from fedclinic.training import trainer as training
     from fedclinic.spec.selection import select_names
 
-    loaded = _constructed_model()
-    data = training.encode(_examples(5), loaded, max_length=16)
+    loaded = constructed_model()
+    data = training.encode(examples(5), loaded, max_length=16)
     allowed = select_names(list(loaded.module.state_dict()), frozen=[r"bert\.encoder\.layer\.1\..*", r"bert\.pooler\..*"])
     choice = safl.select_layers(loaded, data, safl.SaflConfig(top_k=2, token="cls"), allowed, seed=0)
     expected = _expected([int(n) for n in data.attention_mask.sum(dim=1)], "cls")
@@ -296,7 +219,7 @@ def test_aggregator_refuses_top_k_beyond_the_model_and_bad_specs():
     from aggregator_service.rounds import validate_spec
     from fedclinic.errors import Refused
 
-    pkg = _package(layers=3)
+    pkg = bert_package(layers=3)
     validate_spec(_task(safl_top_k=3).to_spec(), pkg.manifest())
     with pytest.raises(Refused, match="safl_top_k is 4 but only 3 layer"):
         validate_spec(_task(safl_top_k=4).to_spec(), pkg.manifest())
@@ -323,7 +246,7 @@ def test_aggregator_refuses_top_k_beyond_the_model_and_bad_specs():
 def test_aggregator_offers_layers_and_head_only():
     from aggregator_service.update_admission import sent_tensors
 
-    pkg = _package(layers=2)
+    pkg = bert_package(layers=2)
     names = sent_tensors(_task().to_spec(), pkg.manifest())
     assert names and all(safl.layer_of(n) is not None or n.startswith(("classifier.", "bert.pooler.")) for n in names)
     assert not any(n.startswith("bert.embeddings.") for n in names)
@@ -339,11 +262,11 @@ def test_simulator_refuses_safl_with_a_model_without_attention():
     pkg = package_from_config(architecture="logreg", labels=LABELS, tokenizer_json=wordlevel_tokenizer_json(WORDS),
                               config={}, max_length=16)
     with pytest.raises(ConfigError, match="logreg has no attention layers"):
-        simulate(pkg, [_examples(4)], rounds=1, train=TrainConfig(), safl=safl.SaflConfig(top_k=1))
+        simulate(pkg, [examples(4)], rounds=1, train=TrainConfig(), safl=safl.SaflConfig(top_k=1))
     with pytest.raises(ConfigError, match="safl_top_k is 3 but only 2"):
-        simulate(_package(layers=2), [_examples(4)], rounds=1, train=TrainConfig(), safl=safl.SaflConfig(top_k=3))
+        simulate(bert_package(layers=2), [examples(4)], rounds=1, train=TrainConfig(), safl=safl.SaflConfig(top_k=3))
     with pytest.raises(ConfigError, match="weipro"):
-        simulate(_package(layers=2), [_examples(4)], rounds=1, train=TrainConfig(), strategy="weipro",
+        simulate(bert_package(layers=2), [examples(4)], rounds=1, train=TrainConfig(), strategy="weipro",
                  safl=safl.SaflConfig(top_k=1))
 
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
-from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError
-from fedclinic.models import build_model, module_tensors, package_from_config, wordlevel_tokenizer_json
+from fedclinic.models import build_model, module_tensors, package_from_config
 from fedclinic.data.partition import dirichlet_label_skew
 from fedclinic.federation.simulate import simulate
 from fedclinic.federation.site_round import site_seed
 from fedclinic.training.trainer import TrainConfig, compute_delta, encode, train_local
 
-KEYWORDS = {"resp": ["fever", "cough", "chills"], "skin": ["rash", "itch", "hives"], "gi": ["nausea", "vomit", "cramps"]}
-FILLER = "the patient reports today mild severe since yesterday and with no history of".split()
-LABELS = list(KEYWORDS)
-TOK = wordlevel_tokenizer_json(FILLER + [w for ws in KEYWORDS.values() for w in ws])
+from tests.helpers.symptom_models import LABELS, TOK, random_examples
+
 TINY_BERT = dict(model_type="bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                  attention_probs_dropout_prob=0.0)
@@ -30,17 +25,6 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def examples(n, seed):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        lab = LABELS[rng.randrange(3)]
-        words = rng.sample(FILLER, 4) + rng.sample(KEYWORDS[lab], 1)
-        rng.shuffle(words)
-        out.append(Example(" ".join(words), (lab,)))
-    return out
-
-
 def package(arch="logreg", seed=0):
     config = {"transformer": TINY_BERT, "logreg": {}, "lstm": {"embedding_dim": 8, "hidden_size": 8}}[arch]
     return package_from_config(architecture=arch, labels=LABELS, tokenizer_json=TOK, config=config, max_length=16,
@@ -48,14 +32,14 @@ def package(arch="logreg", seed=0):
 
 
 def non_iid_sites(n=150, seed=0):
-    rows = examples(n, seed)
+    rows = random_examples(n, seed)
     parts = dirichlet_label_skew([r.labels[0] for r in rows], 3, alpha=0.5, seed=seed, min_per_site=10)
     return [[rows[i] for i in p] for p in parts]
 
 
 def test_federated_logreg_reaches_high_accuracy_on_non_iid_sites():
     records = []
-    res = simulate(package("logreg"), non_iid_sites(), rounds=4, eval_data=examples(90, seed=99),
+    res = simulate(package("logreg"), non_iid_sites(), rounds=4, eval_data=random_examples(90, seed=99),
                    train=TrainConfig(learning_rate=0.1, batch_size=8, max_length=16), progress=records.append)
     assert [r.round for r in res.rounds] == [1, 2, 3, 4] and records == res.rounds
     assert res.initial_metrics["accuracy"] < 0.5
@@ -71,7 +55,7 @@ def test_federated_tiny_bert_learns_top_layers_only():
     # seed=1: since the site seeds are derived from the site's name (fedclinic.federation.site_round.site_seed, issue 15), this
     # 5-round run reaches 0.99 with train seed 1 or 2 and stalls near 0.78 on one class with seeds 0 and 3 (it reached
     # 1.0 with the old integer-site derivation and seed 0); the threshold is unchanged
-    res = simulate(start, non_iid_sites(), rounds=5, eval_data=examples(90, seed=99), trainable_patterns=patterns,
+    res = simulate(start, non_iid_sites(), rounds=5, eval_data=random_examples(90, seed=99), trainable_patterns=patterns,
                    train=TrainConfig(learning_rate=3e-3, batch_size=8, max_length=16, local_epochs=3, seed=1))
     assert res.rounds[-1].metrics["accuracy"] >= 0.85
     assert all(n.startswith(("classifier.", "bert.pooler.", "bert.encoder.layer.1.")) for n in res.trainable)
@@ -81,7 +65,7 @@ def test_federated_tiny_bert_learns_top_layers_only():
 
 def test_one_fedavg_round_is_global_plus_weighted_mean_of_deltas():
     start = package("lstm", seed=1)
-    sites = [examples(12, seed=1), examples(30, seed=2)]
+    sites = [random_examples(12, seed=1), random_examples(30, seed=2)]
     cfg = TrainConfig(learning_rate=0.05, batch_size=4, max_length=16, seed=5)
     res = simulate(start, sites, rounds=1, train=cfg, frozen_patterns=[r"embedding\..*"], seed=7)
     names = res.trainable
@@ -104,7 +88,7 @@ def test_one_fedavg_round_is_global_plus_weighted_mean_of_deltas():
 
 def test_server_learning_rate_is_passed_to_the_strategy():
     start = package("logreg")
-    sites = [examples(20, seed=1), examples(20, seed=2)]
+    sites = [random_examples(20, seed=1), random_examples(20, seed=2)]
     cfg = TrainConfig(learning_rate=0.1, batch_size=8, max_length=16)
     full = simulate(start, sites, rounds=1, train=cfg)
     half = simulate(start, sites, rounds=1, train=cfg, strategy="fedavg", strategy_params={"server_lr": 0.5})
@@ -114,7 +98,7 @@ def test_server_learning_rate_is_passed_to_the_strategy():
 
 
 def test_partial_participation_is_seeded_and_reproducible():
-    sites = [examples(10, seed=s) for s in range(4)]
+    sites = [random_examples(10, seed=s) for s in range(4)]
     cfg = TrainConfig(learning_rate=0.1, batch_size=8, max_length=16)
     a = simulate(package(), sites, rounds=4, train=cfg, participation=0.5, seed=3)
     b = simulate(package(), sites, rounds=4, train=cfg, participation=0.5, seed=3)
@@ -134,7 +118,7 @@ def test_simulate_argument_errors(kwargs, msg):
     args = dict(rounds=1, train=TrainConfig(max_length=16))
     args.update(kwargs)
     with pytest.raises(ConfigError, match=msg):
-        simulate(package(), [examples(5, seed=0)], **args)
+        simulate(package(), [random_examples(5, seed=0)], **args)
     with pytest.raises(ConfigError, match="site_data is empty"):
         simulate(package(), [], rounds=1, train=TrainConfig())
 
@@ -173,7 +157,7 @@ def test_secure_aggregation_in_the_simulator_gives_the_uniform_mean_of_the_sites
     from fedclinic.proto import task_pb2
 
     start = package("logreg")
-    sites = [examples(n, seed=i) for i, n in enumerate((8, 12, 20))]
+    sites = [random_examples(n, seed=i) for i, n in enumerate((8, 12, 20))]
     deltas = {}
     res = simulate(start, sites, rounds=1, train=TrainConfig(learning_rate=0.05, batch_size=4, max_length=16),
                    secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True, clip=1.0, bits=20),

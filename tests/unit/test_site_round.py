@@ -28,7 +28,7 @@ from fedclinic.spec.task import Task
 from hospital_agent.config import AgentConfig
 from hospital_agent.task_state import TaskState
 from hospital_agent.worker import Agent
-from tests.unit.test_simulate import LABELS, TOK, examples
+from tests.helpers.symptom_models import LABELS, TOK, random_examples
 
 TINY_BERT = dict(model_type="bert", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                  max_position_embeddings=32, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
@@ -42,7 +42,7 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-SITE_ROWS = [examples(12, 1), examples(12, 2)]  # equal sizes: under the old seeding both sites shuffled alike
+SITE_ROWS = [random_examples(12, 1), random_examples(12, 2)]  # equal sizes: under the old seeding both sites shuffled alike
 
 
 def package(arch: str) -> ModelPackage:

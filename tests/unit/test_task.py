@@ -71,7 +71,7 @@ def test_model_config_sizes_the_packaged_model(tmp_path):
     from fedclinic.errors import ConfigError
     from fedclinic.models import package_for_task
 
-    from tests.unit.test_token_classification import tokenizer
+    from tests.helpers.ner_models import tokenizer
 
     folder = tmp_path / "tok"
     folder.mkdir()

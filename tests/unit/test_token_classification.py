@@ -2,53 +2,17 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
 from fedclinic.training import trainer as training
 from fedclinic.data.ner import EntitySpan, NerExample
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
-from fedclinic.models import build_model, wordlevel_tokenizer_json
-from fedclinic.models.token_classification import package_ner_from_config
+from fedclinic.models import build_model
 from fedclinic.transport.package import META_FILE, ModelPackage
 from fedclinic.federation.simulate import simulate
 
-DRUGS = ["aspirin", "ibuprofen", "metformin", "sertraline"]
-CONDITIONS = ["headache", "diabetes", "depression", "back pain"]
-FILLER = ["patient", "took", "for", "daily", "since", "with", "mild", "the", "week", "and"]
-LABELS = ["DRUG", "CONDITION"]
-TINY = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 64, "max_position_embeddings": 64}
-
-
-def tokenizer() -> bytes:
-    words = DRUGS + [w for c in CONDITIONS for w in c.split()] + FILLER
-    return wordlevel_tokenizer_json(words)
-
-
-def make_examples(n: int, seed: int) -> list[NerExample]:
-    """Sentences of filler with one drug and one condition mention at random places."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        parts = rng.sample(FILLER, 4)
-        drug, cond = rng.choice(DRUGS), rng.choice(CONDITIONS)
-        parts.insert(rng.randrange(len(parts) + 1), drug)
-        parts.insert(rng.randrange(len(parts) + 1), cond)
-        text = " ".join(parts)
-        spans = []
-        for phrase, label in ((drug, "DRUG"), (cond, "CONDITION")):
-            i = text.find(phrase)
-            spans.append(EntitySpan(i, i + len(phrase), label))
-        out.append(NerExample(text, tuple(sorted(spans, key=lambda s: s.start))))
-    return out
-
-
-def package(architecture: str = "transformer", scheme: str = "BIO", seed: int = 0) -> ModelPackage:
-    return package_ner_from_config(labels=LABELS, tokenizer_json=tokenizer(), config=TINY, architecture=architecture,
-                                   scheme=scheme, max_length=32, seed=seed)
+from tests.helpers.ner_models import assert_learns_the_entities, make_examples, package
 
 
 @pytest.mark.parametrize("architecture", ["transformer", "transformer-crf"])
@@ -56,19 +20,8 @@ def package(architecture: str = "transformer", scheme: str = "BIO", seed: int = 
 def test_training_learns_the_entities(architecture, scheme):
     model = build_model(package(architecture, scheme))
     assert model.tags[0] == "O" and len(model.tags) == (5 if scheme == "BIO" else 9)
-    train = training.encode(make_examples(48, seed=1), model)
-    test = training.encode(make_examples(24, seed=2), model)
-    before = training.evaluate(model, test)
-    cfg = training.TrainConfig(local_epochs=12, batch_size=8, learning_rate=5e-3, seed=0)
-    training.train_local(model, train, cfg, trainable=[n for n, _ in model.module.named_parameters()])
-    after = training.evaluate(model, test)
-    assert before["strict_f1"] < 0.5
-    assert after["strict_f1"] > 0.9, after
-    assert after["loss"] < before["loss"]
+    text, ents = assert_learns_the_entities(model, learning_rate=5e-3)
     # predictions come back as character spans of the input text
-    text = "patient took metformin for back pain"
-    ents = model.predict_entities([text])[0]
-    assert {(e["text"], e["label"]) for e in ents} == {("metformin", "DRUG"), ("back pain", "CONDITION")}
     assert all(text[e["start"]:e["end"]] == e["text"] for e in ents)
 
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 
 from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
-from fedclinic.models import build_model, load_tensors, module_tensors, package_from_config, wordlevel_tokenizer_json
+from fedclinic.models import load_tensors, module_tensors
 from fedclinic.proto import task_pb2
 from fedclinic.training.trainer import (
     TrainConfig,
@@ -22,36 +20,13 @@ from fedclinic.training.trainer import (
     train_local,
 )
 
-KEYWORDS = {"resp": ["fever", "cough", "chills"], "skin": ["rash", "itch", "hives"], "gi": ["nausea", "vomit", "cramps"]}
-FILLER = "the patient reports today mild severe since yesterday and with no history of".split()
-LABELS = list(KEYWORDS)
-TOK = wordlevel_tokenizer_json(FILLER + [w for ws in KEYWORDS.values() for w in ws])
-TINY_BERT = dict(model_type="bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 intermediate_size=64, max_position_embeddings=64)
+from tests.helpers.symptom_models import KEYWORDS, LABELS, examples, model
 
 
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
-def examples(n, seed=0, multi=False):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        labs = [LABELS[i % 3]] + ([LABELS[(i + 1) % 3]] if multi and i % 2 else [])
-        words = rng.sample(FILLER, 4) + [w for lab in labs for w in rng.sample(KEYWORDS[lab], 2)]
-        rng.shuffle(words)
-        out.append(Example(" ".join(words), tuple(labs)))
-    return out
-
-
-def model(arch="logreg", multi=False, **cfg):
-    config = {"transformer": TINY_BERT, "lstm": {"embedding_dim": 8, "hidden_size": 8}, "logreg": {}}[arch]
-    pkg = package_from_config(architecture=arch, labels=LABELS, tokenizer_json=TOK, config={**config, **cfg},
-                              multi_label=multi, max_length=32)
-    return pkg, build_model(pkg)
 
 
 # ------------------------------------------------------------------------------------------------ config
