@@ -19,7 +19,7 @@ from fedclinic.federation.site_round import site_seed
 from fedclinic.strategies import STRATEGIES, make_strategy
 from fedclinic.training.trainer import TrainConfig, encode, train_local
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "experiments"))
 from strategy_probe import RecordingStrategy, registered  # noqa: E402
 
 WORDS = {"a": ["fever", "cough"], "b": ["rash", "itch"]}

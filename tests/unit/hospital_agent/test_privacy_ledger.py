@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from hospital_agent.privacy_ledger import BudgetExceeded, PrivacyLedger
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _ledger(tmp_path, eps=8.0, delta=1e-4) -> PrivacyLedger:

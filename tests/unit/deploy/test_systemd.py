@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SYSTEMD = ROOT / "deploy" / "systemd"
 UNITS = {"fedclinic-aggregator": SYSTEMD / "fedclinic-aggregator.service",
          "hospital-agent": SYSTEMD / "hospital-agent.service"}

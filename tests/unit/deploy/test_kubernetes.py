@@ -14,7 +14,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read the manifests")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "kubernetes"
 KUSTOMIZATIONS = [K8S / "base" / "aggregator", K8S / "base" / "agent", K8S / "overlays" / "example"]
 KUBECTL = shutil.which("kubectl")

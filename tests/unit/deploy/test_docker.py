@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKER = ROOT / "deploy" / "docker"
 FILES = {"aggregator": DOCKER / "Dockerfile.aggregator", "agent": DOCKER / "Dockerfile.agent"}
 SECRET_PATTERNS = ("*.key", "*.pem", "*.crt", "*.csr", "*.p12", "*.pfx", "*.env", ".env", "id_rsa*", "*secret*",

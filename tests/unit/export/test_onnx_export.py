@@ -467,7 +467,7 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
 
 
 def test_a_mislabelled_question_answering_package_is_refused_before_any_export(tmp_path):
-    """Question-answering models export (tests/unit/test_export_causal_lm.py); a package that only claims the
+    """Question-answering models export (tests/unit/export/test_causal_lm.py); a package that only claims the
     family is refused with the reason, and nothing is written."""
     from fedclinic.transport.package import META_FILE, ModelPackage
 

@@ -133,8 +133,8 @@ class _ZeroNoise:
 
 @pytest.fixture(autouse=True)
 def _no_dp_noise(monkeypatch):
-    """The aggregation math of dp-fedavg is compared with its reference without noise (tests/unit/test_client_dp
-    checks the noise itself)."""
+    """The aggregation math of dp-fedavg is compared with its reference without noise
+    (tests/unit/strategies/test_client_dp checks the noise itself)."""
     from fedclinic.strategies import client_dp
 
     monkeypatch.setattr(client_dp, "_noise_generator", _ZeroNoise)
