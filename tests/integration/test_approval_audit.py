@@ -19,7 +19,7 @@ from fedclinic.transport.rpc import TlsFiles, secure_channel
 from fedclinic.spec.task import Task
 from hospital_agent.gates import HOLD_AWAITING_APPROVAL
 
-from tests.integration.conftest import LABELS, tiny_package
+from tests.helpers.text_models import LABELS, tiny_package
 
 pytestmark = pytest.mark.integration
 

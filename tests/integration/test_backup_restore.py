@@ -14,8 +14,8 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
-from tests.integration.conftest import tiny_package
-from tests.integration.test_federation import _task
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_backup_mid_task_restores_into_a_new_folder_and_the_task_completes(feder
     fed.start_agent("site-a")
     fed.start_agent("site-b")  # site-c comes later: round 1 stays open (min_sites=3) while the backup runs
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
+        st = client.submit(make_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
         wait_until(lambda: len(client.status(st.task_id).rounds[0].reports) == 2, 120, "two durable round-1 updates")
         run = _cli("backup", "--config", fed.root / "aggregator.toml", tmp_path / "backup")
         assert run.returncode == 0, run.stderr

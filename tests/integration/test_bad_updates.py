@@ -15,8 +15,8 @@ from fedclinic.federation.local_federation import wait_until
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 
-from tests.integration.conftest import tiny_package
-from tests.integration.test_federation import _task
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def _stream(a: agent_pb2.Assignment, arrays: dict[str, np.ndarray], *, key: str,
 
 
 def test_bad_updates_are_refused_and_the_round_completes(federation_factory):
-    from tests.integration.test_metrics import scrape, value
+    from tests.helpers.prometheus import scrape, value
 
     fed = federation_factory(3, start=False, metrics_address="127.0.0.1:0")
     fed.make_pki()
@@ -62,7 +62,7 @@ def test_bad_updates_are_refused_and_the_round_completes(federation_factory):
     threading.Thread(target=collect, daemon=True).start()
     try:
         with fed.client() as client:
-            st = client.submit(_task(num_rounds=2, min_sites=2, round_timeout_s=300), package=tiny_package())
+            st = client.submit(make_task(num_rounds=2, min_sites=2, round_timeout_s=300), package=tiny_package())
             a = work.get(timeout=60).assignment
             fed.start_agent("site-a")
             fed.start_agent("site-b")
@@ -155,7 +155,7 @@ def test_malformed_encoded_updates_are_refused_and_nothing_is_stored(federation_
     codec = parse_codec(spec)
     try:
         with fed.client() as client:
-            st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=300, codec=spec), package=tiny_package())
+            st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=300, codec=spec), package=tiny_package())
             a = work.get(timeout=60).assignment
             assert a.spec.update.codec == codec.spec
             fed.start_agent("site-a")

@@ -12,8 +12,9 @@ from fedclinic.client import state_name
 from fedclinic.transport.codec_wire import tensor_rng, uses_error_feedback
 from fedclinic.codecs import ErrorFeedback, decode, parse_codec
 
-from tests.integration.conftest import make_examples, tiny_package
-from tests.integration.test_federation import _replay_site, _task
+from tests.helpers.replay import replay_site
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import make_examples, tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def _replay(models, task_id, spec, codec_spec):
     for rnd, start in ((1, models[-1]), (2, models[1])):
         total, acc = 0, {name: np.zeros(base.shape, np.float64) for name, base in start.tensors.items()}
         for site, rows in sites.items():
-            delta, n = _replay_site(start, rows, spec, site=site, rnd=rnd)
+            delta, n = replay_site(start, rows, spec, site=site, rnd=rnd)
             total += n
             for name in start.tensors:
                 x = np.ascontiguousarray(delta[name], dtype=np.float32)
@@ -51,7 +52,7 @@ def _replay(models, task_id, spec, codec_spec):
 def test_codecs_travel_encoded_and_equal_a_replay(federation_factory):
     fed = federation_factory(3, samples=SAMPLES)
     with fed.client() as client:
-        submitted = {spec: client.submit(_task(name=f"codec-{i}", codec=spec), package=tiny_package())
+        submitted = {spec: client.submit(make_task(name=f"codec-{i}", codec=spec), package=tiny_package())
                      for i, spec in enumerate(CODECS)}
         results = {}
         for spec, st in submitted.items():
@@ -96,7 +97,7 @@ def test_a_per_site_strategy_gets_decoded_updates(federation_factory):
     fed = federation_factory(3, samples=SAMPLES)
     spec = "topk:0.25+fp16"
     with fed.client() as client:
-        st = client.submit(_task(name="codec-median", codec=spec, num_rounds=1, strategy="median"),
+        st = client.submit(make_task(name="codec-median", codec=spec, num_rounds=1, strategy="median"),
                            package=tiny_package())
         final = client.wait(st.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
@@ -105,7 +106,7 @@ def test_a_per_site_strategy_gets_decoded_updates(federation_factory):
     strategy = make_strategy("median")
     strategy.begin(start.tensors)
     for i, (c, n) in enumerate(zip("abc", SAMPLES)):
-        delta, _ = _replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{c}", rnd=1)
+        delta, _ = replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{c}", rnd=1)
         fb = ErrorFeedback(codec)
         sent = {}
         for name in start.tensors:

@@ -10,8 +10,8 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
-from tests.integration.conftest import tiny_package
-from tests.integration.test_federation import _task
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def test_aggregator_sigkill_mid_round_resumes_with_exact_counts(federation_facto
     fed.start_agent("site-a")
     fed.start_agent("site-b")
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
+        st = client.submit(make_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
         wait_until(lambda: len(_reports(client, st.task_id, 1)) == 2, 120, "two durable round-1 updates")
     assert fed.signal_aggregator(signal.SIGKILL) == -signal.SIGKILL
     fed.start_aggregator()
@@ -52,7 +52,7 @@ def test_agent_killed_during_upload_never_duplicates(federation_factory, failpoi
     crashing = fed.start_agent("site-b")
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=300), package=tiny_package())
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=300), package=tiny_package())
         assert crashing.wait(120) == 97  # died at the failpoint, mid-upload or before clearing its outbox
         fed.start_agent("site-b")         # restarts and resends what its outbox still holds
         final = client.wait(st.task_id, timeout=300, progress=False)
@@ -75,7 +75,7 @@ def test_agent_killed_after_receipt_commits_its_error_feedback_on_resend(federat
     crashing = fed.start_agent("site-b")
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=300, codec="topk:0.1"),
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=300, codec="topk:0.1"),
                            package=tiny_package())
         assert crashing.wait(120) == 97
         path = fed.root / "agent-site-b" / "codec-state" / f"{st.task_id}.error-feedback.safetensors"

@@ -16,8 +16,9 @@ from fedclinic.client import state_name
 from fedclinic.transport.codec_wire import params_of
 from fedclinic.codecs import parse_codec
 
-from tests.integration.conftest import make_examples, tiny_package
-from tests.integration.test_federation import _replay_site, _task
+from tests.helpers.replay import replay_site
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import make_examples, tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +29,7 @@ ROUNDS = 3
 def _fedavg(start, spec, rnd):
     total, acc = 0, {name: np.zeros(base.shape, np.float64) for name, base in start.tensors.items()}
     for i, n in enumerate(SAMPLES):
-        delta, count = _replay_site(start, make_examples(n, seed=i), spec, site=f"site-{'abc'[i]}", rnd=rnd)
+        delta, count = replay_site(start, make_examples(n, seed=i), spec, site=f"site-{'abc'[i]}", rnd=rnd)
         total += count
         for name in start.tensors:
             acc[name] += count * delta[name].astype(np.float64)
@@ -38,9 +39,9 @@ def _fedavg(start, spec, rnd):
 def test_agents_fetch_encoded_changes_and_rebuild_the_broadcast_model_exactly(federation_factory):
     fed = federation_factory(3, samples=SAMPLES)
     with fed.client() as client:
-        compressed = client.submit(_task(name="downlink-int8", num_rounds=ROUNDS, downlink_codec="int8"),
+        compressed = client.submit(make_task(name="downlink-int8", num_rounds=ROUNDS, downlink_codec="int8"),
                                    package=tiny_package())
-        plain = client.submit(_task(name="downlink-raw", num_rounds=ROUNDS), package=tiny_package())
+        plain = client.submit(make_task(name="downlink-raw", num_rounds=ROUNDS), package=tiny_package())
         finals, models = {}, {}
         for key, st in (("int8", compressed), ("raw", plain)):
             finals[key] = client.wait(st.task_id, timeout=300, progress=False)

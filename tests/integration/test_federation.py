@@ -9,50 +9,19 @@ import pytest
 
 from fedclinic.client import state_name
 from fedclinic.transport.package import ModelPackage
-from fedclinic.spec.task import Task
 
-from tests.integration.conftest import LABELS, make_examples, tiny_package
+from tests.helpers.replay import replay_site
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import make_examples, tiny_package
 
 pytestmark = pytest.mark.integration
-
-
-def _task(**kw) -> Task:
-    base = dict(name="it", dataset="notes", labels=LABELS, architecture="logreg", num_rounds=2, min_sites=3,
-                local_epochs=2, batch_size=8, learning_rate=0.05, optimizer="sgd", max_length=16,
-                round_timeout_s=120, on_quorum_miss="fail")
-    base.update(kw)
-    return Task(**base)
-
-
-def _replay_site(package, rows, spec, *, site, rnd, optimizer_state=None, result_out=None):
-    """What site ``site`` computes for round ``rnd``, recomputed here with the same shared code (its training seed
-    derived from the task's seed, the round and the site's name, fedclinic.federation.site_round.site_seed: issue 15 gave
-    every site and round its own seed; agents used the task's seed unchanged before)."""
-    from dataclasses import replace
-
-    from fedclinic.training import trainer as training
-    from fedclinic.data.text import Example
-    from fedclinic.models import build_model, module_tensors
-    from fedclinic.federation.site_round import site_seed
-
-    loaded = build_model(package)
-    examples = [Example(r["text"], (r["label"],)) for r in rows]
-    cfg = training.TrainConfig.from_proto(spec.training)
-    cfg = replace(cfg, seed=site_seed(cfg.seed, rnd, site))
-    data = training.encode(examples, loaded, max_length=cfg.max_length)
-    names = list(package.tensors)
-    before = module_tensors(loaded.module, names)
-    result = training.train_local(loaded, data, cfg, trainable=names, optimizer_state=optimizer_state)
-    if result_out is not None:
-        result_out.append(result)
-    return training.compute_delta(before, module_tensors(loaded.module, names), names), result.num_samples
 
 
 def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory, tmp_path):
     fed = federation_factory(3, samples=(24, 32, 40))
     package = tiny_package("logreg")
     with fed.client() as client:
-        status = client.submit(_task(), package=package)
+        status = client.submit(make_task(), package=package)
         final = client.wait(status.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
         assert [len(r.reports) for r in final.rounds] == [3, 3]
@@ -71,7 +40,7 @@ def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory
     # round-2 downlink: only the changed (trained) tensors travel, never the whole model twice
     site_rows = {f"site-{c}": make_examples(n, seed=i) for i, (c, n) in enumerate(zip("abc", (24, 32, 40)))}
     for rnd, start in ((1, models[-1]), (2, models[1])):
-        deltas = [_replay_site(start, rows, final.spec, site=site, rnd=rnd) for site, rows in site_rows.items()]
+        deltas = [replay_site(start, rows, final.spec, site=site, rnd=rnd) for site, rows in site_rows.items()]
         total = sum(n for _, n in deltas)
         for name, base in start.tensors.items():
             expected = base + sum(n * d[name] for d, n in deltas) / total
@@ -84,7 +53,7 @@ def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory
 def test_policy_refusal_reaches_the_task_owner(federation_factory):
     fed = federation_factory(2)
     with fed.client() as client:
-        st = client.submit(_task(dataset="not-registered", min_sites=2, num_rounds=1, round_timeout_s=60),
+        st = client.submit(make_task(dataset="not-registered", min_sites=2, num_rounds=1, round_timeout_s=60),
                            package=tiny_package("logreg"))
         final = client.wait(st.task_id, timeout=120, progress=False)
     assert state_name(final.state) == "failed"
@@ -102,7 +71,7 @@ def test_large_model_goes_both_ways_without_raising_message_limits(federation_fa
     rng = np.random.default_rng(0)
     package.tensors["extra.big"] = rng.standard_normal(18 * 1024 * 1024, dtype=np.float32)  # 72 MiB
     with fed.client() as client:
-        st = client.submit(_task(min_sites=1, num_rounds=1, frozen=[r"extra\.big"]),
+        st = client.submit(make_task(min_sites=1, num_rounds=1, frozen=[r"extra\.big"]),
                            package=package)
         back = client.fetch_package(st.task_id, round=-1)
     assert back.manifest().model_hash == package.manifest().model_hash
@@ -116,7 +85,7 @@ def test_data_contract_violation_is_refused_with_file_and_row(federation_factory
         fh.write('{"text": "gout flare in the big toe", "label": "rheumatology"}\n')
     fed.start()
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=15), package=tiny_package())
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=15), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
     assert state_name(final.state) == "failed"
     refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]
@@ -152,7 +121,7 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
     rows = [make_examples(n, seed=i) for i, n in enumerate(samples)]
     with fed.client() as client:
         submitted = [(name, params, client.submit(
-            _task(name=f"it-{name}", num_rounds=2, strategy=name, strategy_params=params,
+            make_task(name=f"it-{name}", num_rounds=2, strategy=name, strategy_params=params,
                   measure_gradient_change=params.get("definition") == "code"), package=tiny_package()))
             for name, params in SERVICE_STRATEGIES]
         for strategy, params, st in submitted:
@@ -166,7 +135,7 @@ def test_every_strategy_through_the_service_matches_an_in_memory_replay(federati
                 s.begin(start.tensors)
                 for i, r in enumerate(rows):
                     out: list = []
-                    delta, n = _replay_site(start, r, final.spec, site=f"site-{'abc'[i]}", rnd=rnd, result_out=out)
+                    delta, n = replay_site(start, r, final.spec, site=f"site-{'abc'[i]}", rnd=rnd, result_out=out)
                     s.accept(delta, s.weight_for(n, out[0].reported_metrics()), site=f"site-{'abc'[i]}")
                 expected = s.finalize()
                 state = s.state()
@@ -186,7 +155,7 @@ def test_client_level_dp_through_the_service_adds_calibrated_noise_and_accounts(
     rows = [make_examples(n, seed=i) for i, n in enumerate(samples)]
     params = {"clip_norm": 0.05, "noise_multiplier": 0.5}
     with fed.client() as client:
-        st = client.submit(_task(name="it-dp-fedavg", num_rounds=1, strategy="dp-fedavg", strategy_params=params,
+        st = client.submit(make_task(name="it-dp-fedavg", num_rounds=1, strategy="dp-fedavg", strategy_params=params,
                                  privacy={"level": "client"}), package=tiny_package())
         final = client.wait(st.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
@@ -207,7 +176,7 @@ def test_client_level_dp_through_the_service_adds_calibrated_noise_and_accounts(
         s = make_strategy("dp-fedavg", params)
         s.begin(start.tensors)
         for i, r in enumerate(rows):
-            delta, n = _replay_site(start, r, final.spec, site=f"site-{'abc'[i]}", rnd=1)
+            delta, n = replay_site(start, r, final.spec, site=f"site-{'abc'[i]}", rnd=1)
             s.accept(delta, s.weight_for(n, {}), site=f"site-{'abc'[i]}")
         noise_free = s.finalize()
     finally:
@@ -226,7 +195,7 @@ def test_fedpap_with_kept_optimizer_state_through_the_service_matches_a_replay(f
     rows = [make_examples(n, seed=i) for i, n in enumerate(samples)]
     params = {"server_lr": 2.0}
     with fed.client() as client:
-        st = client.submit(_task(name="it-fedpap", num_rounds=2, min_sites=2, strategy="fedatt", strategy_params=params,
+        st = client.submit(make_task(name="it-fedpap", num_rounds=2, min_sites=2, strategy="fedatt", strategy_params=params,
                                  optimizer="padam", proximal_mu=0.1, optimizer_state="keep", learning_rate=0.01),
                            package=tiny_package())
         final = client.wait(st.task_id, timeout=300, progress=False)
@@ -238,7 +207,7 @@ def test_fedpap_with_kept_optimizer_state_through_the_service_matches_a_replay(f
         s.begin(start.tensors)
         for i, r in enumerate(rows):
             out: list = []
-            delta, n = _replay_site(start, r, final.spec, site=f"site-{'ab'[i]}", rnd=rnd, optimizer_state=kept.get(i),
+            delta, n = replay_site(start, r, final.spec, site=f"site-{'ab'[i]}", rnd=rnd, optimizer_state=kept.get(i),
                                     result_out=out)
             kept[i] = out[0].optimizer_state
             s.accept(delta, n, site=f"s{i}")

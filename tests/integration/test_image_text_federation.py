@@ -14,8 +14,11 @@ from fedclinic.assets.imaging_standin import STANDIN_LABELS, write_standin
 from fedclinic.federation.local_federation import SiteSetup
 from fedclinic.spec.task import Task
 
-from tests.integration.conftest import replay_site_delta, run_task
-from tests.unit.test_image_text import FAMILY, package
+from fedclinic.models.image_text import FAMILY
+
+from tests.helpers.federation import run_task
+from tests.helpers.image_text_models import package
+from tests.helpers.replay import replay_site_delta
 
 pytestmark = pytest.mark.integration
 

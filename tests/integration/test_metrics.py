@@ -2,44 +2,19 @@
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
-from tests.integration.conftest import tiny_package
-from tests.integration.test_federation import _task
+from tests.helpers.prometheus import scrape, scrape_agent, value
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
-
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, whatever the env says
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """Every sample of one scrape: (name, frozenset of label items) -> value."""
-    with _NO_PROXY.open(url, timeout=10) as resp:
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def scrape_agent(fed, site: str) -> dict:
-    """The agent's scrape, or {} while it has not published its endpoint yet."""
-    try:
-        url = fed.metrics_url(site)
-    except FileNotFoundError:
-        return {}
-    return scrape(url)
 
 
 def test_metrics_are_scraped_during_a_task_and_match_its_round_summaries(federation_factory):
@@ -49,7 +24,7 @@ def test_metrics_are_scraped_during_a_task_and_match_its_round_summaries(federat
     fed.start_aggregator()
     fed.start_agent("site-a")  # site-b comes later: round 1 waits for it, so the task is surely running below
     with fed.client() as client:
-        st = client.submit(_task(name="it-metrics", num_rounds=2, min_sites=2, strategy="dp-fedavg",
+        st = client.submit(make_task(name="it-metrics", num_rounds=2, min_sites=2, strategy="dp-fedavg",
                                  strategy_params={"clip_norm": 0.05, "noise_multiplier": 0.5},
                                  privacy={"level": "client"}), package=tiny_package())
         task = st.task_id

@@ -3,27 +3,17 @@ JSONL spans; the final weights equal the FedAvg of what the sites computed, and 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from fedclinic.federation.local_federation import SiteSetup
 from fedclinic.spec.task import Task
 
-from tests.unit.test_token_classification import LABELS, make_examples, package
-
-from tests.integration.conftest import replay_site_delta, run_task
+from tests.helpers.federation import run_task
+from tests.helpers.ner_models import LABELS, NER_POLICY, make_examples, package, write_jsonl
+from tests.helpers.replay import replay_site_delta
 
 pytestmark = pytest.mark.integration
-
-NER_POLICY = {"allowed_families": ["token-classification"], "allowed_datasets": ["ner"]}
-
-
-def _write_jsonl(path, examples) -> None:
-    path.write_text("".join(json.dumps({"text": e.text, "entities": [{"start": s.start, "end": s.end,
-                                                                       "label": s.label} for s in e.entities]}) + "\n"
-                            for e in examples))
 
 
 def _write_conll(path, examples) -> None:
@@ -51,8 +41,8 @@ def test_ner_task_trains_across_agents_with_conll_and_jsonl_sites(tmp_path):
         folder = tmp_path / "data" / name
         folder.mkdir(parents=True)
         train = folder / ("train.conll" if i == 0 else "train.jsonl")
-        (_write_conll if i == 0 else _write_jsonl)(train, examples)
-        _write_jsonl(folder / "eval.jsonl", eval_examples)
+        (_write_conll if i == 0 else write_jsonl)(train, examples)
+        write_jsonl(folder / "eval.jsonl", eval_examples)
         sites.append(SiteSetup(name, datasets={"ner": {"path": str(train), "eval_path": str(folder / "eval.jsonl")}},
                                policy=NER_POLICY))
     task = Task(name="ner-it", family="token-classification", architecture="transformer-crf", dataset="ner",

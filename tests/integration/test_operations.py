@@ -12,8 +12,8 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
-from tests.integration.conftest import tiny_package
-from tests.integration.test_federation import _task
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def test_quorum_retry_then_fail_says_which(federation_factory):
     with fed.client() as client:
         # the deadline must pass (one site can never make quorum), but leave the one site ample time to
         # deliver its update inside each attempt, even on a loaded 2-core runner
-        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=8, on_quorum_miss="retry",
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=8, on_quorum_miss="retry",
                                  max_round_retries=1), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
         events = [e.message for e in client.watch(st.task_id)]
@@ -39,7 +39,7 @@ def test_quorum_retry_recovers_when_a_site_arrives(federation_factory):
     fed.start_aggregator()
     fed.start_agent("site-a")
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2, round_timeout_s=4, on_quorum_miss="retry",
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=4, on_quorum_miss="retry",
                                  max_round_retries=20), package=tiny_package())
         wait_until(lambda: client.status(st.task_id).rounds[0].attempt >= 2, 60, "the round to be reopened")
         fed.start_agent("site-b")
@@ -51,7 +51,7 @@ def test_quorum_retry_recovers_when_a_site_arrives(federation_factory):
 def test_sigterm_stops_both_services_gracefully_and_state_survives(federation_factory):
     fed = federation_factory(2)
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=1, min_sites=2), package=tiny_package())
+        st = client.submit(make_task(num_rounds=1, min_sites=2), package=tiny_package())
         client.wait(st.task_id, timeout=120, progress=False)
     assert fed.signal_agent("site-a", signal.SIGTERM) == 0
     assert fed.signal_aggregator(signal.SIGTERM) == 0

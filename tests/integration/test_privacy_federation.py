@@ -10,7 +10,7 @@ from fedclinic.federation.local_federation import LocalFederation, SiteSetup, wa
 from fedclinic.spec.task import Task
 from hospital_agent.privacy_ledger import PrivacyLedger
 
-from tests.integration.conftest import LABELS, tiny_package, write_site_data
+from tests.helpers.text_models import LABELS, tiny_package, write_site_data
 
 pytestmark = pytest.mark.integration
 

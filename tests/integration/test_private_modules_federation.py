@@ -18,10 +18,9 @@ from fedclinic.models.fedner import PAPER_PRIVATE_PATTERNS
 from fedclinic.transport.package import ModelPackage
 from fedclinic.spec.task import Task
 
-from tests.integration.conftest import stored_update_tensors
-from tests.integration.test_ner_federation import NER_POLICY, _write_jsonl
-from tests.unit.test_fedner_model import ARCH, PRIVATE, SHARED, package
-from tests.unit.test_token_classification import LABELS, make_examples
+from tests.helpers.federation import stored_update_tensors
+from tests.helpers.fedner_models import ARCH, PRIVATE, SHARED, package
+from tests.helpers.ner_models import LABELS, NER_POLICY, make_examples, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -81,8 +80,8 @@ def test_private_modules_stay_at_each_site_for_two_rounds_and_the_site_exports_i
         folder = tmp_path / "data" / site
         folder.mkdir(parents=True)
         train, held_out = _data(site)
-        _write_jsonl(folder / "train.jsonl", train)
-        _write_jsonl(folder / "eval.jsonl", held_out)
+        write_jsonl(folder / "train.jsonl", train)
+        write_jsonl(folder / "eval.jsonl", held_out)
         setups.append(SiteSetup(site, datasets={"ner": {"path": str(folder / "train.jsonl"),
                                                         "eval_path": str(folder / "eval.jsonl")}}, policy=NER_POLICY))
     task = Task(name="fedner-private-it", family="token-classification", architecture=ARCH, dataset="ner",

@@ -13,9 +13,10 @@ from fedclinic.data.qa import QAExample
 from fedclinic.federation.local_federation import SiteSetup
 from fedclinic.spec.task import Task
 
-from tests.unit.test_causal_lm import package, toy_examples
+from tests.helpers.qa_models import package, toy_examples
 
-from tests.integration.conftest import replay_site_delta, run_task
+from tests.helpers.federation import run_task
+from tests.helpers.replay import replay_site_delta
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("torch_one_thread")]
 

@@ -20,8 +20,8 @@ from fedclinic.pki import identity_from_pem
 from fedclinic.proto import agent_pb2, agent_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 
-from tests.integration.conftest import tiny_package
-from tests.integration.test_federation import _task
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def test_certificates_rotated_mid_task_without_restarting_the_aggregator(federat
     agg_cert, site_cert = fed.creds("aggregator")["cert"], fed.creds("site-a")["cert"]
     old_agg, old_site = _serial(agg_cert), _serial(site_cert)
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
+        st = client.submit(make_task(num_rounds=2, min_sites=3, round_timeout_s=300), package=tiny_package())
         wait_until(lambda: len(client.status(st.task_id).rounds[0].reports) == 2, 120, "two round-1 updates")
         assert served_serial(fed) == old_agg
 
@@ -117,7 +117,7 @@ def test_a_revoked_agent_is_cut_off_while_the_others_go_on(federation_factory):
     aggregator = fed.aggregator
     wait_until(lambda: _streams_open(fed) == {"site-a", "site-b", "site-c"}, 120, "three agents' work streams")
     with fed.client() as client:
-        st = client.submit(_task(num_rounds=2, min_sites=2, round_timeout_s=20), package=tiny_package())
+        st = client.submit(make_task(num_rounds=2, min_sites=2, round_timeout_s=20), package=tiny_package())
         wait_until(lambda: len(client.status(st.task_id).rounds[0].reports) == 2 and
                    "task awaiting approval" in fed.log_text("agent-site-c"), 120,
                    "sites a and b to report round 1 while site-c holds it")

@@ -13,8 +13,8 @@ from fedclinic.client import state_name
 from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 from fedclinic.spec.task import Task
 
-from tests.integration.conftest import stored_update_tensors
-from tests.unit.test_safl import FLIP_CLS, FLIP_SEP, LABELS, constructed_package, length_examples
+from tests.helpers.federation import stored_update_tensors
+from tests.helpers.safl_models import FLIP_CLS, FLIP_SEP, LABELS, constructed_package, length_examples
 
 pytestmark = pytest.mark.integration
 
@@ -118,7 +118,7 @@ def test_safl_on_a_mean_pooled_model_sends_the_chosen_layer_and_the_classifier_o
     """With mean pooling the model has no pooler, so a site's update is its chosen layer plus ``classifier.*``:
     nothing travels every round that the head does not need (issue #6's SAFL byte count)."""
     from fedclinic.models import package_from_config, wordlevel_tokenizer_json
-    from tests.unit.test_safl import WORDS
+    from tests.helpers.safl_models import WORDS
 
     setups = []
     for site in SITES:

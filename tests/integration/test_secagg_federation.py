@@ -15,8 +15,9 @@ from fedclinic.errors import ConfigError, FedclinicError
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.spec.task import Task
 
-from tests.integration.conftest import make_examples, tiny_package
-from tests.integration.test_federation import _replay_site, _task
+from tests.helpers.replay import replay_site
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import make_examples, tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +31,7 @@ def _secure_task(**kw) -> Task:
     args = dict(num_rounds=1, min_sites=4, round_timeout_s=60, local_epochs=1, learning_rate=0.05, seed=1,
                 secure_aggregation={"enabled": True, "clip": CLIP, "bits": 20, "rounding": "stochastic"})
     args.update(kw)
-    return _task(**args)
+    return make_task(**args)
 
 
 def _streams_open(fed) -> set[str]:
@@ -58,7 +59,7 @@ class _Unchecked(Task):
 
 def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_survivors(federation_factory,
                                                                                    monkeypatch):
-    from tests.integration.test_metrics import scrape, value
+    from tests.helpers.prometheus import scrape, value
 
     fed = federation_factory(5, samples=SAMPLES, start=False, metrics_address="127.0.0.1:0")
     fed.make_pki()
@@ -90,7 +91,7 @@ def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_surviv
     assert value(samples, "fedclinic_aggregator_uplink_payload_bytes_total", task_id=st.task_id) == rnd.uplink_bytes
     assert value(samples, "fedclinic_aggregator_downlink_bytes_total", task_id=st.task_id) == rnd.downlink_bytes
 
-    survivors = [_replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)
+    survivors = [replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)
                  for i, n in enumerate(SAMPLES[:4])]
     deltas = [d for d, _ in survivors]
     bound = rnd.metrics["secagg_error_bound"]
@@ -134,7 +135,7 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
     assert len(sessions) == 2, sessions  # the lost session, then a new one (new nonce, new keys) for the same round
     assert sessions[0].split("session ")[1][:16] != sessions[1].split("session ")[1][:16]
     assert final.rounds[0].metrics["secagg_survivors"] == 4
-    deltas = [_replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)[0]
+    deltas = [replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)[0]
               for i, n in enumerate(SAMPLES[:4])]
     for name in start.tensors:  # each site's training counted once: the re-keyed session re-used its delta
         expected = start.tensors[name] + np.mean([d[name] for d in deltas], axis=0)
@@ -144,7 +145,7 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
 
 def test_a_site_whose_policy_refuses_the_session_declines_with_the_reason(tmp_path):
     from fedclinic.federation.local_federation import LocalFederation, SiteSetup
-    from tests.integration.conftest import write_site_data
+    from tests.helpers.text_models import write_site_data
 
     sites = []
     for i, name in enumerate(("site-a", "site-b", "site-c", "site-d")):

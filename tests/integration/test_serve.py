@@ -17,7 +17,7 @@ from fedclinic.export.onnx_export import export_onnx
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.models.feature_classification import package_feature_model
 
-from tests.integration.conftest import LABELS, tiny_package
+from tests.helpers.text_models import LABELS, tiny_package
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +147,7 @@ def _trained_ner_bundle(tmp_path, architecture: str = "transformer-crf"):
     from fedclinic.models import build_model, module_tensors
     from fedclinic.transport.package import ModelPackage
 
-    from tests.unit.test_token_classification import make_examples, package
+    from tests.helpers.ner_models import make_examples, package
 
     start = package(architecture)
     model = build_model(start)
@@ -191,13 +191,13 @@ def test_ner_bundle_over_http_and_grpc(tmp_path, serve):
 
 
 def _trained_qa_bundle(tmp_path):
-    """A tiny GPT-2 trained to answer the toy questions (tests/unit/test_causal_lm.py), exported to ONNX with past
+    """A tiny GPT-2 trained to answer the toy questions (tests/helpers/qa_models.py), exported to ONNX with past
     key/values, and the PyTorch model it came from."""
     from fedclinic.models import build_model, module_tensors
     from fedclinic.models.causal_lm import stored_names
     from fedclinic.transport.package import ModelPackage
 
-    from tests.unit.test_causal_lm import package, toy_examples, train
+    from tests.helpers.qa_models import package, toy_examples, train
 
     start = package(seed=1)
     model = build_model(start)
@@ -258,14 +258,14 @@ def test_contexts_are_refused_by_a_classifier(tmp_path, serve):
 
 
 def _trained_image_text_bundle(tmp_path):
-    """A tiny ResNet + BiLSTM model trained briefly on stand-in images (tests/unit/test_export_image_text.py),
+    """A tiny ResNet + BiLSTM model trained briefly on stand-in images (tests/helpers/image_text_models.py),
     exported to ONNX, and the PyTorch model it came from."""
     import torch
 
     from fedclinic.models import build_model
     from fedclinic.transport.package import ModelPackage
 
-    from tests.unit.test_export_image_text import trained_package
+    from tests.helpers.image_text_models import trained_package
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: a second thread only adds contention

@@ -116,7 +116,7 @@ def test_aggregator_refuses_a_spec_whose_tokenizer_hash_is_not_the_models():
     from fedclinic.errors import Refused
     from fedclinic.spec.task import Task
 
-    from tests.integration.conftest import tiny_package
+    from tests.helpers.text_models import tiny_package
 
     pkg = tiny_package("logreg")
     task = Task(name="t", dataset="notes", labels=["cardio", "neuro"], architecture="logreg")
@@ -168,7 +168,7 @@ def test_aggregator_refuses_sample_level_dp_for_a_model_dp_sgd_cannot_train():
     from fedclinic.errors import Refused
     from fedclinic.spec.task import Task
 
-    from tests.integration.conftest import tiny_package
+    from tests.helpers.text_models import tiny_package
 
     private = {"level": "sample", "target_epsilon": 8.0, "target_delta": 1e-5, "max_grad_norm": 1.0}
     task = Task(name="t", dataset="notes", labels=["cardio", "neuro"], architecture="transformer", privacy=private)

@@ -1,0 +1,34 @@
+"""Running one task on a real LocalFederation, and reading back what its aggregator stored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedclinic.federation.local_federation import LocalFederation
+
+
+def run_task(root: Path, sites, task, package):
+    """Start a federation of ``sites`` under ``root``, submit ``task`` with ``package``, wait for it to
+    complete (asserting it did) and return ``(final status, round-1 global package)``."""
+    from fedclinic.client import state_name
+
+    with LocalFederation(root, sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            status = client.submit(task, package=package)
+            final = client.wait(status.task_id, timeout=300, progress=False)
+            assert state_name(final.state) == "completed", final.error
+            return final, client.fetch_package(status.task_id, round=1)
+
+
+def stored_update_tensors(fed: LocalFederation, task_id: str) -> dict[tuple[str, int], set[str]]:
+    """(site, round) -> the tensor names of the update the aggregator stored (its state database, read-only)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{fed.root / 'aggregator-state' / 'aggregator.sqlite'}?mode=ro", uri=True)
+    try:
+        return {(site, rnd): {t[0] for t in json.loads(layout)} for site, rnd, layout in db.execute(
+            "SELECT site, round, layout FROM updates WHERE task_id=?", (task_id,))}
+    finally:
+        db.close()
