@@ -2,7 +2,7 @@
 
 protoc names generated modules after the proto package path (``fedclinic/v1/x_pb2.py``, importing
 ``from fedclinic.v1 import y_pb2``). We want them flat inside ``fedclinic.proto``, so the imports are
-rewritten to ``from fedclinic.proto import y_pb2``. The output is committed; ``tests/unit/test_protos.py``
+rewritten to ``from fedclinic.proto import y_pb2``. The output is committed; ``tests/unit/proto/test_protos.py``
 regenerates into a temporary folder and fails if anything differs.
 
 Usage: python scripts/gen_protos.py [OUT_DIR]
