@@ -54,6 +54,7 @@ from fedclinic.proto import control_pb2
 
 from aggregator_service.store.migrations import SCHEMA_VERSION, read_schema_version
 from aggregator_service.store.sqlite_store import SqliteStore, manifest_from_json
+from fedclinic.pki import PkiError, identity_from_pem, sign_detached, verify_detached
 
 log = structlog.get_logger("fedclinic.aggregator.backup")
 
@@ -311,8 +312,6 @@ def create_backup(state_dir: str | os.PathLike[str], dest: str | os.PathLike[str
 
 
 def _sign(folder: Path, cert_path: str | os.PathLike[str], key_path: str | os.PathLike[str]) -> None:
-    from fedclinic.pki import PkiError, identity_from_pem, sign_detached
-
     try:
         signature, cert_pem = sign_detached((folder / MANIFEST).read_bytes(), key_path=key_path,
                                             cert_path=cert_path)
@@ -400,8 +399,6 @@ def verify_backup(src: str | os.PathLike[str], *, ca: str | os.PathLike[str] | N
 def signed_by(src: str | os.PathLike[str], ca: str | os.PathLike[str]) -> str:
     """The name of the aggregator whose valid signature (certificate issued by ``ca``) the backup's manifest
     carries; BackupError when it carries none or it does not verify."""
-    from fedclinic.pki import PkiError, verify_detached
-
     src = Path(src)
     signature, cert = src / SIGNATURE, src / SIGNER_CERT
     if not (signature.is_file() and cert.is_file()):

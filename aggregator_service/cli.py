@@ -8,22 +8,21 @@ from pathlib import Path
 
 from fedclinic.runtime import logs
 from fedclinic.errors import FedclinicError
+from aggregator_service.config import AggregatorConfig
+from aggregator_service.backup import create_backup, verify_backup, signed_by, restore_backup
+from aggregator_service.server import Aggregator
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
     if args.state_dir is not None:
         return Path(args.state_dir)
-    from aggregator_service.config import AggregatorConfig
 
     return AggregatorConfig.load(args.config).state_dir
 
 
 def _backup(args: argparse.Namespace) -> int:
-    from aggregator_service.backup import create_backup
-
     signer = None
     if args.config is not None:  # the aggregator's own TLS pair signs the manifest
-        from aggregator_service.config import AggregatorConfig
 
         tls = AggregatorConfig.load(args.config).tls
         signer = (tls.cert, tls.key)
@@ -35,10 +34,6 @@ def _backup(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from aggregator_service.backup import verify_backup
-
-    from aggregator_service.backup import signed_by
-
     m = verify_backup(args.src)
     signed = (f"; signed by the aggregator {signed_by(args.src, args.ca)!r} (certificate from {args.ca})"
               if args.ca else "; signature not checked (give --ca CA_CERT to require the aggregator's signature)")
@@ -48,8 +43,6 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace) -> int:
-    from aggregator_service.backup import restore_backup
-
     m = restore_backup(args.src, args.state_dir, ca=args.ca)
     print(f"restored {len(m.files)} files ({m.nbytes} bytes, taken {m.created}) into {args.state_dir}; point the "
           "aggregator's state_dir at it and start it")
@@ -78,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
                              "aggregator's signature of the backup (backups taken with --config are signed)")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from aggregator_service.config import AggregatorConfig
-        from aggregator_service.server import Aggregator
-
         try:
             config = AggregatorConfig.load(args.config)
             if args.metrics_address is not None:

@@ -12,6 +12,16 @@ import structlog
 
 from fedclinic.runtime import logs
 from fedclinic.errors import FedclinicError
+from hospital_agent.config import AgentConfig
+from fedclinic.pki import check_own_certificate
+from hospital_agent.privacy_ledger import PrivacyLedger
+from fedclinic.runtime.audit_log import AuditLog
+from hospital_agent.tasks_cli import add_commands as add_task_commands
+from hospital_agent.worker import Agent
+from fedclinic.runtime.metrics_endpoint import MetricsServer
+from hospital_agent.install import install_service
+from hospital_agent.site_model import export_site_model
+from hospital_agent.tasks_cli import run as run_tasks
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -21,16 +31,12 @@ METRICS_ADDRESS_FILE = "metrics.addr"
 
 def check_config(path: str) -> list[str]:
     """Everything wrong with an agent configuration, each with what to do; [] when all is well."""
-    from hospital_agent.config import AgentConfig
-
     try:
         config = AgentConfig.load(path)
     except FedclinicError as exc:
         return [str(exc)]
     problems: list[str] = []
     try:
-        from fedclinic.pki import check_own_certificate
-
         ident = check_own_certificate(config.tls.cert, config.tls.key, config.tls.ca, expected_role="agent")
         print(f"certificate: site {ident.name!r}, valid until {ident.not_after:%Y-%m-%d %H:%M} UTC")
     except FedclinicError as exc:
@@ -60,8 +66,6 @@ def check_config(path: str) -> list[str]:
 def privacy_status(config_path: str) -> int:
     """Print the privacy ledger: per dataset its budget, what has left the site, what running tasks may still
     spend; per task planned vs spent epsilon and the rounds charged. Reads the ledger only (no network)."""
-    from hospital_agent.config import AgentConfig
-    from hospital_agent.privacy_ledger import PrivacyLedger
 
     try:
         config = AgentConfig.load(config_path)
@@ -95,10 +99,6 @@ def privacy_finish(config_path: str, task_id: str) -> int:
     round of it would be withheld and declined). Audited; no network."""
     import getpass
 
-    from fedclinic.runtime.audit_log import AuditLog
-
-    from hospital_agent.config import AgentConfig
-    from hospital_agent.privacy_ledger import PrivacyLedger
 
     try:
         config = AgentConfig.load(config_path)
@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     mexp.add_argument("task_id")
     mexp.add_argument("out_dir", help="a new (or empty) folder")
     mexp.add_argument("--config", required=True)
-    from hospital_agent.tasks_cli import add_commands as add_task_commands
 
     add_task_commands(sub)
     ins = sub.add_parser("install-service", help="lay out the systemd service: user, directories, permissions, unit")
@@ -156,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "install-service":
-        from hospital_agent.install import install_service
-
         try:
             return install_service(args.root, unit=args.unit, dry_run=args.dry_run, site=args.site,
                                    aggregator=args.aggregator)
@@ -171,13 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return privacy_status(args.config)
 
     if args.command == "model":
-        from hospital_agent.site_model import export_site_model
-
         return export_site_model(args.config, args.task_id, args.out_dir)
 
     if args.command == "tasks":
-        from hospital_agent.tasks_cli import run as run_tasks
-
         return run_tasks(args)
 
     if args.command == "check-config":
@@ -187,10 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         print("configuration OK" if not problems else f"{len(problems)} problem(s) found")
         return 0 if not problems else 1
 
-    from hospital_agent.config import AgentConfig
-    from hospital_agent.worker import Agent
-
-    from fedclinic.runtime.metrics_endpoint import MetricsServer
 
     try:
         config = AgentConfig.load(args.config)

@@ -48,6 +48,7 @@ from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_add
 from fedclinic.proto import task_pb2
 from fedclinic.transport.rpc import TlsFiles
 from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
+from fedclinic.secagg import ClientPolicy
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
 FORMATS = ("jsonl", "csv", "tsv", "conll")
@@ -113,8 +114,6 @@ class SitePolicy:
 
     def secagg_policy(self):
         """The site's fedclinic.secagg.ClientPolicy."""
-        from fedclinic.secagg import ClientPolicy
-
         return ClientPolicy(min_cohort=self.secure_aggregation_min_cohort)
 
     def refusal(self, spec: task_pb2.TaskSpec, datasets: dict[str, DatasetEntry]) -> str | None:

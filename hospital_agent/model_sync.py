@@ -27,6 +27,7 @@ from fedclinic.transport.wire import ChunkAssembler, FileAssembler, MemoryWriter
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import Audit
+from fedclinic.transport import downlink
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -71,8 +72,6 @@ class ModelSync:
     def usable_deltas(self, a: agent_pb2.Assignment, missing: set[str]) -> dict[str, tensors_pb2.DownlinkDelta]:
         """The assignment's encoded changes (compressed downlink) for missing tensors whose base this agent holds
         and whose codec is a downlink codec it knows; the other missing tensors are fetched in full."""
-        from fedclinic.transport import downlink
-
         return {d.name: d for d in a.downlink_deltas
                 if d.name in missing and self.cache.has(d.base_sha256) and not downlink.spec_problems(d.header.codec)
                 and d.header.dtype == "float32"}
@@ -135,8 +134,6 @@ class ModelSync:
                              changes: dict[str, MemoryWriter]) -> list[str]:
         """Cache each tensor fetched as an encoded change: base + decode(change), when it hashes to the manifest's
         sha256. Returns the names that did not (left uncached)."""
-        from fedclinic.transport import downlink
-
         failed = []
         for name, writer in changes.items():
             entry, h = manifest.tensor(name), deltas[name].header

@@ -20,6 +20,12 @@ import numpy as np
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.transport.package import ModelPackage
 from fedclinic.training.private_modules import PrivateStore
+from fedclinic.pki import identity_from_pem
+from fedclinic.proto import agent_pb2
+from fedclinic.transport.rpc import explain_rpc_error
+from fedclinic.transport.wire import receive_package
+from hospital_agent.config import AgentConfig
+from hospital_agent.connection import AgentChannel
 
 PRIVATE_FOLDER = "private-modules"
 PROVENANCE_FILE = "site_model.json"
@@ -83,13 +89,7 @@ def export_site_model(config_path: str, task_id: str, out_dir: str) -> int:
     import grpc
     import sys
 
-    from fedclinic.pki import identity_from_pem
-    from fedclinic.proto import agent_pb2
-    from fedclinic.transport.rpc import explain_rpc_error
-    from fedclinic.transport.wire import receive_package
 
-    from hospital_agent.config import AgentConfig
-    from hospital_agent.connection import AgentChannel
 
     out = Path(out_dir)
     try:

@@ -17,6 +17,10 @@ from fedclinic.errors import FedclinicError
 from fedclinic.proto import task_pb2
 
 from hospital_agent.approvals import ApprovalStore, TaskApproval
+from fedclinic.data.text import read_dataset
+from fedclinic.privacy.accounting import plan_task
+from fedclinic.runtime.audit_log import AuditLog
+from hospital_agent.config import AgentConfig
 
 
 def _when(ms: int) -> str:
@@ -50,9 +54,6 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
     if entry is None:
         return f"not computable: this site has no dataset {spec.dataset!r}"
     try:
-        from fedclinic.data.text import read_dataset
-        from fedclinic.privacy.accounting import plan_task
-
         rows = read_dataset(spec.family, entry.path, format=entry.format, text_field=entry.text_field,
                             label_field=entry.label_field, entities_field=entry.entities_field,
                             question_field=entry.question_field, answer_field=entry.answer_field,
@@ -144,8 +145,6 @@ def show_task(config, task_id: str) -> int:
 
 
 def decide(config, task_id: str, *, approve: bool, reason: str = "") -> int:
-    from fedclinic.runtime.audit_log import AuditLog
-
     by = f"site-admin:{getpass.getuser()}"
     r = _store(config).decide(task_id, approve=approve, by=by, reason=reason)
     with AuditLog(config.work_dir / "audit.jsonl", on_torn_tail="quarantine") as audit:
@@ -181,8 +180,6 @@ def add_commands(sub) -> None:
 
 
 def run(args) -> int:
-    from hospital_agent.config import AgentConfig
-
     try:
         config = AgentConfig.load(args.config)
         if args.tasks_command == "list":

@@ -32,6 +32,7 @@ from hospital_agent.config import AgentConfig
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import feedback_path
+from fedclinic.training import safl
 
 if TYPE_CHECKING:
     from fedclinic.training.trainer import TrainConfig
@@ -94,7 +95,6 @@ class TrainingStep:
         """Evaluate the synced model (global shared tensors + this site's private ones) on the site's held-out
         split, run the site round and keep the private tensors. IntegrityError if a private tensor is to be sent
         (the last gate before anything is written)."""
-        from fedclinic.training import safl
         from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
 
         loaded = state.loaded

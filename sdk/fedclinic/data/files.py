@@ -41,22 +41,28 @@ def require_text(text: object, where: str, field: str, purpose: str) -> str:
     return text
 
 
-def jsonl_objects(path, lines: Sequence[str], expects: str) -> Iterator[tuple[str, dict]]:
-    """``(where, object)`` for every non-blank line of a JSONL file (``where`` = "PATH: row N", 1-based), the
-    one JSONL row parser of the dataset readers. DatasetError naming the row for invalid JSON or a value that is
-    not an object (``expects`` says what the object should hold)."""
+def jsonl_rows(path, lines: Sequence[str], expects: str) -> Iterator[tuple[int, dict]]:
+    """``(row number, object)`` for every non-blank line of a JSONL file (rows 1-based), the one JSONL row parser
+    of the dataset readers. DatasetError naming the row for invalid JSON or a value that is not an object
+    (``expects`` says what the object should hold)."""
     for row_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{path}: row {row_no}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                               "JSON object") from None
+            raise DatasetError(f"{path}: row {row_no}: invalid JSON ({exc.msg} at column {exc.colno}); each line "
+                               "must be one JSON object") from None
         if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: expected a JSON object with {expects}, got {type(obj).__name__}")
-        yield where, obj
+            raise DatasetError(f"{path}: row {row_no}: expected a JSON object with {expects}, got "
+                               f"{type(obj).__name__}")
+        yield row_no, obj
+
+
+def jsonl_objects(path, lines: Sequence[str], expects: str) -> Iterator[tuple[str, dict]]:
+    """:func:`jsonl_rows` with each row's place as ``where`` ("PATH: row N")."""
+    for row_no, obj in jsonl_rows(path, lines, expects):
+        yield f"{path}: row {row_no}", obj
 
 
 def check_label_set(label_set: Sequence[str]) -> list[str]:

@@ -16,7 +16,6 @@ what the readers share is in :mod:`.files`.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -31,6 +30,7 @@ from fedclinic.data.files import (  # noqa: F401
     fmt_labels,
     infer_format,
     jsonl_objects,
+    jsonl_rows,
     open_text,
     parse_labels,
     require_text,
@@ -128,17 +128,7 @@ def read_dataset(
 def _jsonl_rows(path, text_field: str, label_field: str) -> Iterator[tuple[int, Any, Any]]:
     with open_text(path) as fh:
         lines = decode_guard(path, fh.read).splitlines()
-    for row_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}: row {row_no}: invalid JSON ({exc.msg} at column {exc.colno}); each line "
-                               "must be one JSON object") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{path}: row {row_no}: expected a JSON object with {text_field!r} and "
-                               f"{label_field!r}, got {type(obj).__name__}")
+    for row_no, obj in jsonl_rows(path, lines, f"{text_field!r} and {label_field!r}"):
         raw = obj.get(label_field)
         if raw is None and label_field != "labels":
             raw = obj.get("labels")
