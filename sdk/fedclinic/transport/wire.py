@@ -13,6 +13,7 @@ length or hash it has not recomputed itself.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -29,6 +30,15 @@ ALLOWED_DTYPES = frozenset(
     {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
      "uint32"}  # uint32: secure-aggregation masked inputs (elements of Z_2^32)
 )
+#: the most dimensions a tensor may have (the model families use at most 4)
+MAX_RANK = 8
+#: the most elements one tensor may have, and so the largest dimension: 2^34, the longest secure-aggregation
+#: masked vector (fedclinic.secagg.masks.MAX_WORDS; 64 GiB of float32). Shapes are multiplied in Python ints,
+#: never in int64, so a header cannot wrap its element count to a small number, and a shape within these bounds
+#: never overflows numpy's sizes.
+MAX_TENSOR_ELEMENTS = 1 << 34
+#: the most tensors one model manifest or update may list
+MAX_TENSORS = 100_000
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -53,6 +63,10 @@ def manifest_to_proto(manifest: Manifest) -> pb.ModelManifest:
 
 
 def manifest_from_proto(msg: pb.ModelManifest) -> Manifest:
+    """The manifest a ModelManifest message describes, every tensor header checked by :func:`validate_header`
+    (IntegrityError says what is wrong: too many tensors, a bad header, a model hash that does not match)."""
+    if len(msg.tensors) > MAX_TENSORS:
+        raise IntegrityError(f"the model manifest lists {len(msg.tensors)} tensors; at most {MAX_TENSORS} are allowed")
     tensors = []
     for h in msg.tensors:
         validate_header(h)
@@ -64,21 +78,46 @@ def manifest_from_proto(msg: pb.ModelManifest) -> Manifest:
     return manifest
 
 
+def tensor_elements(name: str, shape: Iterable[int]) -> int:
+    """The element count of a tensor of ``shape``, computed in Python ints (no wrap-around), after checking the
+    rank (at most :data:`MAX_RANK`), each dimension (0 to :data:`MAX_TENSOR_ELEMENTS`) and the product (at most
+    :data:`MAX_TENSOR_ELEMENTS`). IntegrityError names the tensor and the bound it breaks."""
+    dims = [int(s) for s in shape]
+    if len(dims) > MAX_RANK:
+        raise IntegrityError(f"tensor {name!r}: shape has {len(dims)} dimensions; at most {MAX_RANK} are allowed")
+    if any(d < 0 for d in dims):
+        raise IntegrityError(f"tensor {name!r}: negative dimension in shape {dims}")
+    if any(d > MAX_TENSOR_ELEMENTS for d in dims):
+        raise IntegrityError(f"tensor {name!r}: a dimension of shape {dims} is above the {MAX_TENSOR_ELEMENTS} "
+                             "elements one tensor may have")
+    n = math.prod(dims)
+    if n > MAX_TENSOR_ELEMENTS:
+        raise IntegrityError(f"tensor {name!r}: shape {dims} has {n} elements; one tensor may have at most "
+                             f"{MAX_TENSOR_ELEMENTS} (split it, or shrink the model)")
+    return n
+
+
 def validate_header(h: pb.TensorHeader) -> None:
-    """Check that a tensor header is self-consistent: codec "raw": size = prod(shape) * itemsize; an update
-    codec (:mod:`fedclinic.transport.codec_wire`): a known codec spec, float32, a size within reach of the shape."""
+    """Check that a tensor header is self-consistent, before any byte is read; IntegrityError says what is wrong.
+
+    Every header: a name, a 64-character sha256, a shape within the bounds of :func:`tensor_elements` (rank,
+    dimensions, element count, all in Python ints) and a non-negative size. Codec "raw": an allowed dtype and
+    size = elements * itemsize exactly; an update codec (:mod:`fedclinic.transport.codec_wire`): a known codec
+    spec, float32, a size within reach of the element count. A header that passes can be allocated, reshaped
+    and memory-mapped by numpy without overflow."""
     if not h.name:
         raise IntegrityError("tensor header has an empty name")
-    if any(s < 0 for s in h.shape):
-        raise IntegrityError(f"tensor {h.name!r}: negative dimension in shape {list(h.shape)}")
     if len(h.sha256) != 64:
         raise IntegrityError(f"tensor {h.name!r}: sha256 must be 64 hex characters")
+    n = tensor_elements(h.name, h.shape)
+    if h.encoded_nbytes < 0:
+        raise IntegrityError(f"tensor {h.name!r}: negative size {h.encoded_nbytes} declared")
     if not is_raw(h.codec):
         check_encoded_header(h.name, h.codec, h.dtype, list(h.shape), int(h.encoded_nbytes))
         return
     if h.codec_params:
         raise IntegrityError(f"tensor {h.name!r}: codec 'raw' takes no codec_params")
-    expected = int(np.prod(list(h.shape), dtype=np.int64)) * dtype_of(h.dtype).itemsize
+    expected = n * dtype_of(h.dtype).itemsize
     if h.encoded_nbytes != expected:
         raise IntegrityError(
             f"tensor {h.name!r}: {h.encoded_nbytes} bytes declared but dtype {h.dtype} and shape "

@@ -9,7 +9,8 @@ from fedclinic.errors import IntegrityError
 from fedclinic.transport.package import ModelPackage
 from fedclinic.proto import tensors_pb2 as pb
 from fedclinic.transport.wire import (ChunkAssembler, FileAssembler, MemoryWriter, array_from_bytes, header_of,
-                            manifest_from_proto, manifest_to_proto, package_items, tensor_chunks)
+                            MAX_RANK, MAX_TENSOR_ELEMENTS, MAX_TENSORS, manifest_from_proto, manifest_to_proto,
+                            package_items, tensor_chunks, validate_header)
 
 DTYPES = st.sampled_from([np.float32, np.float16, np.int64, np.int8, np.float64])
 
@@ -150,3 +151,46 @@ def test_pipelined_assembler_matches_and_propagates_errors():
             pipe.add(c)
         pipe.finish()
     pipe.abort()  # safe after a failure
+
+
+_SHA = "0" * 64
+
+
+@pytest.mark.parametrize("shape,dtype,nbytes,codec,message", [
+    ([2**32, 2**32], "float32", 0, "raw", "elements"),             # wrapped to 0 in int64 before
+    ([2**62, 4], "float32", 0, "raw", "above the"),                     # a dimension alone too large
+    ([0, 2**63 - 1], "float32", 0, "raw", "above the"),                 # zero elements, absurd dimension
+    ([1 << 20, 1 << 20], "float32", 0, "raw", "elements"),           # 2^40 elements > MAX_TENSOR_ELEMENTS
+    ([2] * 9, "float32", 2**9 * 4, "raw", "dimensions"),            # rank above MAX_RANK
+    ([4], "float32", 15, "raw", "need 16"),                          # declared bytes differ
+    ([4], "float32", -16, "raw", "negative size"),
+    ([2**32, 2**32], "float32", 0, "int8", "elements"),              # encoded: the same element bound
+    ([-1, 4], "float32", 0, "raw", "negative dimension"),
+])
+def test_headers_with_overflowing_or_inconsistent_shapes_are_refused(shape, dtype, nbytes, codec, message):
+    h = pb.TensorHeader(name="w", dtype=dtype, shape=shape, codec=codec, sha256=_SHA, encoded_nbytes=nbytes)
+    with pytest.raises(IntegrityError, match=message):
+        validate_header(h)
+    manifest = pb.ModelManifest(tensors=[h])
+    with pytest.raises(IntegrityError, match=message):
+        manifest_from_proto(manifest)
+
+
+@pytest.mark.parametrize("shape,dtype", [([], "float32"), ([0], "int8"), ([MAX_TENSOR_ELEMENTS], "uint8"),
+                                         ([2] * MAX_RANK, "float64")])
+def test_headers_at_the_bounds_pass(shape, dtype):
+    n = int(np.prod(shape, dtype=object)) if shape else 1
+    validate_header(pb.TensorHeader(name="w", dtype=dtype, shape=shape, codec="raw", sha256=_SHA,
+                                    encoded_nbytes=n * np.dtype(dtype).itemsize))
+
+
+def test_a_manifest_with_too_many_tensors_is_refused():
+    h = pb.TensorHeader(name="w", dtype="float32", shape=[], codec="raw", sha256=_SHA, encoded_nbytes=4)
+    with pytest.raises(IntegrityError, match="at most"):
+        manifest_from_proto(pb.ModelManifest(tensors=[h] * (MAX_TENSORS + 1)))
+
+
+def test_the_element_bound_admits_the_longest_secure_aggregation_vector():
+    from fedclinic.secagg.masks import MAX_WORDS
+
+    assert MAX_TENSOR_ELEMENTS >= MAX_WORDS
