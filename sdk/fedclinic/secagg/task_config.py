@@ -57,6 +57,8 @@ def dict_problems(doc: Mapping[str, Any]) -> list[str]:
         v = doc.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             p.append(f"secure_aggregation: {key} must be an integer, got {v!r}")
+        elif v is not None and not -(1 << 31) <= v < (1 << 31):  # the spec's int32 (bounds: fedclinic.spec.validation)
+            p.append(f"secure_aggregation: {key} is out of range, got {v!r}")
     clip = doc.get("clip")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))):
         p.append(f"secure_aggregation: clip must be a number, got {clip!r}")

@@ -46,7 +46,7 @@ from fedclinic.runtime.tomlconfig import load_toml
 from fedclinic.secagg.task_config import config_from_dict
 from fedclinic.secagg.task_config import dict_problems as secagg_dict_problems
 from fedclinic.spec.capabilities import check_optimizer_settings, pooling_problem
-from fedclinic.spec.validation import definition_problems
+from fedclinic.spec.validation import bound_problem, definition_problems
 from fedclinic.spec.validation import privacy_problems as spec_privacy_problems
 from fedclinic.transport.codec_wire import canonical
 
@@ -62,6 +62,12 @@ _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_de
           "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
            "max_round_retries")
+#: Task field -> its number in the spec, bounded by fedclinic.spec.validation.BOUNDS
+_BOUNDED = {**{k: f"training.{k}" for k in ("local_epochs", "batch_size", "learning_rate", "weight_decay",
+                                            "max_grad_norm", "max_steps", "proximal_mu", "max_length")},
+            **{k: f"rounds.{k}" for k in ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s",
+                                          "max_round_retries")},
+            "safl_top_k": "update.select_top_k_layers", "safl_profile_samples": "update.safl_profile_samples"}
 
 
 @dataclass
@@ -171,11 +177,9 @@ class Task:
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
         p.extend(privacy_input_problems(self.privacy))
         p.extend(secure_aggregation_input_problems(self.secure_aggregation))
-        for name, lo in (("local_epochs", 1), ("batch_size", 1), ("max_length", 8)):
-            if getattr(self, name) < lo:
-                p.append(f"{name} must be >= {lo}")
-        if not self.learning_rate > 0:
-            p.append("learning_rate must be > 0")
+        p.extend(problem for _, problem in self._number_problems())
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 63):
+            p.append(f"seed must be a whole number (64-bit), got {self.seed!r}")
         bad = _bad_strategy_params(self.strategy_params)
         if bad:
             p.append(f"strategy parameter(s) {bad} must be numbers or strings")
@@ -191,6 +195,16 @@ class Task:
         p.extend(definition_problems(self._build_spec("", checked=False)))
         if p:
             raise ConfigError(f"task {self.name!r} is invalid: " + "; ".join(p))
+
+    def _number_problems(self) -> list[tuple[str, str]]:
+        """(field, problem) for each number of this task outside its bounds (fedclinic.spec.validation.BOUNDS, the
+        same message the aggregator and the sites give); 0 is not "the default" here: a Task states every value."""
+        out = []
+        for name, path in _BOUNDED.items():
+            problem = bound_problem(path, getattr(self, name), zero_default=False)
+            if problem:
+                out.append((name, problem))
+        return out
 
     def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
         self.validate()
@@ -211,16 +225,23 @@ class Task:
                 raise
         sound_privacy = checked or not privacy_input_problems(self.privacy)
         sound_secagg = checked or not secure_aggregation_input_problems(self.secure_aggregation)
+        # unchecked: a number out of bounds (reported by validate) travels as its default, which the spec can hold
+        v = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not checked:
+            defaults = {f.name: f.default for f in fields(self)}
+            v.update({name: defaults[name] for name, _ in self._number_problems()})
+            if isinstance(v["seed"], bool) or not isinstance(v["seed"], int) or not -(1 << 63) <= v["seed"] < (1 << 63):
+                v["seed"] = 0
         return task_pb2.TaskSpec(
             name=self.name, family=self.family, architecture=self.architecture, dataset=self.dataset,
             labels=self.labels, multi_label=self.multi_label, description=self.description, sites=self.sites,
-            training=task_pb2.TrainingConfig(**{k: getattr(self, k) for k in _TRAIN}),
-            rounds=task_pb2.RoundConfig(num_rounds=self.num_rounds, min_sites=self.min_sites,
-                                        participation_fraction=self.participation_fraction,
-                                        round_timeout_s=self.round_timeout_s,
+            training=task_pb2.TrainingConfig(**{k: v[k] for k in _TRAIN}),
+            rounds=task_pb2.RoundConfig(num_rounds=v["num_rounds"], min_sites=v["min_sites"],
+                                        participation_fraction=v["participation_fraction"],
+                                        round_timeout_s=v["round_timeout_s"],
                                         on_quorum_miss=policy.get(self.on_quorum_miss,
                                                                   task_pb2.QUORUM_POLICY_UNSPECIFIED),
-                                        max_round_retries=self.max_round_retries),
+                                        max_round_retries=v["max_round_retries"]),
             strategy=self.strategy,
             strategy_params={k: float(v) for k, v in params.items() if not isinstance(v, str)},
             strategy_options={k: v for k, v in params.items() if isinstance(v, str)},
@@ -228,8 +249,8 @@ class Task:
                                          trainable_patterns=self.trainable, frozen_patterns=self.frozen,
                                          private_patterns=self.private, downlink_codec=self.downlink_codec,
                                          selection="" if self.selection == "static" else self.selection,
-                                         select_top_k_layers=self.safl_top_k,
-                                         safl_profile_samples=self.safl_profile_samples, safl_token=self.safl_token),
+                                         select_top_k_layers=v["safl_top_k"],
+                                         safl_profile_samples=v["safl_profile_samples"], safl_token=self.safl_token),
             privacy=privacy_config(self.privacy) if sound_privacy else task_pb2.PrivacyConfig(),
             secure_aggregation=(_secure_aggregation_config(self.secure_aggregation) if sound_secagg
                                 else task_pb2.SecureAggregationConfig()),

@@ -2,8 +2,9 @@
 
 Two layers of rules, each problem a sentence that says what to change:
 
-- :func:`definition_problems` (the spec alone): names, round settings, secure aggregation, differential
-  privacy, update and downlink codecs, the strategy and the layer selection. ``fedclinic.spec.task.Task.validate``
+- :func:`definition_problems` (the spec alone): every number finite and within its bounds (:data:`BOUNDS`,
+  :data:`MAX_STRATEGY_PARAM`), names, round settings, secure aggregation, differential privacy, update and
+  downlink codecs, the strategy and the layer selection. ``fedclinic.spec.task.Task.validate``
   reports these (after its own checks of the Python/TOML input the proto cannot carry: unknown keys, types,
   label sets, the model family table).
 - :func:`submit_problems` (the spec against its initial model's manifest, as the aggregator checks it at
@@ -18,6 +19,7 @@ assignment's spec. Nothing here imports torch: the aggregator image has none.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from fedclinic.errors import ConfigError
 from fedclinic.proto import task_pb2
@@ -32,9 +34,108 @@ from fedclinic.transport.package import Manifest
 ACCOUNTANTS = ("rdp", "prv")
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The range of one number of the spec: ``lo`` to ``hi`` (``lo`` itself excluded when ``lo_open``), a whole
+    number when ``integer``; ``zero_default``: 0 in the spec means "the default" (the proto's unset value), so it
+    is accepted there too. Every bounded number must also be finite (NaN and infinities are refused)."""
+
+    lo: float
+    hi: float
+    integer: bool = False
+    zero_default: bool = False
+    lo_open: bool = False
+    hint: str = ""
+
+
+#: Sane bounds of every number of a task (spec path -> Bound), the same for ``Task``, the aggregator's submit check
+#: and the agent's SpecGate. Documented with the fields in fedclinic.spec.task and docs/data-scientist.md.
+BOUNDS: dict[str, Bound] = {
+    "training.local_epochs": Bound(1, 1000, integer=True, zero_default=True),
+    "training.batch_size": Bound(1, 65536, integer=True, zero_default=True),
+    "training.learning_rate": Bound(0, 10.0, lo_open=True, zero_default=True),
+    "training.weight_decay": Bound(0, 10.0),
+    "training.max_grad_norm": Bound(0, 1e6, hint="0 disables clipping"),
+    "training.max_steps": Bound(0, 10_000_000, integer=True, hint="0 = no cap"),
+    "training.proximal_mu": Bound(0, 1000.0, hint="0 disables FedProx"),
+    "training.max_length": Bound(8, 32768, integer=True, zero_default=True),
+    "rounds.num_rounds": Bound(1, 1000, integer=True, hint="split a longer training into several tasks, each "
+                                                           "starting from the previous one's model"),
+    "rounds.min_sites": Bound(1, 1000, integer=True),
+    "rounds.participation_fraction": Bound(0, 1.0, lo_open=True),
+    "rounds.round_timeout_s": Bound(0, 7 * 24 * 3600.0, lo_open=True, hint="seconds; at most 7 days"),
+    "rounds.max_round_retries": Bound(0, 100, integer=True),
+    "update.select_top_k_layers": Bound(0, 1000, integer=True),
+    "update.safl_profile_samples": Bound(0, 100_000, integer=True),
+    "privacy.target_epsilon": Bound(0, 1e6),
+    "privacy.target_delta": Bound(0, 1.0),
+    "privacy.max_grad_norm": Bound(0, 1e6),
+    "privacy.noise_multiplier": Bound(0, 1e6),
+    "secure_aggregation.min_cohort": Bound(0, 1000, integer=True),
+    "secure_aggregation.threshold": Bound(0, 1000, integer=True),
+    "secure_aggregation.bits": Bound(0, 62, integer=True),
+    "secure_aggregation.degree": Bound(0, 1000, integer=True),
+    "secure_aggregation.clip": Bound(0, 1e6),
+}
+#: the largest magnitude of a numeric strategy parameter (server_lr, beta, byzantine, ...); each must be finite
+MAX_STRATEGY_PARAM = 1e6
+
+
+def bound_problem(path: str, value: object, *, zero_default: bool | None = None) -> str | None:
+    """Why ``value`` cannot be the spec's number at ``path`` (a key of :data:`BOUNDS`), or None when it can.
+
+    ``zero_default`` overrides the bound's own (``Task`` passes False: a Task states every value, 0 is not "the
+    default" there). The message names the field, its range and the value, the same wherever it is checked (the
+    zero a spec may hold for "the default" is documented with the field, not repeated in the message)."""
+    b = BOUNDS[path]
+    zero_ok = b.zero_default if zero_default is None else zero_default
+    kind = "a whole number" if b.integer else "a finite number"
+    what = (f"{path} must be {kind} above {_num(b.lo)} and at most {_num(b.hi)}" if b.lo_open
+            else f"{path} must be {kind} from {_num(b.lo)} to {_num(b.hi)}")
+    message = what + (f" ({b.hint})" if b.hint else "") + f", got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return message
+    if b.integer and not (isinstance(value, int) or (math.isfinite(value) and float(value).is_integer())):
+        return message
+    if not math.isfinite(value):
+        return message
+    if zero_ok and value == 0:
+        return None
+    if value > b.hi or value < b.lo or (b.lo_open and value == b.lo):
+        return message
+    return None
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def bounds_problems(spec: task_pb2.TaskSpec) -> list[str]:
+    """Every number of the spec outside its :data:`BOUNDS` or not finite, and every strategy parameter that is not
+    finite or above :data:`MAX_STRATEGY_PARAM` in magnitude."""
+    p = []
+    for path in BOUNDS:
+        section, name = path.split(".")
+        problem = bound_problem(path, getattr(getattr(spec, section), name))
+        if problem:
+            p.append(problem)
+    for key in _bad_strategy_params(spec):
+        p.append(f"strategy parameter {key!r} must be a finite number of magnitude at most "
+                 f"{MAX_STRATEGY_PARAM:g}, got {spec.strategy_params[key]!r}")
+    return p
+
+
+def _bad_strategy_params(spec: task_pb2.TaskSpec) -> list[str]:
+    return sorted(k for k, v in spec.strategy_params.items() if not (math.isfinite(v) and abs(v) <= MAX_STRATEGY_PARAM))
+
+
 def strategy_of(spec: task_pb2.TaskSpec) -> Strategy:
     """The task's strategy, built from its numeric parameters and its string options (ConfigError if it
-    cannot be built)."""
+    cannot be built, or a parameter is not finite or above :data:`MAX_STRATEGY_PARAM` in magnitude)."""
+    bad = _bad_strategy_params(spec)
+    if bad:
+        raise ConfigError(f"strategy {spec.strategy!r}: parameter(s) {bad} must be finite numbers of magnitude at "
+                          f"most {MAX_STRATEGY_PARAM:g}")
     return make_strategy(spec.strategy, {**dict(spec.strategy_params), **dict(spec.strategy_options)})
 
 
@@ -72,17 +173,9 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
 
 
 def rounds_problems(spec: task_pb2.TaskSpec) -> list[str]:
-    """What is wrong with the task's round settings (``spec.rounds``)."""
+    """What is wrong with the task's round settings (``spec.rounds``) beyond their numbers' :data:`BOUNDS`."""
     rc = spec.rounds
     p = []
-    if rc.num_rounds < 1:
-        p.append("rounds.num_rounds must be >= 1")
-    if rc.min_sites < 1:
-        p.append("rounds.min_sites must be >= 1")
-    if not 0 < rc.participation_fraction <= 1:
-        p.append("rounds.participation_fraction must be in (0, 1]")
-    if not rc.round_timeout_s > 0:
-        p.append("rounds.round_timeout_s must be > 0")
     if rc.on_quorum_miss == task_pb2.QUORUM_POLICY_UNSPECIFIED:
         p.append("rounds.on_quorum_miss must be 'retry' or 'fail'")
     return p
@@ -97,16 +190,20 @@ def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
         p.append("family is empty")
     if not spec.dataset:
         p.append("dataset is empty (name a dataset of the sites' registries)")
+    bounds = bounds_problems(spec)
+    p.extend(bounds)
     p.extend(rounds_problems(spec))
-    p.extend(secure_aggregation_problems(spec))
+    if not bounds:  # it builds a session for the smallest cohort: not from absurd numbers
+        p.extend(secure_aggregation_problems(spec))
     p.extend(privacy_problems(spec))
     p.extend(codec_wire.spec_problems(spec.update.codec, secure_aggregation=spec.secure_aggregation.enabled))
     p.extend(downlink.spec_problems(spec.update.downlink_codec))
-    try:
-        strategy: Strategy | None = strategy_of(spec)
-    except ConfigError as exc:
-        p.append(str(exc))
-        strategy = None
+    strategy: Strategy | None = None
+    if not _bad_strategy_params(spec):  # those are named above
+        try:
+            strategy = strategy_of(spec)
+        except ConfigError as exc:
+            p.append(str(exc))
     u = spec.update
     selection = safl.config_problems(u.selection, u.select_top_k_layers, u.safl_profile_samples, u.safl_token,
                                      spec.family, spec.architecture)

@@ -26,7 +26,7 @@ def make_strategy(name: str, params: Mapping[str, float] | None = None) -> Strat
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}") from None
     try:
         return cls(**dict(params or {}))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"strategy {name!r}: bad parameters {dict(params or {})}: {exc}") from None
 
 
