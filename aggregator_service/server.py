@@ -26,6 +26,7 @@ from aggregator_service.config import AggregatorConfig
 from aggregator_service.control_api import ControlApi
 from aggregator_service.engine import Engine
 from aggregator_service.metrics import AggregatorMetrics
+from aggregator_service.rpc_errors import ErrorInterceptor
 from aggregator_service.store import SqliteStore
 
 log = structlog.get_logger("fedclinic.aggregator")
@@ -54,7 +55,9 @@ class Aggregator:
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
                                   interceptors=[AuthInterceptor(revocations, on_refusal=self._refused,
-                                                                count_refusal=self.metrics.call_refused)], options=SERVER_OPTIONS)
+                                                                count_refusal=self.metrics.call_refused),
+                                                ErrorInterceptor()],  # no failure reaches a caller as UNKNOWN
+                                  options=SERVER_OPTIONS)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -226,6 +226,8 @@ class Agent:
                     return
                 err = explain_rpc_error(exc, self.config.aggregator)
                 log.warning("work stream lost; reconnecting", error=str(err), retry_in_s=round(backoff, 1))
+            except Exception:  # noqa: BLE001 - a message this agent cannot take must not silence the work stream
+                log.exception("work stream failed on a message; reconnecting", retry_in_s=round(backoff, 1))
             self.metrics.connected = False
             self.stop_event.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 30.0)
@@ -249,6 +251,13 @@ class Agent:
                 structlog.contextvars.unbind_contextvars("task_id", "round", "site")
 
     def _handle_safely(self, a: agent_pb2.Assignment) -> None:
+        """Handle one assignment; nothing it raises ends the agent (an assignment is what the network sent).
+
+        A data or integrity problem is declined with its reason (for good when it is the site's data); a network
+        failure waits for the assignment to be offered again; any other exception (a bug reached by what the task
+        asked for, e.g. numpy refusing an absurd shape) is logged with its traceback and declined with a reason
+        that names its type only (its text may hold a path of this site): for good, since the same assignment
+        would fail the same way, unless it is a resource of this site (disk, memory) that may come back."""
         structlog.contextvars.bind_contextvars(task_id=a.task_id, round=a.round, site=self.site_id)
         try:
             self.handle(a)
@@ -265,8 +274,25 @@ class Agent:
             log.error("assignment failed", error=str(exc))
             self.metrics.assignment_refused("error")
             self.decline_round(a.task_id, a.round, str(exc), permanent=False)
+        except Exception as exc:  # noqa: BLE001 - the agent outlives whatever an assignment makes it raise
+            log.exception("assignment failed unexpectedly; declined, the agent carries on")
+            self.metrics.assignment_refused("error")
+            self._decline_unexpected(a, exc)
         finally:
             structlog.contextvars.unbind_contextvars("task_id", "round", "site")
+
+    def _decline_unexpected(self, a: agent_pb2.Assignment, exc: Exception) -> None:
+        """Decline an assignment whose handling raised ``exc`` unexpectedly (see :meth:`_handle_safely`); never
+        raises."""
+        transient = isinstance(exc, (OSError, MemoryError))
+        reason = (f"the site's agent failed on this assignment ({type(exc).__name__}); "
+                  + ("a resource of the site (disk or memory) ran out; it may take the task again later"
+                     if transient else "the task's spec or model cannot be handled here; the task owner should check "
+                     "the model's shapes and the spec's numbers and resubmit (the site's log has the details)"))
+        try:
+            self.decline_round(a.task_id, a.round, reason, permanent=not transient)
+        except Exception:  # noqa: BLE001 - e.g. the privacy ledger; logged, the work loop goes on
+            log.exception("could not decline the assignment")
 
     # what secure aggregation needs of its host (hospital_agent.secure_aggregation.SecAggHost) -------------------
     def decline_round(self, task_id: str, rnd: int, reason: str, permanent: bool = False) -> None:
