@@ -31,6 +31,13 @@ set, the base model (a local pretrained folder) and the training/round settings.
     safl_top_k = 2                    # layers each site trains and sends per round (the head always)
     safl_profile_samples = 64         # rows each site profiles per round (0 = 64)
     safl_token = "cls"                # task-relevant tokens: cls | last | entities ("" = the family's default)
+
+Limits: every number must be finite and within fedclinic.spec.validation.BOUNDS (the aggregator and the sites
+check the same): local_epochs 1-1000, batch_size 1-65536, 0 < learning_rate <= 10, weight_decay 0-10,
+max_grad_norm 0-1e6, max_steps 0-1e7, proximal_mu 0-1000, max_length 8-32768, num_rounds 1-1000, min_sites
+1-1000, 0 < participation_fraction <= 1, 0 < round_timeout_s <= 604800 (7 days), max_round_retries 0-100,
+safl_top_k 0-1000, safl_profile_samples 0-100000, strategy parameters of magnitude <= 1e6; [privacy] numbers
+0-1e6; [secure_aggregation] min_cohort, threshold and degree 0-1000, bits 0-62, clip 0-1e6.
 """
 
 from __future__ import annotations
