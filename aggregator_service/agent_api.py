@@ -18,9 +18,9 @@ from fedclinic.transport.wire import ChunkAssembler
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine
+from aggregator_service.model_streams import stream_task_model
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
 from aggregator_service.status import latest_model_hash
-from aggregator_service.transfer import send_model
 from aggregator_service.update_admission import GRPC_MESSAGE_PREFIX, read_update_stream
 
 log = structlog.get_logger("fedclinic.aggregator.agents")
@@ -77,18 +77,20 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             log.info("work stream closed", site=site)
 
     def FetchModel(self, request: agent_pb2.FetchModelRequest, context) -> Iterator[tensors_pb2.ModelChunk]:
+        """Stream a model of the task to a site assigned to it: only the task's own models and blobs
+        (aggregator_service.model_streams), each verified as it is read."""
         site = peer_identity(context).name
-        assigned = self.engine.store.is_assigned(request.task_id, site)
-        model_hash = latest_model_hash(self.engine.store, request.task_id) if request.latest else request.model_hash
+        store = self.engine.store
+        assigned = store.is_assigned(request.task_id, site)
+        model_hash = latest_model_hash(store, request.task_id) if request.latest else request.model_hash
         if assigned and request.latest and not model_hash:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"task {request.task_id} has finished no round yet; there is no model to fetch")
-        manifest = self.engine.store.model(model_hash)
-        if manifest is None or not assigned:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"model {model_hash[:12] or '(latest)'} of task {request.task_id} is not available to {site}; "
-                          "models are served only to sites assigned to the task")
-        deltas = self.engine.store.model_deltas(model_hash) if request.delta_names else {}
+        not_found = (f"model {model_hash[:12] or '(latest)'} of task {request.task_id} is not available to {site}; "
+                     "models are served only to sites assigned to the task, and only the task's own models")
+        if not assigned or model_hash not in store.task_models(request.task_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, not_found)
+        deltas = store.model_deltas(model_hash) if request.delta_names else {}
         unknown = sorted(set(request.delta_names) - set(deltas))
         if unknown:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -97,9 +99,10 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         counter, wire = [0], [0]
         complete = False
         try:
-            yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256),
-                                  include_files=request.include_files, counter=counter,
-                                  deltas={n: deltas[n] for n in request.delta_names}, wire=wire)
+            yield from stream_task_model(self.engine, context, request.task_id, model_hash, not_found=not_found,
+                                         have=set(request.have_sha256), include_files=request.include_files,
+                                         counter=counter, deltas={n: deltas[n] for n in request.delta_names},
+                                         wire=wire)
             complete = True
         finally:
             self.engine.add_downlink(request.task_id, counter[0], site=site, wire_bytes=wire[0])

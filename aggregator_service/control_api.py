@@ -19,7 +19,8 @@ from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine
 from aggregator_service.rounds import validate_spec
 from aggregator_service.status import TERMINAL, latest_model_hash, status_of
-from aggregator_service.transfer import receive_model, send_model
+from aggregator_service.model_streams import stream_task_model
+from aggregator_service.transfer import receive_model
 
 log = structlog.get_logger("fedclinic.aggregator.control")
 
@@ -118,11 +119,12 @@ class ControlApi(control_pb2_grpc.ControlServicer):
             if not model_hash:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"task {request.task_id} has finished no round yet; nothing to download")
-        manifest = self.engine.store.model(model_hash)
         who, counter, complete = peer_identity(context).name, [0], False
-        try:
-            yield from send_model(self.engine.blobs, manifest, have=set(request.have_sha256), include_files=True,
-                                  counter=counter)
+        try:  # only the task's own models and blobs, verified as read (aggregator_service.model_streams)
+            yield from stream_task_model(self.engine, context, request.task_id, model_hash, counter=counter,
+                                         not_found=f"task {request.task_id} has no such model; list its rounds "
+                                                   "with `fedclinic task status`",
+                                         have=set(request.have_sha256), include_files=True)
             complete = True
         finally:
             self.engine.metrics.control_download.inc(counter[0])

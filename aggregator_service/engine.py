@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -30,12 +31,13 @@ from fedclinic.transport.package import Manifest
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 
 from aggregator_service.deadlines import RoundTicker
-from aggregator_service.folding import Folding
+from aggregator_service.folding import Folding, UpdateLayout
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.rounds import RoundMachine, validate_spec
 from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.sites import Sites
 from aggregator_service.store import Store
+from aggregator_service.stored_data import StoredCopyDamaged, verify_spill
 from aggregator_service.update_admission import UpdateAdmission
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
@@ -64,7 +66,7 @@ class Engine:
         self.folding = Folding(store, blobs)
         self.rounds = RoundMachine(store, blobs, self.folding, self.sites, self.spill_root)
         self.admission = UpdateAdmission(store, self.folding, self.spill_root, self.lock, self.changed, self.metrics,
-                                         on_accepted=self.rounds.maybe_close)
+                                         on_accepted=self.rounds.maybe_close, on_damaged=self.stored_copy_damaged)
         self.ticker = RoundTicker(store, self.rounds, self.secagg.tick, self.changed)
         self.metrics.attach(self)
 
@@ -89,7 +91,11 @@ class Engine:
         return self._stopping
 
     def recover(self) -> None:
-        """Rebuild accumulators of open rounds from durable updates; drop spill files nobody references."""
+        """Rebuild accumulators of open rounds from durable updates; drop spill files nobody references.
+
+        Each update's spill file is checked first against the sha256 recorded when it was acknowledged and for
+        finite values (aggregator_service.stored_data.verify_spill); a damaged one is never folded: the task
+        fails with "stored copy damaged: ..., restore from backup" and the operator's log names the file."""
         with self.lock:
             referenced = self.store.spill_paths()
             for path in self.spill_root.rglob("*"):
@@ -99,12 +105,35 @@ class Engine:
                 rnd = self.store.open_round_of(task.task_id)
                 if rnd is None:
                     continue
-                acc = self.folding.accumulator(task.task_id)
                 updates = self.store.updates_of(task.task_id, rnd.round)
+                try:
+                    for u in updates:
+                        verify_spill(Path(u.spill_path), u.spill_sha256,
+                                     UpdateLayout.from_json(u.layout).tensors_in(Path(u.spill_path)),
+                                     f"the round {rnd.round} update of site {u.site} ({u.update_id})")
+                    acc = self.folding.accumulator(task.task_id)
+                except StoredCopyDamaged as exc:
+                    log.error("round not recovered: stored copy damaged", task_id=task.task_id, round=rnd.round,
+                              what=exc.what, path=exc.path)
+                    self.rounds.damaged(task.task_id, exc)
+                    continue
+                unhashed = sum(1 for u in updates if not u.spill_sha256)
+                if unhashed:
+                    log.warning("updates without a recorded spill hash (stored by an older release): checked for "
+                                "finite values only", task_id=task.task_id, round=rnd.round, updates=unhashed)
                 for u in updates:
                     acc.fold_record(u)
                 log.info("round recovered", task_id=task.task_id, round=rnd.round, updates=len(updates))
                 self.rounds.maybe_close(task.task_id)
+
+    def stored_copy_damaged(self, task_id: str, exc: StoredCopyDamaged) -> None:
+        """A stored blob or spill file of the task was found damaged while it was read: the operator's log
+        names the file; a running task fails with ``exc.message`` ("stored copy damaged: ..., restore from
+        backup"), and nothing more is published from it."""
+        log.error("stored copy damaged", task_id=task_id, what=exc.what, path=exc.path)
+        with self.lock:
+            self.rounds.damaged(task_id, exc)
+            self.changed.notify_all()
 
     def wait_for_change(self, timeout: float) -> None:
         with self.changed:

@@ -23,6 +23,7 @@ from fedclinic.strategies import Strategy
 from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor
 
 from aggregator_service.store import Store, UpdateRecord
+from aggregator_service.stored_data import verify_blob
 
 
 @dataclass
@@ -82,7 +83,8 @@ class Folding:
 
     def accumulator(self, task_id: str) -> Accumulator:
         """The accumulator of the task's open round (there must be one), built on first use: the strategy
-        begins on the round's base model with the state the previous round stored."""
+        begins on the round's base model with the state the previous round stored (StoredCopyDamaged when that
+        state's blobs are damaged; the base model itself is verified when the round closes)."""
         rnd = self.store.open_round_of(task_id)
         assert rnd is not None
         acc = self._acc.get(task_id)
@@ -107,9 +109,13 @@ class Folding:
                 for key, arr in strategy.state().items()}
 
     def _saved_state(self, task_id: str, rnd: int) -> dict[str, np.ndarray]:
-        """The strategy state stored with round ``rnd`` (empty for round 0 or a stateless strategy)."""
+        """The strategy state stored with round ``rnd`` (empty for round 0 or a stateless strategy), each blob
+        verified against its hash (StoredCopyDamaged otherwise)."""
         row = self.store.round(task_id, rnd)
         if row is None:
             return {}
-        return {key: np.array(self.blobs.array(sha, dtype, tuple(shape)))
-                for key, (sha, dtype, shape) in row.strategy_state.items()}
+        out = {}
+        for key, (sha, dtype, shape) in row.strategy_state.items():
+            verify_blob(self.blobs, sha, f"strategy state {key!r} of round {rnd}")
+            out[key] = np.array(self.blobs.array(sha, dtype, tuple(shape)))
+        return out

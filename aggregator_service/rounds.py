@@ -37,6 +37,7 @@ from aggregator_service.round_metrics import round_metrics
 from aggregator_service.sites import Sites
 from aggregator_service.status import TERMINAL, task_of
 from aggregator_service.store import RoundRecord, Store, StoreTransaction, TaskRecord, now_ms
+from aggregator_service.stored_data import StoredCopyDamaged, verify_model
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
 
@@ -209,7 +210,15 @@ class RoundMachine:
         rnd = self.store.open_round_of(task_id)
         assert rnd is not None
         spec = self.task(task_id).spec
-        acc = self.folding.accumulator(task_id)
+        base = self.store.model(rnd.base_model)
+        assert base is not None
+        try:  # the base model is read by finalize and its untouched tensors and files are re-published as they are
+            verify_model(self.blobs, base, rnd.base_model)
+            acc = self.folding.accumulator(task_id)
+        except StoredCopyDamaged as exc:
+            log.error("stored copy damaged", task_id=task_id, round=rnd.round, what=exc.what, path=exc.path)
+            self.damaged(task_id, exc)
+            return
         try:
             new_arrays = acc.strategy.finalize()
         except (IntegrityError, ValueError) as exc:
@@ -217,8 +226,6 @@ class RoundMachine:
                             f"round {rnd.round}: the {spec.strategy or 'fedavg'} aggregation failed: {exc}")
             log.error("aggregation failed", task_id=task_id, round=rnd.round, error=str(exc))
             return
-        base = self.store.model(rnd.base_model)
-        assert base is not None
         entries, deltas = [], []
         codec = downlink.downlink_codec(spec.update.downlink_codec)
         for t in base.tensors:
@@ -273,6 +280,16 @@ class RoundMachine:
             tx.end_task(task_id, S.TASK_STATE_FAILED, message, now_ms())
             tx.add_event(task_id, "failed", message)
         self.drop_round_data(task_id)
+
+    def damaged(self, task_id: str, exc: StoredCopyDamaged) -> None:
+        """A stored copy the task reads is damaged: a running task's open round fails and takes the task with it,
+        with ``exc.message`` ("stored copy damaged: <what>, restore from backup") as the reason; nothing is
+        published from it. A task that already ended is left as it is (the reader was refused)."""
+        task = self.store.task(task_id)
+        rnd = self.store.open_round_of(task_id)
+        if task is None or task.state != S.TASK_STATE_RUNNING or rnd is None:
+            return
+        self.fail_round(task_id, rnd.round, f"round {rnd.round}: {exc.message}")
 
     def drop_round_data(self, task_id: str) -> None:
         """Forget the task's accumulator and delete its spill files (its task ended)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -14,12 +16,14 @@ from fedclinic.proto import tensors_pb2
 from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
 
 from aggregator_service.folding import UpdateLayout
+from aggregator_service.stored_data import BlobNotAuthorised, StoredCopyDamaged
 
 
 class SpillWriter:
     """Writes an update's tensors back to back into one file; one fsync makes the whole update durable.
 
-    The file is a :class:`~fedclinic.runtime.durable_file.DurableFile` (O_DIRECT where the filesystem allows it)."""
+    The file is a :class:`~fedclinic.runtime.durable_file.DurableFile` (O_DIRECT where the filesystem allows it).
+    :attr:`sha256` is the hash of the whole file as written (recorded with the update, checked at recovery)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -27,6 +31,7 @@ class SpillWriter:
         self._f = DurableFile(self.tmp)
         self.layout = UpdateLayout([])
         self._offset = 0
+        self._hash = hashlib.sha256()
 
     def begin(self, header: tensors_pb2.TensorHeader) -> "SpillWriter":
         self.layout.tensors.append((header.name, header.dtype, tuple(header.shape), self._offset,
@@ -35,7 +40,13 @@ class SpillWriter:
 
     def write(self, data: bytes) -> None:
         self._f.write(data)
+        self._hash.update(data)
         self._offset += len(data)
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 of the bytes written so far (the whole file once :meth:`finish` returned)."""
+        return self._hash.hexdigest()
 
     def commit(self) -> None:  # one tensor done; durability comes with finish()
         pass
@@ -60,7 +71,11 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
 
     Tensors already in the store are still accepted on the wire (the sender may not know); each is verified
     against the manifest and written atomically, so a failed stream leaves only complete, correct blobs.
+    IntegrityError for a manifest that names a tensor or a file twice (one entry could point at a blob the
+    sender never sent: a hash is not a capability), and for a file whose bytes do not hash to the manifest's
+    sha256: every blob a stored manifest references was sent, whole, by its submitter.
     """
+    check_unique_names(manifest)
     expect = {t.name: header_of(t) for t in manifest.tensors}
     tensors = PipelinedAssembler(ChunkAssembler(
         lambda h: blobs.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect))
@@ -80,22 +95,56 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
     if set(files.files) != set(declared):
         raise IntegrityError(f"files sent {sorted(files.files)} differ from the manifest's {sorted(declared)}")
     for path, data in files.files.items():
-        blobs.put(data, declared[path].sha256)
+        if hashlib.sha256(data).hexdigest() != declared[path].sha256:
+            raise IntegrityError(f"file {path!r}: its bytes do not match the manifest's sha256; send the file the "
+                                 "manifest describes")
+        blobs.put(data, declared[path].sha256, verified=True)
     return tensors.nbytes + sum(len(d) for d in files.files.values())
 
 
-def send_model(blobs: BlobStore, manifest: Manifest, *, have: set[str], include_files: bool,
-               counter: list[int] | None = None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None,
+def check_unique_names(manifest: Manifest) -> None:
+    """IntegrityError when the manifest names a tensor or a file more than once."""
+    for kind, names in (("tensor", [t.name for t in manifest.tensors]), ("file", [f.path for f in manifest.files])):
+        twice = sorted(n for n, c in Counter(names).items() if c > 1)
+        if twice:
+            raise IntegrityError(f"the manifest names {kind}(s) {twice[:3]} more than once; each {kind} must appear "
+                                 "once")
+
+
+def send_model(blobs: BlobStore, manifest: Manifest, *, allowed: frozenset[str], have: set[str],
+               include_files: bool, counter: list[int] | None = None,
+               deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None,
                wire: list[int] | None = None) -> Iterator[tensors_pb2.ModelChunk]:
     """Manifest first, then files (optional), then every tensor whose sha256 is not in ``have``: in full, or as
     its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.transport.downlink).
 
+    Authorisation: every blob to be streamed must be in ``allowed`` (the blobs of the task it is read through,
+    :meth:`~aggregator_service.store.Store.task_blobs`), and the manifest must name each tensor and file once;
+    otherwise BlobNotAuthorised is raised before anything is sent. Verification: every blob is hashed as it is
+    read, and the last chunk of a tensor is held back until its hash matched, so a damaged stored copy raises
+    StoredCopyDamaged instead of reaching the receiver (who would blame transit).
+
     ``counter[0]`` adds up the payload bytes sent, ``wire[0]`` the serialized messages (plus gRPC's 5-byte
     prefix each)."""
+    _authorise(manifest, allowed, have, include_files, deltas or {})
     for chunk in _model_chunks(blobs, manifest, have, include_files, counter, deltas):
         if wire is not None:
             wire[0] += chunk.ByteSize() + 5
         yield chunk
+
+
+def _authorise(manifest: Manifest, allowed: frozenset[str], have: set[str], include_files: bool,
+               deltas: Mapping[str, tensors_pb2.DownlinkDelta]) -> None:
+    try:
+        check_unique_names(manifest)
+    except IntegrityError:
+        raise BlobNotAuthorised("the manifest names a tensor or file twice") from None
+    wanted = [f.sha256 for f in manifest.files] if include_files else []
+    for t in manifest.tensors:
+        if t.sha256 not in have:
+            wanted.append(deltas[t.name].header.sha256 if t.name in deltas else t.sha256)
+    if any(sha not in allowed for sha in wanted):
+        raise BlobNotAuthorised("a blob of the stream is not referenced by the task")
 
 
 def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_files: bool,
@@ -104,7 +153,14 @@ def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_
     yield tensors_pb2.ModelChunk(manifest=manifest_to_proto(manifest))
     if include_files:
         for f in manifest.files:
-            data = blobs.read(f.sha256)
+            try:
+                data = blobs.read(f.sha256)
+            except FileNotFoundError:
+                raise StoredCopyDamaged(f"file {f.path!r} of model {manifest.model_hash[:12]} is missing",
+                                        blobs.path(f.sha256)) from None
+            if hashlib.sha256(data).hexdigest() != f.sha256:
+                raise StoredCopyDamaged(f"file {f.path!r} of model {manifest.model_hash[:12]} does not match its "
+                                        "recorded sha256", blobs.path(f.sha256))
             for c in file_chunks(f.path, data):
                 if counter is not None:
                     counter[0] += min(CHUNK_BYTES, len(data) - c.offset)
@@ -114,22 +170,37 @@ def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_
             continue
         delta = (deltas or {}).get(t.name)
         path, header = (blobs.path(delta.header.sha256), delta.header) if delta else (blobs.path(t.sha256), header_of(t))
-        for c, nbytes in _file_tensor_chunks(path, header):
+        what = f"{'the encoded change of ' if delta else ''}tensor {t.name!r} of model {manifest.model_hash[:12]}"
+        for c, nbytes in _file_tensor_chunks(path, header, what):
             if counter is not None:
                 counter[0] += nbytes  # not len(c.data): each read of a protobuf bytes field copies it
             yield tensors_pb2.ModelChunk(tensor=c)
 
 
-def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader
+def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader, what: str
                         ) -> Iterator[tuple[tensors_pb2.TensorChunk, int]]:
     """(chunk, payload bytes) read straight from a blob file (one copy per chunk, never the whole tensor in
-    memory)."""
+    memory). The bytes are hashed as they are read and the last chunk is yielded only once they matched
+    ``header.sha256`` and ``header.encoded_nbytes``: StoredCopyDamaged (``what`` names the tensor) otherwise."""
     if header.encoded_nbytes == 0:
         yield tensors_pb2.TensorChunk(name=header.name, header=header, offset=0, data=b""), 0
         return
-    with open(path, "rb") as fh:
-        offset = 0
+    digest = hashlib.sha256()
+    held: tuple[tensors_pb2.TensorChunk, int] | None = None
+    offset = 0
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        raise StoredCopyDamaged(f"{what} is missing", path) from None
+    with fh:
         while data := fh.read(CHUNK_BYTES):
-            yield tensors_pb2.TensorChunk(name=header.name, header=header if offset == 0 else None, offset=offset,
-                                          data=data), len(data)
+            digest.update(data)
+            if held is not None:
+                yield held
+            held = (tensors_pb2.TensorChunk(name=header.name, header=header if offset == 0 else None, offset=offset,
+                                            data=data), len(data))
             offset += len(data)
+    if offset != header.encoded_nbytes or digest.hexdigest() != header.sha256:
+        raise StoredCopyDamaged(f"{what} does not match its recorded sha256", path)
+    assert held is not None
+    yield held

@@ -19,6 +19,7 @@ code (a malformed stream or payload: INVALID_ARGUMENT ``update rejected: ...``);
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -49,6 +50,7 @@ from aggregator_service.folding import Folding, UpdateLayout
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.status import task_of
 from aggregator_service.store import Store, UpdateRecord, now_ms
+from aggregator_service.stored_data import StoredCopyDamaged
 from aggregator_service.transfer import SpillWriter
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
@@ -107,10 +109,13 @@ def _check_tensor_codec(spec: task_pb2.TaskSpec, t) -> None:
 
 class UpdateAdmission:
     """Admits plain updates (module docstring). ``on_accepted(task_id)`` runs under the lock after an update was
-    recorded (the round machine closes the round when it has what it waits for)."""
+    recorded (the round machine closes the round when it has what it waits for); ``on_damaged(task_id, exc)``
+    when the round's stored state cannot be read back intact (the task then fails; the update is refused
+    FAILED_PRECONDITION with the "stored copy damaged" reason and not stored)."""
 
     def __init__(self, store: Store, folding: Folding, spill_root: Path, lock: threading.RLock,
-                 changed: threading.Condition, metrics: AggregatorMetrics, on_accepted: Callable[[str], None]) -> None:
+                 changed: threading.Condition, metrics: AggregatorMetrics, on_accepted: Callable[[str], None],
+                 on_damaged: Callable[[str, StoredCopyDamaged], None] | None = None) -> None:
         self.store = store
         self.folding = folding
         self.spill_root = spill_root
@@ -118,6 +123,7 @@ class UpdateAdmission:
         self.changed = changed
         self.metrics = metrics
         self._on_accepted = on_accepted
+        self._on_damaged = on_damaged
 
     def admit(self, site: str, h: agent_pb2.UpdateHeader, messages: Iterator, header_wire_bytes: int = 0
               ) -> agent_pb2.UpdateReceipt:
@@ -138,7 +144,7 @@ class UpdateAdmission:
             wire_bytes = header_wire_bytes + read_update_stream(messages, assembler, "the update stream",
                                                                 "nothing was stored")
             nbytes = spill.finish()
-            path, layout = self._decode(h, spill.path, spill.layout)  # codec payloads checked here
+            path, layout, sha = self._decode(h, spill.path, spill.layout, spill.sha256)  # codec payloads checked
         except IntegrityError as exc:
             assembler.abort()
             spill.discard()
@@ -150,7 +156,7 @@ class UpdateAdmission:
             spill.discard()
             spill.path.unlink(missing_ok=True)
             raise
-        update_id = self._accept(site, h, path, layout, nbytes, wire_bytes)
+        update_id = self._accept(site, h, path, layout, sha, nbytes, wire_bytes)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
 
     def check_header(self, site: str, h: agent_pb2.UpdateHeader) -> dict[str, TensorEntry]:
@@ -215,17 +221,19 @@ class UpdateAdmission:
         d.mkdir(parents=True, exist_ok=True)
         return d / f"u-{uuid.uuid4().hex}.bin"
 
-    def _decode(self, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout) -> tuple[Path, UpdateLayout]:
+    def _decode(self, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout, sha256: str
+                ) -> tuple[Path, UpdateLayout, str]:
         """Check the payload of every encoded tensor of a received (durable) update completely; then keep it
         encoded for a linear strategy (decoded into the accumulator when folded) or decode it, chunk by chunk,
         into a float32 spill file for a strategy that looks at each update (the encoded file goes). Raw updates
-        pass unchanged. IntegrityError (no decoded file left) for a malformed payload."""
+        pass unchanged. Returns the file kept, its layout and its sha256 (``sha256``: the received file's).
+        IntegrityError (no decoded file left) for a malformed payload."""
         task = self.store.task(h.task_id)
         assert task is not None
         spec = task.spec
         codec = codec_wire.task_codec(spec.update.codec)
         if codec is None:
-            return spill, layout
+            return spill, layout, sha256
         by_name = {t.name: t for t in h.tensors}
         params = {name: codec_wire.params_of(name, codec, list(by_name[name].shape), dict(by_name[name].codec_params))
                   for name, *_ in layout.tensors}
@@ -237,18 +245,20 @@ class UpdateAdmission:
             except IntegrityError as exc:
                 raise IntegrityError(f"tensor {name!r}: {exc}") from None
         if not strategy_of(spec).needs_per_site_updates:
-            return spill, encoded
+            return spill, encoded, sha256
         dense_path = spill.with_name(spill.stem + ".f32")
         out = DurableFile(dense_path.with_suffix(".part"))
         dense = UpdateLayout([])
         scratch = np.empty(1 << 16, dtype=np.float32)
         offset = 0
+        digest = hashlib.sha256()
         try:
             for name, _, shape, _, _ in layout.tensors:
                 t = encoded.tensors_in(spill)[name]
                 reader = open_payload(t.payload(), params[name], chunk=scratch.size)
                 for _, block in dense_blocks(reader.chunks(), t.size, scratch):
                     out.write(memoryview(block).cast("B"))
+                    digest.update(memoryview(block).cast("B"))
                 dense.tensors.append((name, "float32", shape, offset, 4 * t.size))
                 offset += 4 * t.size
             out.close()
@@ -259,14 +269,14 @@ class UpdateAdmission:
         os.replace(dense_path.with_suffix(".part"), dense_path)
         fsync_dir(dense_path.parent)
         spill.unlink(missing_ok=True)
-        return dense_path, dense
+        return dense_path, dense, digest.hexdigest()
 
-    def _accept(self, site: str, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout, nbytes: int,
-                wire_bytes: int) -> str:
-        """Fold a verified, fsync'd update into the round, then record it durably; returns its update id. The
-        spill file is deleted unless the update was recorded. ``nbytes``: the tensors' payload bytes as sent
-        (encoded); ``wire_bytes``: the serialized SubmitUpdate messages; the fp32-equivalent size comes from the
-        shapes."""
+    def _accept(self, site: str, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout, spill_sha256: str,
+                nbytes: int, wire_bytes: int) -> str:
+        """Fold a verified, fsync'd update into the round, then record it durably with ``spill_sha256`` (the
+        spill file's hash, checked at recovery); returns its update id. The spill file is deleted unless the
+        update was recorded. ``nbytes``: the tensors' payload bytes as sent (encoded); ``wire_bytes``: the
+        serialized SubmitUpdate messages; the fp32-equivalent size comes from the shapes."""
         with self.lock:
             recorded = False
             try:
@@ -275,7 +285,14 @@ class UpdateAdmission:
                     return prior.update_id
                 self.check_header(site, h)  # the round may have closed while the bytes streamed in
                 update_id = "u-" + uuid.uuid4().hex[:16]
-                acc = self.folding.accumulator(h.task_id)
+                try:
+                    acc = self.folding.accumulator(h.task_id)
+                except StoredCopyDamaged as exc:
+                    if self._on_damaged is not None:
+                        self._on_damaged(h.task_id, exc)
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"task {h.task_id} cannot take updates: {exc.message}; the update was not "
+                                  "stored") from None
                 try:  # fold first: a strategy that rejects an update leaves itself unchanged (Strategy contract)
                     acc.fold(update_id, spill, layout, acc.strategy.weight_for(h.num_samples, h.metrics), site)
                 except (IntegrityError, ValueError) as exc:
@@ -285,7 +302,7 @@ class UpdateAdmission:
                         tx.record_update(UpdateRecord(
                             update_id, h.task_id, h.round, site, h.idempotency_key, h.num_samples, nbytes, str(spill),
                             layout.to_json(), dict(h.metrics), dict(h.eval_metrics), now_ms(),
-                            sum(4 * math.prod(t.shape) for t in h.tensors), wire_bytes))
+                            sum(4 * math.prod(t.shape) for t in h.tensors), wire_bytes, spill_sha256))
                         tx.add_event(h.task_id, "update-received", f"{site} sent its round {h.round} update "
                                      f"({nbytes} bytes, {h.num_samples} samples)", actor=site, round=h.round,
                                      update_id=update_id, size=nbytes, sha256=update_digest(h.tensors),

@@ -13,6 +13,7 @@ import hashlib
 import threading
 from typing import Callable
 
+import grpc
 import numpy as np
 import structlog
 
@@ -113,6 +114,13 @@ class ModelSync:
                     files.add(chunk.file)
             tensors.finish()
             files.finish()
+        except grpc.RpcError as exc:
+            tensors.abort()
+            if exc.code() == grpc.StatusCode.DATA_LOSS:  # the aggregator found its own copy damaged before sending it
+                raise IntegrityError(f"the aggregator's stored copy of model {manifest.model_hash[:12]} is damaged "
+                                     f"(the aggregator says: {exc.details()}); this is not a network error and fetching "
+                                     "again will not help: its operator must restore it from backup") from None
+            raise
         except BaseException:
             tensors.abort()
             raise

@@ -159,6 +159,18 @@ class Store(ABC):
     def model_deltas(self, model_hash: str) -> dict[str, tensors_pb2.DownlinkDelta]:
         """name -> the encoded change recorded for that tensor of ``model_hash`` (empty when none)."""
 
+    @abstractmethod
+    def task_models(self, task_id: str) -> frozenset[str]:
+        """The hashes of every model of the task: its initial model, each round's base model and each closed
+        round's model (empty for an unknown task). A model outside this set is never read through the task."""
+
+    @abstractmethod
+    def task_blobs(self, task_id: str) -> frozenset[str]:
+        """The sha256 of every blob the task references and may stream: the tensors and files of each of
+        :meth:`task_models` and the payloads of their encoded changes (:meth:`model_deltas`); empty for an
+        unknown task. The aggregator streams a blob through a task only if it is in this set (a hash is not a
+        capability: another task's blob is refused even when it exists in the blob store)."""
+
     # rounds -------------------------------------------------------------------------------------------
     @abstractmethod
     def round(self, task_id: str, rnd: int) -> RoundRecord | None: ...

@@ -100,6 +100,11 @@ def _to_v6(c: sqlite3.Connection, state_dir: Path) -> None:
     _add_column(c, "assignments", "held", "TEXT NOT NULL DEFAULT ''")
 
 
+def _to_v7(c: sqlite3.Connection, state_dir: Path) -> None:
+    # the sha256 of an update's spill file when it was acknowledged: recovery checks the file against it
+    _add_column(c, "updates", "spill_sha256", "TEXT NOT NULL DEFAULT ''")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -117,6 +122,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "model_deltas: global tensors also stored as an encoded change (compressed downlink)", _to_v4),
     Migration(5, "assignments.downlink_bytes and downlink_wire_bytes (per-site downlink accounting)", _to_v5),
     Migration(6, "assignments.held: why a site holds its assignment (e.g. awaiting approval by its IT)", _to_v6),
+    Migration(7, "updates.spill_sha256: the spill file's hash at acknowledgement, checked at recovery", _to_v7),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 

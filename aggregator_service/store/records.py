@@ -68,7 +68,9 @@ class AssignmentRecord:
 @dataclass(frozen=True)
 class UpdateRecord:
     """A durable update: its spill file, the layout of its tensors in that file (JSON, see
-    aggregator_service.folding.UpdateLayout) and the byte counts (payload as sent, fp32-equivalent, wire)."""
+    aggregator_service.folding.UpdateLayout), the byte counts (payload as sent, fp32-equivalent, wire) and
+    ``spill_sha256``, the hash of the whole spill file when the update was acknowledged ("" for updates stored
+    by a release that did not record it); recovery checks the file against it before folding it again."""
 
     update_id: str
     task_id: str
@@ -84,6 +86,7 @@ class UpdateRecord:
     received_ms: int
     fp32_bytes: int
     wire_bytes: int
+    spill_sha256: str = ""
 
 
 @dataclass(frozen=True)

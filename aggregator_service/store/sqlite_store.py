@@ -38,6 +38,9 @@ DB_NAME = "aggregator.sqlite"
 # a cancelled task's last round keeps state OPEN in the store; only running tasks' rounds are open
 _OPEN_ROUNDS = ("SELECT r.task_id, r.round FROM rounds r JOIN tasks t USING (task_id) WHERE r.state=%d AND "
                 "t.state=%d" % (S.ROUND_STATE_OPEN, S.TASK_STATE_RUNNING))
+# the models of a task (Store.task_models): initial model, rounds' base models, closed rounds' models
+_TASK_MODELS = ("SELECT initial_model AS h FROM tasks WHERE task_id=? UNION SELECT base_model FROM rounds WHERE "
+                "task_id=? UNION SELECT model_hash FROM rounds WHERE task_id=? AND model_hash!=''")
 
 
 def manifest_to_json(m: Manifest) -> str:
@@ -86,7 +89,8 @@ def _assignment(r: sqlite3.Row) -> AssignmentRecord:
 def _update(r: sqlite3.Row) -> UpdateRecord:
     return UpdateRecord(r["update_id"], r["task_id"], r["round"], r["site"], r["idempotency_key"], r["num_samples"],
                         r["nbytes"], r["spill_path"], r["layout"], json.loads(r["metrics"]),
-                        json.loads(r["eval_metrics"]), r["received_ms"], r["fp32_bytes"], r["wire_bytes"])
+                        json.loads(r["eval_metrics"]), r["received_ms"], r["fp32_bytes"], r["wire_bytes"],
+                        r["spill_sha256"])
 
 
 class SqliteTransaction(StoreTransaction):
@@ -168,11 +172,11 @@ class SqliteTransaction(StoreTransaction):
 
     def record_update(self, u: UpdateRecord) -> None:
         self._c.execute("INSERT INTO updates(update_id, task_id, round, site, idempotency_key, num_samples, nbytes, "
-                        "spill_path, layout, metrics, eval_metrics, received_ms, fp32_bytes, wire_bytes) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        "spill_path, layout, metrics, eval_metrics, received_ms, fp32_bytes, wire_bytes, spill_sha256) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         (u.update_id, u.task_id, u.round, u.site, u.idempotency_key, u.num_samples, u.nbytes,
                          u.spill_path, u.layout, json.dumps(u.metrics), json.dumps(u.eval_metrics), u.received_ms,
-                         u.fp32_bytes, u.wire_bytes))
+                         u.fp32_bytes, u.wire_bytes, u.spill_sha256))
         self.add_uplink(u.task_id, u.round, u.nbytes)
 
     def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
@@ -306,6 +310,19 @@ class SqliteStore(Store):
             header = json_format.Parse(r["header"], tensors_pb2.TensorHeader())
             out[r["name"]] = tensors_pb2.DownlinkDelta(name=r["name"], base_sha256=r["base_sha256"], header=header)
         return out
+
+    def task_models(self, task_id: str) -> frozenset[str]:
+        return frozenset(r["h"] for r in self._rows(_TASK_MODELS, (task_id,) * 3) if r["h"])
+
+    def task_blobs(self, task_id: str) -> frozenset[str]:
+        out: set[str] = set()
+        for r in self._rows(f"SELECT manifest FROM models WHERE model_hash IN ({_TASK_MODELS})", (task_id,) * 3):
+            m = manifest_from_json(r["manifest"])
+            out.update(t.sha256 for t in m.tensors)
+            out.update(f.sha256 for f in m.files)
+        for r in self._rows(f"SELECT header FROM model_deltas WHERE model_hash IN ({_TASK_MODELS})", (task_id,) * 3):
+            out.add(json_format.Parse(r["header"], tensors_pb2.TensorHeader()).sha256)
+        return frozenset(out)
 
     # rounds -------------------------------------------------------------------------------------------
     def round(self, task_id: str, rnd: int) -> RoundRecord | None:

@@ -192,3 +192,28 @@ def test_state_survives_a_reopen(tmp_path):
     again = SqliteStore(tmp_path)
     assert (again.task("t-1"), again.rounds_of("t-1"), again.model(model)) == before
     again.close()
+
+
+def test_task_models_and_blobs_are_those_of_the_task_only(store, running):
+    """task_blobs answers "which blobs may be streamed through this task": its models' tensors and files and their
+    encoded changes, never another task's, even when that task's blobs exist."""
+    first = ModelPackage({"w": np.zeros(3, np.float32)}, {"vocab.json": b"{}"}).manifest()
+    second = ModelPackage({"w": np.ones(3, np.float32)}).manifest()
+    other = ModelPackage({"w": np.full(3, 7, np.float32)}).manifest()
+    header = tensors_pb2.TensorHeader(name="w", dtype="float32", shape=[3], codec="int8", sha256="ab" * 32,
+                                      encoded_nbytes=10)
+    with store.transaction() as tx:
+        m1, m2, m3 = tx.put_model(first), tx.put_model(second), tx.put_model(other)
+        tx.put_model_deltas(m2, [tensors_pb2.DownlinkDelta(name="w", base_sha256="cd" * 32, header=header)])
+        tx.insert_task("t-2", "bob", "key-2", _spec(), S.TASK_STATE_QUEUED, 100, m1)
+        tx.open_round("t-2", 1, 1, 1, 110, 5000, m1)
+        tx.close_round("t-2", 1, 200, m2, {}, {})
+        tx.open_round("t-2", 2, 1, 1, 210, 5000, m2)
+        tx.insert_task("t-3", "carol", "key-3", _spec(), S.TASK_STATE_QUEUED, 100, m3)
+    assert store.task_models("t-2") == {m1, m2}
+    assert store.task_blobs("t-2") == ({t.sha256 for t in first.tensors} | {f.sha256 for f in first.files}
+                                       | {t.sha256 for t in second.tensors} | {"ab" * 32})
+    assert not store.task_blobs("t-2") & {t.sha256 for t in other.tensors}
+    assert store.task_models("t-3") == {m3} and store.task_blobs("t-3") == {t.sha256 for t in other.tensors}
+    assert store.task_models("nope") == frozenset() and store.task_blobs("nope") == frozenset()
+    assert store.task_blobs("t-1") == {t.sha256 for t in store.model(running).tensors}
