@@ -48,6 +48,7 @@ from hospital_agent.gates import (DECLINE, HOLD, ApprovalGate, GateChain, Policy
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
+from hospital_agent.outgoing import outgoing_reason
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
 from hospital_agent.site_model import private_store_folder
 from hospital_agent.site_privacy import SitePrivacy
@@ -266,14 +267,15 @@ class Agent:
         except (DatasetError, IntegrityError) as exc:
             log.error("assignment refused", error=str(exc))
             self.metrics.assignment_refused("data")
-            self.decline_round(a.task_id, a.round, str(exc), permanent=isinstance(exc, DatasetError))
+            self.decline_round(a.task_id, a.round, exc, permanent=isinstance(exc, DatasetError),
+                               dataset=a.spec.dataset)
         except grpc.RpcError as exc:
             log.warning("assignment failed on the network; it will be offered again", error=str(
                 explain_rpc_error(exc, self.config.aggregator)))
         except FedclinicError as exc:
             log.error("assignment failed", error=str(exc))
             self.metrics.assignment_refused("error")
-            self.decline_round(a.task_id, a.round, str(exc), permanent=False)
+            self.decline_round(a.task_id, a.round, exc, permanent=False, dataset=a.spec.dataset)
         except Exception as exc:  # noqa: BLE001 - the agent outlives whatever an assignment makes it raise
             log.exception("assignment failed unexpectedly; declined, the agent carries on")
             self.metrics.assignment_refused("error")
@@ -295,9 +297,15 @@ class Agent:
             log.exception("could not decline the assignment")
 
     # what secure aggregation needs of its host (hospital_agent.secure_aggregation.SecAggHost) -------------------
-    def decline_round(self, task_id: str, rnd: int, reason: str, permanent: bool = False) -> None:
+    def decline_round(self, task_id: str, rnd: int, reason: str | BaseException, permanent: bool = False,
+                      dataset: str | None = None) -> None:
+        """Tell the aggregator this site declines the round. What is sent is :func:`outgoing_reason` of ``reason``
+        (the rule and at most a row number, never a path or a value of this site's data); the full ``reason`` is
+        for this site's log and audit trail only."""
+        sent = outgoing_reason(reason, dataset=dataset)
+        reason = str(reason)
         try:
-            self.stub().Decline(agent_pb2.DeclineRequest(task_id=task_id, round=rnd, reason=reason,
+            self.stub().Decline(agent_pb2.DeclineRequest(task_id=task_id, round=rnd, reason=sent,
                                                          permanent=permanent), timeout=30)
         except grpc.RpcError as exc:
             log.warning("could not send the refusal", error=str(explain_rpc_error(exc, self.config.aggregator)))
@@ -330,7 +338,8 @@ class Agent:
         """Tell the aggregator why this site holds the round's assignment ("" = it no longer does), so the task
         owner sees it; best effort: the hold itself does not depend on it."""
         try:
-            self.stub().Hold(agent_pb2.HoldRequest(task_id=task_id, round=rnd, reason=reason), timeout=30)
+            self.stub().Hold(agent_pb2.HoldRequest(task_id=task_id, round=rnd, reason=outgoing_reason(reason)),
+                             timeout=30)
         except grpc.RpcError as exc:
             log.info("could not tell the aggregator about the hold", task_id=task_id, round=rnd,
                      error=str(explain_rpc_error(exc, self.config.aggregator)))

@@ -50,7 +50,22 @@ class IntegrityError(FedclinicError):
 
 
 class DatasetError(FedclinicError):
-    """A site dataset does not match the task's data contract (names the file and row)."""
+    """A site dataset does not match the task's data contract. ``str(exc)`` names the file, the row and what is
+    in it, for the site's own log and console; ``rule`` (the contract rule that failed, a fixed sentence with no
+    value from the data) and ``row`` (1-based, or None) are what may leave the site: :attr:`public`."""
+
+    def __init__(self, message: str, *, rule: str | None = None, row: int | None = None) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.row = row
+
+    @property
+    def public(self) -> str | None:
+        """The rule that failed and at most the row number, safe to show outside the site; None when the raiser
+        gave no rule (the caller then says only that the data does not meet the contract)."""
+        if not self.rule:
+            return None
+        return f"row {self.row}: {self.rule}" if self.row is not None else self.rule
 
 
 class PolicyError(FedclinicError):

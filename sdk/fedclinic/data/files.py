@@ -2,12 +2,14 @@
 what to do, JSONL rows, label parsing and checks.
 
 Every problem raises :class:`~fedclinic.errors.DatasetError` naming the file and the row (1-based). The readers
-(:mod:`.text`, :mod:`.ner`, :mod:`.qa`, :mod:`.image`) build on these and never on each other.
+(:mod:`.text`, :mod:`.ner`, :mod:`.qa`, :mod:`.image`) build on these and never on each other. Each error also
+carries ``rule`` and ``row`` (no value from the data): what the hospital agent may tell the aggregator.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -18,6 +20,8 @@ FORMATS = ("jsonl", "csv", "tsv")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 MULTI_LABEL_SEPARATOR = "|"
 
+_ROW_AT_END = re.compile(r": (?:row|line) (\d+)$")
+
 
 def infer_format(path: str | os.PathLike[str]) -> str:
     """'jsonl' / 'csv' / 'tsv' from the file suffix (.jsonl/.ndjson, .csv, .tsv)."""
@@ -26,18 +30,29 @@ def infer_format(path: str | os.PathLike[str]) -> str:
         return _SUFFIXES[suffix]
     except KeyError:
         raise DatasetError(f"{path}: cannot tell the format from the suffix {suffix!r}; rename the file to "
-                           f".jsonl/.csv/.tsv or pass format= one of {', '.join(FORMATS)}") from None
+                           f".jsonl/.csv/.tsv or pass format= one of {', '.join(FORMATS)}",
+                           rule="the dataset file's format cannot be told from its name") from None
+
+
+def row_in(where: str) -> int | None:
+    """The row (or line) number a place string such as "PATH: row 3" ends with, for :attr:`DatasetError.row`;
+    None when it names none."""
+    m = _ROW_AT_END.search(where)
+    return int(m.group(1)) if m else None
 
 
 def require_text(text: object, where: str, field: str, purpose: str) -> str:
     """``text`` if it is a non-empty string, else a DatasetError naming ``where``, the field and what to do
     (``purpose``: what every row needs, e.g. "the text to classify")."""
     if text is None:
-        raise DatasetError(f"{where}: missing text field {field!r}; every row needs {purpose}")
+        raise DatasetError(f"{where}: missing text field {field!r}; every row needs {purpose}",
+                           rule="the text field is missing", row=row_in(where))
     if not isinstance(text, str):
-        raise DatasetError(f"{where}: text field {field!r} must be a string, got {type(text).__name__}")
+        raise DatasetError(f"{where}: text field {field!r} must be a string, got {type(text).__name__}",
+                           rule="the text field is not a string", row=row_in(where))
     if not text.strip():
-        raise DatasetError(f"{where}: empty text in field {field!r}; remove the row or fill in the text")
+        raise DatasetError(f"{where}: empty text in field {field!r}; remove the row or fill in the text",
+                           rule="the text is empty", row=row_in(where))
     return text
 
 
@@ -52,10 +67,10 @@ def jsonl_rows(path, lines: Sequence[str], expects: str) -> Iterator[tuple[int, 
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}: row {row_no}: invalid JSON ({exc.msg} at column {exc.colno}); each line "
-                               "must be one JSON object") from None
+                               "must be one JSON object", rule="the row is not valid JSON", row=row_no) from None
         if not isinstance(obj, dict):
             raise DatasetError(f"{path}: row {row_no}: expected a JSON object with {expects}, got "
-                               f"{type(obj).__name__}")
+                               f"{type(obj).__name__}", rule="the row is not a JSON object", row=row_no)
         yield row_no, obj
 
 
@@ -84,7 +99,8 @@ def parse_labels(raw: Any, where: str, label_field: str, fmt: str, allowed: set[
     if raw is None:
         return []
     if isinstance(raw, bool) or isinstance(raw, float):
-        raise DatasetError(f"{where}: label {raw!r} in field {label_field!r} must be a label name (string)")
+        raise DatasetError(f"{where}: label {raw!r} in field {label_field!r} must be a label name (string)",
+                           rule="a label is not a label name (string)", row=row_in(where))
     if isinstance(raw, int):
         return [str(raw)]
     if isinstance(raw, str):
@@ -99,24 +115,27 @@ def parse_labels(raw: Any, where: str, label_field: str, fmt: str, allowed: set[
         for item in raw:
             if isinstance(item, bool) or not isinstance(item, (str, int)):
                 raise DatasetError(f"{where}: label list in field {label_field!r} holds {item!r}; labels must be "
-                                   "strings")
+                                   "strings", rule="a label is not a label name (string)", row=row_in(where))
             if str(item).strip():
                 out.append(str(item).strip())
         return out
     raise DatasetError(f"{where}: label field {label_field!r} must be a string or a list of strings, "
-                       f"got {type(raw).__name__}")
+                       f"got {type(raw).__name__}", rule="the label field is neither a label nor a list of labels",
+                       row=row_in(where))
 
 
 def open_text(path: str | os.PathLike[str]):
     try:
         return open(path, encoding="utf-8-sig", newline="")
     except FileNotFoundError:
-        raise DatasetError(f"{path}: file not found; check the dataset path in the site configuration") from None
+        raise DatasetError(f"{path}: file not found; check the dataset path in the site configuration",
+                           rule="the dataset file is missing") from None
     except IsADirectoryError:
-        raise DatasetError(f"{path}: is a directory, not a dataset file") from None
+        raise DatasetError(f"{path}: is a directory, not a dataset file",
+                           rule="the dataset path is not a file") from None
     except OSError as exc:
         raise DatasetError(f"{path}: unreadable file ({exc.strerror or exc}); check the path and its "
-                           "permissions") from None
+                           "permissions", rule="the dataset file cannot be read") from None
 
 
 def decode_guard(path, fn):
@@ -124,8 +143,10 @@ def decode_guard(path, fn):
         return fn()
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: unreadable file: not valid UTF-8 ({exc.reason} at byte {exc.start}); "
-                           "save it as UTF-8") from None
+                           "save it as UTF-8",
+                           rule="the dataset file is not valid UTF-8") from None
     except OSError as exc:
-        raise DatasetError(f"{path}: unreadable file ({exc}); check the path and its permissions") from None
+        raise DatasetError(f"{path}: unreadable file ({exc}); check the path and its permissions",
+                           rule="the dataset file cannot be read") from None
 
 

@@ -62,7 +62,8 @@ def read_classification(
     labels = check_label_set(label_set)
     fmt = (format or "").lower() or infer_format(path)
     if fmt not in FORMATS:
-        raise DatasetError(f"{path}: unknown dataset format {format!r}; use one of {', '.join(FORMATS)}")
+        raise DatasetError(f"{path}: unknown dataset format {format!r}; use one of {', '.join(FORMATS)}",
+                           rule="the dataset format is not one of jsonl, csv, tsv")
     rows = _jsonl_rows(path, text_field, label_field) if fmt == "jsonl" else _table_rows(
         path, text_field, label_field, delimiter="," if fmt == "csv" else "\t")
     allowed = set(labels)
@@ -74,18 +75,21 @@ def read_classification(
         found = parse_labels(raw_labels, where, label_field, fmt, allowed)
         if not found:
             raise DatasetError(f"{where}: missing label (field {label_field!r}); every row needs a label from "
-                               f"{fmt_labels(labels)}")
+                               f"{fmt_labels(labels)}", rule="the label is missing", row=row_no)
         unknown = [lab for lab in found if lab not in allowed]
         if unknown:
             raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {fmt_labels(labels)} "
-                               "(fix the row or add the label to the task's label set)")
+                               "(fix the row or add the label to the task's label set)",
+                               rule="a label is not in the task's label set", row=row_no)
         found = sorted(set(found), key=order.__getitem__)
         if not multi_label and len(found) > 1:
             raise DatasetError(f"{where}: {len(found)} labels {found} in a single-label task; give one label per "
-                               "row or declare the task multi_label")
+                               "row or declare the task multi_label",
+                               rule="more than one label in a single-label task", row=row_no)
         out.append(Example(text=text, labels=tuple(found)))
     if not out:
-        raise DatasetError(f"{path}: the dataset is empty (no example rows); point the site at a file with data")
+        raise DatasetError(f"{path}: the dataset is empty (no example rows); point the site at a file with data",
+                           rule="the dataset is empty")
     return out
 
 
@@ -143,14 +147,17 @@ def _table_rows(path, text_field: str, label_field: str, delimiter: str) -> Iter
         header = next(reader)
     except StopIteration:
         raise DatasetError(f"{path}: the dataset is empty (no header row); the first row must name the columns, "
-                           f"e.g. {text_field}{delimiter}{label_field}") from None
+                           f"e.g. {text_field}{delimiter}{label_field}",
+                           rule="the dataset is empty (no header row)") from None
     except csv.Error as exc:
-        raise DatasetError(f"{path}: row 1: malformed header ({exc})") from None
+        raise DatasetError(f"{path}: row 1: malformed header ({exc})", rule="the header row is malformed",
+                           row=1) from None
     header = [h.strip() for h in header]
     missing = [f for f in (text_field, label_field) if f not in header]
     if missing:
         raise DatasetError(f"{path}: row 1: the header has no column(s) {missing}; found columns {header}. "
-                           "Rename the columns or set text_field/label_field")
+                           "Rename the columns or set text_field/label_field",
+                           rule="the header row lacks a column the site configuration names", row=1)
     ti, li = header.index(text_field), header.index(label_field)
     row_no = 1
     while True:
@@ -160,7 +167,7 @@ def _table_rows(path, text_field: str, label_field: str, delimiter: str) -> Iter
             return
         except csv.Error as exc:
             raise DatasetError(f"{path}: row {row_no + 1}: malformed {('CSV', 'TSV')[delimiter == chr(9)]} "
-                               f"({exc})") from None
+                               f"({exc})", rule="the row is malformed", row=row_no + 1) from None
         row_no += 1
         if not row or all(not c.strip() for c in row):
             continue

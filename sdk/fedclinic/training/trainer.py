@@ -172,7 +172,7 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
     if not isinstance(max_length, int) or max_length < 2:
         raise ConfigError(f"max_length must be an integer >= 2, got {max_length!r}")
     if not examples:
-        raise DatasetError("no examples to encode; the dataset is empty")
+        raise DatasetError("no examples to encode; the dataset is empty", rule="the dataset is empty")
     labels = loaded.labels
     index = {lab: i for i, lab in enumerate(labels)}
     multi = loaded.multi_label
@@ -184,12 +184,14 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
     for i, ex in enumerate(examples):
         bad = [lab for lab in ex.labels if lab not in index]
         if bad or not ex.labels:
-            raise DatasetError(f"example {i}: label(s) {list(ex.labels)} not in the model's labels {labels}")
+            raise DatasetError(f"example {i}: label(s) {list(ex.labels)} not in the model's labels {labels}",
+                               rule="an example's label is not in the model's label set")
         if multi:
             y[i, [index[lab] for lab in ex.labels]] = 1.0
         else:
             if len(ex.labels) != 1:
-                raise DatasetError(f"example {i}: {len(ex.labels)} labels in a single-label task")
+                raise DatasetError(f"example {i}: {len(ex.labels)} labels in a single-label task",
+                                   rule="more than one label in a single-label task")
             y[i] = index[ex.labels[0]]
 
     ids, mask = encode_texts(loaded.tokenizer, [ex.text for ex in examples], max_length=max_length,
@@ -232,7 +234,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
 
     cfg.validate()
     if len(data) == 0:
-        raise DatasetError("no training examples; the site's dataset is empty")
+        raise DatasetError("no training examples; the site's dataset is empty", rule="the dataset is empty")
     if data.num_labels != len(loaded.labels) or data.multi_label != loaded.multi_label:
         raise ConfigError("the encoded data was made for a different label set; encode() it with this model")
     device = select_device(cfg.device)
@@ -395,7 +397,8 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
     if hasattr(loaded, "evaluate"):  # a family with its own metrics (entity-level F1; per-label F1 and AUC)
         return loaded.evaluate(data, batch_size=batch_size)
     if len(data) == 0:
-        raise DatasetError("no evaluation examples; the evaluation set is empty")
+        raise DatasetError("no evaluation examples; the evaluation set is empty",
+                           rule="the evaluation set is empty")
     module = loaded.module
     try:
         device = next(module.parameters()).device
