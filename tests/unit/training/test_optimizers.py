@@ -68,7 +68,9 @@ def test_padam_is_adam_on_the_perturbed_gradient_eqs_21_to_27(seed, steps, mu):
     got = _run_torch("padam", theta0, targets, 0.05, mu=mu)
     np.testing.assert_allclose(got, _reference_adam(theta0, targets, 0.05, mu=mu, anchor=theta0), rtol=1e-10,
                                atol=1e-12)
-    assert not np.allclose(got, _reference_adam(theta0, targets, 0.05))  # the perturbation changed the path
+    # the perturbation changed the path: by far more than the 1e-10 the two implementations agree to (with mu = 0.03
+    # over 2 steps the change can be ~1e-6, inside np.allclose's default tolerance)
+    assert not np.allclose(got, _reference_adam(theta0, targets, 0.05), rtol=0, atol=1e-8)
 
 
 def test_padam_with_mu_zero_is_self_adam_and_torch_adam_is_the_same_formula():

@@ -173,7 +173,7 @@ def _task(**kw) -> Task:
     (dict(architecture="lstm"), "lstm has no attention layers to profile"),
     (dict(family="token-classification", architecture="cnn-bilstm-crf"), "no attention layers"),
     (dict(safl_top_k=0), "safl_top_k must be an integer >= 1"),
-    (dict(safl_profile_samples=-1), "safl_profile_samples must be an integer >= 1"),
+    (dict(safl_profile_samples=-1), "safl_profile_samples must be a whole number from 0 to 100000, got -1"),
     (dict(safl_token="sep"), "safl_token 'sep' is unknown"),
     (dict(safl_token="entities"), "applies to token-classification only"),
     (dict(selection="attention"), "update selection 'attention' is unknown"),
