@@ -13,7 +13,11 @@ Example::
     cert = "/etc/fedclinic/aggregator.crt"
     key = "/etc/fedclinic/aggregator.key"
     ca = "/etc/fedclinic/ca.crt"
-    crl = "/etc/fedclinic/crl.pem"   # optional; reloaded when it changes
+    crl = "/etc/fedclinic/crl.pem"   # required (see allow_no_crl); reloaded when it changes, never rolled back
+    # allow_no_crl = true            # development only: start without a CRL (revoked certificates are accepted)
+
+Without ``crl`` the aggregator refuses to start unless ``allow_no_crl = true`` (then it logs a warning at start).
+A CRL older than the newest one it has used (``STATE_DIR/crl-high-water.json``) is refused at start and at reload.
 
 Override any value from the environment, e.g. ``FEDCLINIC_AGGREGATOR_LISTEN=127.0.0.1:0`` or
 ``FEDCLINIC_AGGREGATOR_TLS__CRL=/path/crl.pem``.
@@ -33,7 +37,7 @@ ENV_PREFIX = "FEDCLINIC_AGGREGATOR"
 #: the settings aggregator.toml may hold; anything else is refused (a misspelt ``[tls] crl`` must not silently
 #: turn revocation checks off)
 KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls")
-TLS_KEYS = ("cert", "key", "ca", "crl")
+TLS_KEYS = ("cert", "key", "ca", "crl", "allow_no_crl")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class AggregatorConfig:
     state_dir: Path
     tls: TlsFiles
     crl: Path | None
+    #: development only: serve without a CRL (revoked certificates are accepted); without it, no ``crl`` is refused
+    allow_no_crl: bool = False
     log_level: str = "info"
     max_workers: int = 64
     heartbeat_s: float = 15.0
@@ -63,13 +69,25 @@ class AggregatorConfig:
                        p(require(doc, "tls.ca", str, src)))
         refuse_unknown(doc["tls"], TLS_KEYS, f"{src}: [tls]", ENV_PREFIX)
         crl = doc.get("tls", {}).get("crl")
+        allow_no_crl = doc["tls"].get("allow_no_crl", False)
+        if not isinstance(allow_no_crl, bool):
+            raise ConfigError(f"{src}: [tls] allow_no_crl must be true or false, got {allow_no_crl!r}")
         max_workers = int(doc.get("max_workers", 64))
         if max_workers < 4:
             raise ConfigError(f"{src}: max_workers must be at least 4")
         return cls(listen=require(doc, "listen", str, src), state_dir=p(require(doc, "state_dir", str, src)),
-                   tls=tls, crl=p(crl) if crl else None, log_level=str(doc.get("log_level", "info")),
+                   tls=tls, crl=p(crl) if crl else None, allow_no_crl=allow_no_crl, log_level=str(doc.get("log_level", "info")),
                    max_workers=max_workers, heartbeat_s=float(doc.get("heartbeat_s", 15.0)),
                    metrics_address=parse_metrics_address(doc.get("metrics_address"), src))
+
+    def require_crl_or_dev_mode(self, where: str = "aggregator.toml") -> None:
+        """Refuse to serve without a CRL unless ``[tls] allow_no_crl = true`` says it is a development setup."""
+        if self.crl is None and not self.allow_no_crl:
+            raise ConfigError(
+                f"{where}: no revocation list configured ([tls] crl), so revoked certificates would be accepted; "
+                "refusing to start. Set [tls] crl to the crl.pem of the fedclinic CA (written by `fedclinic pki "
+                "init-ca`, updated by `fedclinic pki revoke` and `refresh-crl`), or, for development only, set "
+                "[tls] allow_no_crl = true (FEDCLINIC_AGGREGATOR_TLS__ALLOW_NO_CRL=true)")
 
     def with_metrics_address(self, value: str, where: str) -> "AggregatorConfig":
         """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""

@@ -32,10 +32,13 @@ from aggregator_service.store import SqliteStore
 log = structlog.get_logger("fedclinic.aggregator")
 
 ADDRESS_FILE = "aggregator.addr"
+#: the newest CRL version this aggregator has used (fedclinic.pki.RevocationList high_water): an older CRL is refused
+CRL_HIGH_WATER = "crl-high-water.json"
 
 
 class Aggregator:
     def __init__(self, config: AggregatorConfig) -> None:
+        config.require_crl_or_dev_mode()  # before anything is created: no CRL and no dev switch is refused
         self.config = config
         self.store = SqliteStore(config.state_dir)
         #: STATE_DIR/audit.jsonl (aggregator_service.audit_trail): task events after they commit, connections,
@@ -47,8 +50,10 @@ class Aggregator:
         self.blobs = BlobStore(config.state_dir / "blobs")
         self.engine = Engine(self.store, self.blobs, metrics=self.metrics)
         self.metrics_server: MetricsServer | None = None
-        #: the CRL, re-read when the file changes (every call checks it; open streams before each message)
-        self.revocations = RevocationList(config.crl, config.tls.ca) if config.crl else None
+        #: the CRL, re-read when the file changes (every call checks it; open streams before each message); never
+        #: replaced by an older one, nor started from one older than the newest this state folder has used
+        self.revocations = (RevocationList(config.crl, config.tls.ca, high_water=config.state_dir / CRL_HIGH_WATER)
+                            if config.crl else None)
         revocations = self.revocations
         #: the server certificate, key and CA, followed on disk: new TLS handshakes get a renewed certificate
         self.credentials = WatchedCredentials(config.tls, role="aggregator")
@@ -71,7 +76,7 @@ class Aggregator:
         up without it: the certificate at the next TLS handshake, the CRL at the next call or stream message.)"""
         changed = self.credentials.poll(force=True)
         ident = self.credentials.current.identity
-        crl = "not configured"
+        crl = "NOT CONFIGURED (allow_no_crl): revoked certificates are accepted"
         if self.revocations is not None:
             crl = "reloaded" if self.revocations.reload_if_changed() else "unchanged"
             if self.revocations.last_error:
@@ -110,6 +115,12 @@ class Aggregator:
         tmp = addr_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(published))
         os.replace(tmp, addr_file)
+        if self.revocations is None:
+            log.warning("NO REVOCATION LIST: [tls] allow_no_crl = true, revoked certificates are accepted; "
+                        "development only, set [tls] crl for any real deployment")
+        else:
+            log.info("revocation list in use", path=str(self.revocations.crl_path), revoked=len(self.revocations.serials),
+                     crl_number=self.revocations.version.number)
         log.info("aggregator listening", address=self.address, state_dir=str(self.config.state_dir))
 
     def stop(self, grace: float = 10.0) -> None:

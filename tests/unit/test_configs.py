@@ -98,6 +98,26 @@ def test_aggregator_config(tmp_path, monkeypatch):
         AggregatorConfig.load(tmp_path / "bad.toml")
 
 
+def test_aggregator_without_a_crl_needs_the_explicit_dev_switch(tmp_path, monkeypatch):
+    body = 'listen = "127.0.0.1:0"\nstate_dir = "state"\n[tls]\ncert = "a"\nkey = "b"\nca = "c"\n'
+    (tmp_path / "agg.toml").write_text(body)
+    cfg = AggregatorConfig.load(tmp_path / "agg.toml")
+    assert cfg.crl is None and cfg.allow_no_crl is False
+    with pytest.raises(ConfigError, match=r"no revocation list configured.*refusing to start.*\[tls\] crl.*"
+                                          r"allow_no_crl = true"):
+        cfg.require_crl_or_dev_mode()
+    (tmp_path / "dev.toml").write_text(body + "allow_no_crl = true\n")
+    AggregatorConfig.load(tmp_path / "dev.toml").require_crl_or_dev_mode()
+    monkeypatch.setenv("FEDCLINIC_AGGREGATOR_TLS__ALLOW_NO_CRL", "true")
+    assert AggregatorConfig.load(tmp_path / "agg.toml").allow_no_crl is True
+    monkeypatch.setenv("FEDCLINIC_AGGREGATOR_TLS__ALLOW_NO_CRL", "yes")
+    with pytest.raises(ConfigError, match="allow_no_crl must be true or false"):
+        AggregatorConfig.load(tmp_path / "agg.toml")
+    monkeypatch.delenv("FEDCLINIC_AGGREGATOR_TLS__ALLOW_NO_CRL")
+    (tmp_path / "crl.toml").write_text(body + 'crl = "crl.pem"\n')
+    AggregatorConfig.load(tmp_path / "crl.toml").require_crl_or_dev_mode()
+
+
 def test_a_dataset_pinned_to_a_tokenizer_refuses_other_tokenizers(tmp_path):
     pinned = "ab" * 32
     (tmp_path / "agent.toml").write_text(AGENT + f'tokenizer_sha256 = "{pinned}"\n')
@@ -153,7 +173,7 @@ def test_aggregator_refuses_misspelt_keys_from_the_file_and_the_environment(tmp_
     (tmp_path / "agg.toml").write_text(body)
     assert AggregatorConfig.load(tmp_path / "agg.toml").crl == tmp_path / "crl.pem"
     (tmp_path / "typo.toml").write_text(body.replace("crl =", "crl_path ="))  # would turn revocation checks off
-    with pytest.raises(ConfigError, match=r"\[tls\]: unknown setting\(s\) \['crl_path'\].*known: ca, cert, crl, key"):
+    with pytest.raises(ConfigError, match=r"\[tls\]: unknown setting\(s\) \['crl_path'\].*known: allow_no_crl, ca, cert, crl, key"):
         AggregatorConfig.load(tmp_path / "typo.toml")
     monkeypatch.setenv("FEDCLINIC_AGGREGATOR_METRICS_ADRESS", "127.0.0.1:9464")
     with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['metrics_adress'\] \(in the file or from a "

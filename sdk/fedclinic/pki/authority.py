@@ -83,9 +83,21 @@ def _save_registry(ca_dir: Path, registry: dict[str, Any]) -> None:
     _write_atomic(Path(ca_dir) / REGISTRY, text.encode("utf-8"), 0o644)
 
 
+def _crl_number_on_disk(path: Path) -> int:
+    """The CRL number of the CRL at ``path`` (0 if there is none, it is unreadable or has no number)."""
+    try:
+        data = path.read_bytes()
+        crl = x509.load_pem_x509_crl(data) if b"-----BEGIN" in data else x509.load_der_x509_crl(data)
+        return int(crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number)
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return 0
+
+
 def _write_crl(ca: _Ca, registry: dict[str, Any], now: dt.datetime, days: int = CRL_DAYS) -> None:
-    """Sign and write ``crl.pem`` listing every revoked serial in ``registry`` (bumps the CRL number)."""
-    registry["crl_number"] = int(registry.get("crl_number", 0)) + 1
+    """Sign and write ``crl.pem`` listing every revoked serial in ``registry``, with a CRL number above both the
+    registry's and the one of the ``crl.pem`` it replaces (a registry restored from an older backup must not
+    issue a CRL that services would refuse as older than the one they use)."""
+    registry["crl_number"] = max(int(registry.get("crl_number", 0)), _crl_number_on_disk(ca.dir / CRL_FILE)) + 1
     builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(ca.cert.subject)
