@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from pathlib import Path
 
+import grpc
+
 from fedclinic.federation.local_federation import LocalFederation
+from fedclinic.proto import agent_pb2
 
 
 def run_task(root: Path, sites, task, package):
@@ -32,3 +37,21 @@ def stored_update_tensors(fed: LocalFederation, task_id: str) -> dict[tuple[str,
             "SELECT site, round, layout FROM updates WHERE task_id=?", (task_id,))}
     finally:
         db.close()
+
+
+def watch_assignments(stub) -> tuple[queue.Queue, object]:
+    """Open a site's work stream on ``stub`` (an AgentService stub with a site's certificate); its assignments
+    arrive on the returned queue. Cancel the returned call to end the stream."""
+    work: queue.Queue = queue.Queue()
+    watch = stub.WatchWork(agent_pb2.WatchWorkRequest(protocol_version=1))
+
+    def collect() -> None:
+        try:
+            for item in watch:
+                if item.WhichOneof("item") == "assignment":
+                    work.put(item.assignment)
+        except grpc.RpcError:  # cancelled at the end of the test
+            pass
+
+    threading.Thread(target=collect, daemon=True).start()
+    return work, watch

@@ -7,8 +7,6 @@ a scientist cannot smuggle another scientist's blob into a task through a manife
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
 
 import grpc
 import pytest
@@ -20,6 +18,7 @@ from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 from fedclinic.transport.wire import file_chunks, header_of, manifest_to_proto, tensor_chunks
 
+from tests.helpers.federation import watch_assignments
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -30,23 +29,6 @@ def _second_scientist(fed):
     """Credentials of a second scientist, ``scientist-b``, issued by the federation's CA."""
     pki.issue(fed.ca_dir, role="scientist", name="scientist-b", out_dir=fed.pki_dir / "scientist-b", days=7)
     return fed.creds("scientist-b")
-
-
-def _watch(stub) -> tuple[queue.Queue, object]:
-    """Open a work stream; its assignments arrive on the returned queue."""
-    work: queue.Queue = queue.Queue()
-    watch = stub.WatchWork(agent_pb2.WatchWorkRequest(protocol_version=1))
-
-    def collect() -> None:
-        try:
-            for item in watch:
-                if item.WhichOneof("item") == "assignment":
-                    work.put(item.assignment)
-        except grpc.RpcError:  # cancelled at the end of the test
-            pass
-
-    threading.Thread(target=collect, daemon=True).start()
-    return work, watch
 
 
 def _fetch_error(stub, **request) -> grpc.RpcError | None:
@@ -67,7 +49,7 @@ def test_a_site_cannot_fetch_another_scientists_model_by_its_hash(federation_fac
     c = fed.creds("site-a")
     channel = secure_channel(fed.address, TlsFiles(c["cert"], c["key"], c["ca"]), server_name="localhost")
     site_a = agent_pb2_grpc.AgentServiceStub(channel)
-    work, watch = _watch(site_a)
+    work, watch = watch_assignments(site_a)
     try:
         theirs = tiny_package("lstm", seed=1)
         with connect(fed.address, cert=b["cert"], key=b["key"], ca=b["ca"], server_name="localhost") as bob:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import queue
-import threading
 
 import grpc
 import pytest
@@ -26,6 +24,7 @@ from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
 
+from tests.helpers.federation import watch_assignments
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -138,18 +137,7 @@ def test_a_hostile_assignment_is_declined_and_the_agent_carries_on(federation_fa
     agent = Agent(AgentConfig.load(fed.write_agent_config("site-a")))
     agent.connect()
     agent.hello()
-    work: queue.Queue = queue.Queue()
-    watch = agent.stub().WatchWork(agent_pb2.WatchWorkRequest(protocol_version=1))
-
-    def collect() -> None:
-        try:
-            for item in watch:
-                if item.WhichOneof("item") == "assignment":
-                    work.put(item.assignment)
-        except grpc.RpcError:  # cancelled at the end of the test
-            pass
-
-    threading.Thread(target=collect, daemon=True).start()
+    work, watch = watch_assignments(agent.stub())
     try:
         with fed.client() as client:
             first = client.submit(make_task(min_sites=1, name="overflow"), package=tiny_package())
