@@ -55,3 +55,10 @@ def watch_assignments(stub) -> tuple[queue.Queue, object]:
 
     threading.Thread(target=collect, daemon=True).start()
     return work, watch
+
+
+def keep_aggregator_address(fed: LocalFederation) -> None:
+    """Pin a started aggregator's listen address to the port it got, so that after a restart (a SIGKILL, a
+    restore) it comes back where the agents reconnect."""
+    port = fed.address.rsplit(":", 1)[1]
+    fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"

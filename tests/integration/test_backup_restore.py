@@ -14,6 +14,7 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
+from tests.helpers.federation import keep_aggregator_address
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -29,8 +30,7 @@ def test_backup_mid_task_restores_into_a_new_folder_and_the_task_completes(feder
     fed = federation_factory(3, start=False)
     fed.make_pki()
     fed.start_aggregator()
-    port = fed.address.rsplit(":", 1)[1]
-    fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"  # the restored aggregator takes the same address
+    keep_aggregator_address(fed)  # the restored aggregator takes the same address
     fed.start_agent("site-a")
     fed.start_agent("site-b")  # site-c comes later: round 1 stays open (min_sites=3) while the backup runs
     with fed.client() as client:

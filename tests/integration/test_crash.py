@@ -10,6 +10,7 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
+from tests.helpers.federation import keep_aggregator_address
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -25,8 +26,7 @@ def test_aggregator_sigkill_mid_round_resumes_with_exact_counts(federation_facto
     fed = federation_factory(3, start=False)
     fed.make_pki()
     fed.start_aggregator()
-    port = fed.address.rsplit(":", 1)[1]
-    fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"  # agents reconnect to the same address
+    keep_aggregator_address(fed)  # agents reconnect to the same address
     fed.start_agent("site-a")
     fed.start_agent("site-b")
     with fed.client() as client:

@@ -15,6 +15,7 @@ from fedclinic.errors import ConfigError, FedclinicError
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.spec.task import Task
 
+from tests.helpers.federation import keep_aggregator_address
 from tests.helpers.replay import replay_site
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import make_examples, tiny_package
@@ -116,8 +117,7 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
     monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "aggregator.secagg.masked-input")
     fed.start_aggregator()  # dies (SIGKILL-like, exit 97) as the first masked input arrives
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
-    port = fed.address.rsplit(":", 1)[1]
-    fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"  # agents reconnect to the same address
+    keep_aggregator_address(fed)  # agents reconnect to the same address
     for site in fed.sites:
         fed.start_agent(site)
     wait_until(lambda: len(_streams_open(fed)) == 4, 120, "four agents' work streams")

@@ -18,6 +18,7 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
+from tests.helpers.federation import keep_aggregator_address
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -84,8 +85,7 @@ def test_a_spill_file_overwritten_with_nan_before_a_sigkill_is_refused_at_recove
     fed = federation_factory(2, start=False)
     fed.make_pki()
     fed.start_aggregator()
-    port = fed.address.rsplit(":", 1)[1]
-    fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"  # agents reconnect to the same address
+    keep_aggregator_address(fed)  # agents reconnect to the same address
     fed.start_agent("site-a")
     with fed.client() as client:
         st = client.submit(make_task(num_rounds=1, min_sites=2, sites=["site-a", "site-b"], round_timeout_s=300),
