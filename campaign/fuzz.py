@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis import seed as hypothesis_seed
 
 from campaign.fragment import Fragment
-from campaign.fuzz_cases import Targets, agent_cases, control_cases, inference_cases
+from campaign.fuzz_cases import AGENT, RpcCase, Targets, agent_cases, aimed_updates, control_cases, inference_cases
 from campaign.fuzz_driver import CaseFirer
 from campaign.fuzz_http import HttpCase, http_cases, send
 from campaign.fuzz_rig import IDENTITIES, FuzzRig
@@ -57,10 +57,11 @@ def run_strategy(strategy, n: int, seed: int, fire, per_example: int = 25) -> No
     @hypothesis_seed(seed)
     @given(st.data())
     def one(data) -> None:
-        for _ in range(min(per_example, left[0])):
+        for _ in range(per_example):  # always as many draws: hypothesis replays examples and checks they match
             case = data.draw(strategy)
-            left[0] -= 1
-            fire(case)
+            if left[0] > 0:
+                left[0] -= 1
+                fire(case)
 
     one()
 
@@ -142,6 +143,32 @@ def _cancel_strays(rig: FuzzRig) -> int:
     return cancelled
 
 
+def _upload_twice(rig: FuzzRig, firer: CaseFirer, invariants: StoreInvariants) -> list[str]:
+    """site-c uploads the real agent's captured update, re-aimed at its open assignment of a fresh target task,
+    then resends it: the first must be acknowledged (and is then counted by the invariants), the resend must be
+    a duplicate. On the firer's site-c channel; not counted as fuzz cases."""
+    from fedclinic.proto import agent_pb2
+
+    targets = Targets(rig.real_task, rig.capture_task, rig.target_task, rig.current_assignment())
+    out = []
+    for wire in aimed_updates(rig.capture, targets):
+        fn = firer._callable(RpcCase("agent", AGENT + "SubmitUpdate", "site-c", wire, request_stream=True))
+        receipts = []
+        for attempt in range(2):
+            try:
+                receipts.append(agent_pb2.UpdateReceipt.FromString(fn(iter(wire), timeout=60)))
+            except grpc.RpcError as exc:
+                out.append(f"a valid upload (attempt {attempt + 1}) to target task {rig.target_task} was refused: "
+                           f"{exc.code().name} {exc.details()!r}")
+                return out
+        first, again = receipts
+        if first.duplicate or not again.duplicate or first.update_id != again.update_id:
+            out.append(f"upload then resend of one update: receipts {first} / {again}; want new, then duplicate")
+        elif rig.current_assignment() is not None:
+            invariants.acknowledge(first.update_id, rig.target_task, first.round, "site-c")
+    return out
+
+
 def _plant(rig: FuzzRig, what: str) -> None:
     """Plant a problem the checks must catch (to prove the smoke test can fail): a corrupted blob file."""
     if what == "corrupt-blob":
@@ -176,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             problems: list[str] = []
             t0 = time.monotonic()
             b = 0
+            problems += _upload_twice(rig, firer, invariants)
+            totals["valid uploads"] += 1
             while min(firer.cases[s] for s in SERVICES) < per_service:
                 targets = Targets(rig.real_task, rig.capture_task, rig.target_task, rig.current_assignment())
                 strategies = {"agent": agent_cases(rig.capture, targets), "control": control_cases(rig.capture, targets),
@@ -204,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not rig.watch_alive() or (rig.current_assignment() is None or
                                               rig.current_assignment().task_id != rig.target_task) or b % 2 == 0:
                     rig.new_target_task()
+                    problems += _upload_twice(rig, firer, invariants)
+                    totals["valid uploads"] += 1
             firer.drain()
             firer.close()
             fuzz_s = time.monotonic() - t0
@@ -240,6 +271,8 @@ def _fill(frag: Fragment, firer: CaseFirer, invariants: StoreInvariants, watchdo
     frag.rows.append(("the real task", f"completed, {real_rounds} rounds" if not any(
         "real task" in p for p in problems) else "did not complete"))
     frag.rows.append(("tasks created by fuzz cases, cancelled", str(totals["strays cancelled"])))
+    frag.rows.append(("valid uploads re-aimed at a fresh target task, each acknowledged once then resent as a "
+                      "duplicate", str(totals["valid uploads"])))
     frag.rows.append(("identities", ", ".join(f"{n} ({r})" for n, r in IDENTITIES.items())))
     frag.rows.append(("case rate", f"{sum(firer.cases.values()) / max(fuzz_s, 1e-9):.0f} cases/s over {fuzz_s:.0f} s"))
     for line in firer.finding_lines()[:40]:

@@ -117,17 +117,34 @@ def _streams_aimed(streams: list[list[Message]], aim: Callable[[Message], Messag
     return out
 
 
+def _update_aim(t: Targets) -> Callable[[agent_pb2.UpdateChunk], agent_pb2.UpdateChunk]:
+    """Re-aim a captured update chunk at site-c's open assignment (header: task, round, attempt, a fresh key)."""
+    a = t.assignment
+    task, rnd, attempt = (a.task_id, a.round, a.attempt) if a is not None else (t.target_task, 1, 0)
+
+    def aim(c: agent_pb2.UpdateChunk) -> agent_pb2.UpdateChunk:
+        if c.WhichOneof("item") == "header":
+            c.header.task_id, c.header.round, c.header.attempt = task, rnd, attempt
+            c.header.idempotency_key = f"{c.header.idempotency_key[:40]}-{task}-{rnd}-{attempt}"
+        return c
+    return aim
+
+
+def aimed_updates(capture, t: Targets) -> list[list[bytes]]:
+    """The real agent's captured uploads re-aimed at site-c's open assignment: valid uploads, when the target
+    task starts from the capture task's model (its first round)."""
+    aim = _update_aim(t)
+    return [[aim(_copy(c)).SerializeToString() for c in s]
+            for s in capture.streams(AGENT + "SubmitUpdate", agent_pb2.UpdateChunk)[:1]]
+
+
 def agent_cases(capture, t: Targets) -> st.SearchStrategy:
     """Cases for every AgentService RPC, mostly with site-c's certificate."""
     a = t.assignment
     task, rnd, attempt = (a.task_id, a.round, a.attempt) if a is not None else (t.target_task, 1, 0)
     model_hash = a.model.model_hash if a is not None else ""
 
-    def aim_update(c: agent_pb2.UpdateChunk) -> agent_pb2.UpdateChunk:
-        if c.WhichOneof("item") == "header":
-            c.header.task_id, c.header.round, c.header.attempt = task, rnd, attempt
-            c.header.idempotency_key = f"{c.header.idempotency_key[:40]}-{task[:8]}"
-        return c
+    aim_update = _update_aim(t)
 
     def aim_fetch(m: agent_pb2.FetchModelRequest) -> agent_pb2.FetchModelRequest:
         m.task_id, m.model_hash = task, model_hash
