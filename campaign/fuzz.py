@@ -44,8 +44,8 @@ FIXED = (
 KNOWN_OPEN = {
     "inference: INTERNAL 'Exception deserializing request!'":
         "fedclinic serve's gRPC port (sdk/fedclinic/serving, rewritten on branch h16-serve) answers damaged request "
-        "bytes with grpc's INTERNAL 'Exception deserializing request!'; give its handlers a parser that refuses them with "
-        "INVALID_ARGUMENT, as aggregator_service.rpc_errors now does",
+        "bytes with grpc's INTERNAL 'Exception deserializing request!'; give its handlers a parser that refuses "
+        "them with INVALID_ARGUMENT, as aggregator_service.rpc_errors now does",
 }
 TEXTS = ["fever and cough for three days", "rash on both arms"]
 TRACEBACK = b"Traceback (most recent call last)"
