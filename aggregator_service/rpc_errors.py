@@ -14,6 +14,10 @@ out of memory                                       RESOURCE_EXHAUSTED   retry l
 a stored file missing (FileNotFoundError)           FAILED_PRECONDITION  ask the operator to check the store
 anything else                                       INTERNAL             ask the operator (the log has the id)
 ==================================================  ===================  =========================================
+
+A request message that does not parse (damaged bytes, another protocol) is refused with INVALID_ARGUMENT
+naming the method, instead of grpc's own ``INTERNAL: Exception deserializing request!`` and a traceback in the
+log: the handler gets the raw bytes and parses them itself (:func:`_lenient`).
 """
 
 from __future__ import annotations
@@ -69,11 +73,54 @@ def _fail(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
     context.abort(code, message)
 
 
+class _Undecodable:
+    """What :func:`_lenient` hands on for bytes its parser refused."""
+
+
+_UNDECODABLE = _Undecodable()
+
+
+def _lenient(parse: Callable | None) -> Callable | None:
+    """``parse`` (a message's FromString), returning :data:`_UNDECODABLE` instead of raising: grpc would answer
+    a parser's exception with INTERNAL and log a traceback for what is a caller's damaged message."""
+    if parse is None:
+        return None
+
+    def lenient(data: bytes):
+        try:
+            return parse(data)
+        except Exception:  # noqa: BLE001 - any parser failure is the caller's damaged message
+            return _UNDECODABLE
+    return lenient
+
+
+def _refuse_undecodable(context: grpc.ServicerContext, method: str) -> None:
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"a request message to {method} does not parse as the message it expects (damaged, cut, or not "
+                  "a fedclinic message); send a well-formed message from a fedclinic client of this version")
+
+
+def _decoded(requests, context: grpc.ServicerContext, method: str):
+    for r in requests:
+        if r is _UNDECODABLE:
+            _refuse_undecodable(context, method)
+        yield r
+
+
 def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    streamed = handler.request_streaming
+
+    def checked(request, context):
+        if streamed:
+            return _decoded(request, context, method)
+        if request is _UNDECODABLE:
+            _refuse_undecodable(context, method)
+        return request
+
     def unary(behavior: Callable):
         def inner(request, context):
             try:
-                return behavior(request, context)
+                return behavior(checked(request, context), context)
             except Exception as exc:  # noqa: BLE001 - mapped to a status; aborts pass through
                 if _passes_through(exc, context):
                     raise
@@ -83,7 +130,7 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
     def streaming(behavior: Callable):
         def inner(request, context):
             try:
-                yield from behavior(request, context)
+                yield from behavior(checked(request, context), context)
             except Exception as exc:  # noqa: BLE001 - mapped to a status; aborts pass through
                 if _passes_through(exc, context):
                     raise
@@ -91,16 +138,14 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
         return inner
 
     h = handler
+    parse = _lenient(h.request_deserializer)
     if h.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(h.unary_unary), h.request_deserializer, h.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary(h.unary_unary), parse, h.response_serializer)
     if h.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming(h.unary_stream), h.request_deserializer,
-                                                    h.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(streaming(h.unary_stream), parse, h.response_serializer)
     if h.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(h.stream_unary), h.request_deserializer,
-                                                    h.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(streaming(h.stream_stream), h.request_deserializer,
-                                                 h.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(unary(h.stream_unary), parse, h.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(streaming(h.stream_stream), parse, h.response_serializer)
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
