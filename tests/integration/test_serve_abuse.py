@@ -192,6 +192,24 @@ def test_slow_clients_time_out_and_do_not_block_an_honest_one(bundle, serve):
     assert call(port, "/v1/predict", PREDICT)[0] == 200
 
 
+def test_a_body_that_trickles_is_cut_off_with_408(bundle, serve):
+    port = serve(bundle, "--body-timeout", "2")[1]["http"]
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+
+        def trickle_until_answered() -> bool:
+            try:
+                sock.send(b" ")
+            except OSError:
+                pass  # the server has answered and closed
+            return bool(select.select([sock], [], [], 0.5)[0])
+
+        wait_until(trickle_until_answered, timeout=60, what="the server to cut off a body that trickles")
+        status, answer = _response(sock)
+    assert status == 408 and "--body-timeout" in answer["error"], answer
+    assert call(port, "/v1/predict", PREDICT)[0] == 200
+
+
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
     """An (untrained) image + report bundle: the weights do not matter to a refusal."""

@@ -38,13 +38,18 @@ class WorkPool:
         if not self._places.acquire(blocking=False):
             raise PoolFull(f"the server is busy: {self.workers} predictions are running and {self.queue} are waiting "
                            "(fedclinic serve --inference-workers/--inference-queue); retry in a moment")
+
+        def job() -> T:
+            try:
+                return fn(*args)
+            finally:
+                self._places.release()  # before the result is visible: a caller that saw it finds the place free
+
         try:
-            future = self._executor.submit(fn, *args)
+            return self._executor.submit(job)
         except BaseException:
             self._places.release()
             raise
-        future.add_done_callback(lambda _f: self._places.release())
-        return future
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in the pool, waiting for its result (for the gRPC servicer's threads)."""
