@@ -43,13 +43,14 @@ def serve(tmp_path):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    """A fedclinic CA, the server's certificate and client certificates of three roles."""
+    """A fedclinic CA ("ca_dir"), the server's certificate and client certificates of three roles."""
     root = tmp_path_factory.mktemp("abuse-pki")
     pki.init_ca(root / "ca")
     out = {"server": pki.issue(root / "ca", role="aggregator", name="inference", out_dir=root / "srv",
                                dns=["localhost"], ips=["127.0.0.1"])}
     for role in ("scientist", "agent", "admin"):
         out[role] = pki.issue(root / "ca", role=role, name=f"{role}-1", out_dir=root / role)
+    out["ca_dir"] = root / "ca"
     return out
 
 
@@ -315,3 +316,23 @@ def test_grpc_refuses_a_certificate_of_a_role_not_allowed(bundle, serve, certs):
                 rpc(request, timeout=30)
             assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "role 'admin'" in denied.value.details() and "scientist or agent" in denied.value.details()
+
+
+def test_with_a_crl_a_revoked_certificate_is_refused_on_both_ports(bundle, serve, certs, tmp_path):
+    import grpc
+
+    from fedclinic.proto import inference_pb2, inference_pb2_grpc
+    from fedclinic.transport.rpc import TlsFiles, secure_channel
+
+    ca_dir = certs["ca_dir"]
+    revoked = pki.issue(ca_dir, role="scientist", name="left-the-project", out_dir=tmp_path / "revoked")
+    pki.revoke(ca_dir, cert_path=revoked.cert_path)
+    _, ports = serve(bundle, "--https", "--grpc-port", "0", "--crl", str(ca_dir / "crl.pem"), *_tls_flags(certs))
+    status, answer = _https(ports["http"], revoked.ca_path, revoked)
+    assert status == 403 and "has been revoked" in answer["error"]
+    assert _https(ports["http"], revoked.ca_path, certs["scientist"])[0] == 200
+    with secure_channel(f"127.0.0.1:{ports['grpc']}", TlsFiles(revoked.cert_path, revoked.key_path,
+                                                               revoked.ca_path)) as channel:
+        with pytest.raises(grpc.RpcError) as denied:
+            inference_pb2_grpc.InferenceStub(channel).DescribeModel(inference_pb2.DescribeModelRequest(), timeout=30)
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED and "has been revoked" in denied.value.details()

@@ -52,7 +52,7 @@ reverse proxy or integration engine. ``--https`` (with ``--cert/--key/--ca`` fro
 HTTPS that requires a client certificate of the fedclinic CA (``--https tls``: server certificate only, then
 ``--token-file`` is required). ``--token-file`` requires ``Authorization: Bearer <token>`` on every request but
 ``/healthz``. Client certificates must have a role allowed to query a model (``--allow-roles``, default
-scientist and agent; :mod:`fedclinic.serving.caller_policy`).
+scientist and agent; :mod:`fedclinic.serving.caller_policy`); with ``--crl`` revoked certificates are refused.
 
 With ``--grpc-port`` the same predictions are also served by the ``fedclinic.v1.Inference`` gRPC service
 (:mod:`fedclinic.serving.inference_grpc`) with the standard health service; with ``--cert/--key/--ca`` that port
@@ -305,6 +305,8 @@ def add_serve_command(sub: Any) -> None:
                                           "request but /healthz, and on every gRPC call")
     sec.add_argument("--allow-roles", default=",".join(DEFAULT_ROLES),
                      help="certificate roles that may query the model (default: %(default)s)")
+    sec.add_argument("--crl", help="the fedclinic CA's revocation list (crl.pem): refuse revoked client certificates "
+                                   "on HTTPS and gRPC (re-read when the file changes)")
     lim = p.add_argument_group("limits")
     d = ServeLimits()
     lim.add_argument("--max-body", type=int, help="request body limit in bytes (default 1 MiB; 64 MiB for image-text)")
@@ -339,8 +341,19 @@ def _serve_command(args: Any) -> int:
                          inference_queue=args.inference_queue, max_image_pixels=args.max_image_pixels,
                          grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)
     limits.check()
+    if args.crl and not all(tls_args):
+        raise ConfigError("--crl checks client certificates: give it with --cert, --key and --ca")
+    revocations = None
+    if args.crl:
+        from fedclinic.pki import PkiError, RevocationList
+
+        try:
+            revocations = RevocationList(args.crl, args.ca)
+        except PkiError as exc:
+            raise ConfigError(f"--crl: {exc}") from None
     callers = CallerPolicy.from_token_file(args.token_file,
-                                           tuple(r.strip() for r in args.allow_roles.split(",") if r.strip()))
+                                           tuple(r.strip() for r in args.allow_roles.split(",") if r.strip()),
+                                           revocations)
     tls = None
     if all(tls_args):
         # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
