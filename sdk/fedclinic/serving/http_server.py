@@ -24,7 +24,8 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx/5xx statu
 
 Statuses: 400 a bad request (named input), 401 no/wrong bearer token, 403 a client certificate of a role not
 allowed, 404/405 unknown path/method, 408 body too slow, 413 body or image too large, 422 what the model
-refuses (an empty text, a question longer than the prompt budget), 503 busy (with ``Retry-After``).
+refuses (an empty text, a question longer than the prompt budget), 503 busy (with ``Retry-After``; past
+``--max-connections`` it is uvicorn's own plain-text 503, and the connection is closed).
 
 The HTTP stack is uvicorn (h11's HTTP/1.1 parser) with Starlette, not hand-rolled request handling, and every
 resource a client can hold is bounded (defaults; each has a flag of ``fedclinic serve``):
