@@ -8,51 +8,22 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
 from fedclinic.export.onnx_export import export_onnx
-from fedclinic.federation.local_federation import wait_until
 from fedclinic.models.feature_classification import package_feature_model
 
+from tests.helpers.serving import ServeProcesses, call as _call
 from tests.helpers.text_models import LABELS, tiny_package
 
 pytestmark = pytest.mark.integration
 
 
-def _call(port: int, path: str, body=None, raw: bytes | None = None):
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 @pytest.fixture
 def serve(tmp_path):
-    procs = []
-
-    def start(bundle, *extra):
-        port_file = tmp_path / f"port-{len(procs)}"
-        proc = subprocess.Popen([sys.executable, "-m", "fedclinic.cli", "serve", str(bundle), "--port", "0",
-                                 "--port-file", str(port_file), "--threads", "1", *extra],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        procs.append(proc)
-        wait_until(lambda: port_file.exists() or proc.poll() is not None, timeout=60, what="the server to start")
-        assert proc.poll() is None, proc.stdout.read()
-        ports = json.loads(port_file.read_text())
-        return (proc, ports["http"]) if not extra else (proc, ports)
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+    with ServeProcesses(tmp_path) as procs:
+        yield procs.start
 
 
 def test_text_bundle_over_http(tmp_path, serve):

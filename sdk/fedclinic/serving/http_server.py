@@ -1,6 +1,6 @@
-"""``fedclinic serve BUNDLE``: an HTTP/JSON inference service for an exported model bundle.
+"""``fedclinic serve BUNDLE``: an HTTP/JSON (and optionally gRPC) inference service for an exported model bundle.
 
-API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
+API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx/5xx status)::
 
     GET  /healthz                -> 200 {"status": "ok"}                      (the process is up)
     GET  /readyz                 -> 200 {"ready": true, "model": {...}}      (the model is loaded; "model" has
@@ -22,269 +22,269 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx status)::
                                     "threshold": t}, ...]; NER: [{"entities": [...]}, ...];
                                     question-answering: [{"answer": "..."}, ...]
 
-Limits: at most ``MAX_ITEMS`` inputs (``MAX_QUESTIONS`` questions: each answer is generated token by token;
-``MAX_IMAGES`` image + report pairs) and ``MAX_BODY`` bytes per request (``MAX_IMAGE_BODY`` for image-text
-bundles); a question whose prompt exceeds the model's prompt budget gets a 422, not a silently shortened
-question. For an image-text bundle every input problem is a 400 naming the input: an image missing, not
-base64, empty, not a PNG/JPEG/DICOM file, corrupt, or one the decoder cannot make one grayscale image of
-(several frames, palette colour); an empty report; a count of images that differs from the count of reports.
-It binds to 127.0.0.1 by default.
-The HTTP service has no TLS and no authentication: expose it only behind the hospital's reverse proxy or
-integration engine (see SECURITY.md).
+Statuses: 400 a bad request (named input), 401 no/wrong bearer token, 403 a client certificate of a role not
+allowed, 404/405 unknown path/method, 408 body too slow, 413 body or image too large, 422 what the model
+refuses (an empty text, a question longer than the prompt budget), 503 busy (with ``Retry-After``; past
+``--max-connections`` it is uvicorn's own plain-text 503, and the connection is closed).
+
+The HTTP stack is uvicorn (h11's HTTP/1.1 parser) with Starlette, not hand-rolled request handling, and every
+resource a client can hold is bounded (defaults; each has a flag of ``fedclinic serve``):
+
+==============================  =======================================================================
+``--max-body``                  1 MiB per request (64 MiB for image-text bundles), counted on the bytes
+                                read, whatever Content-Length says; a declared excess is refused unread
+``--max-inflight-bytes``        4 x ``--max-body``: all request bodies held in memory at once
+``--max-connections``           1000 open connections (more requests: 503)
+``--backlog``                   2048 pending connections in the listen queue
+``--header-timeout``            10 s for the request line and headers, however slowly they trickle
+``--body-timeout``              60 s for the whole body
+``--keep-alive-timeout``        5 s idle between requests on a kept-alive connection
+``--inference-workers``         2 threads run predictions; ``--inference-queue`` 16 more wait, then 503
+``--max-image-pixels``          25,000,000 pixels per image, read from the header before decoding (413);
+                                Pillow's decompression-bomb limit is set to the same budget
+``--grpc-max-concurrent-rpcs``  64 calls at once on the gRPC port
+==============================  =======================================================================
+
+Inputs per call: ``MAX_ITEMS`` texts or feature rows, ``MAX_QUESTIONS`` questions, ``MAX_IMAGES`` image + report
+pairs (:mod:`fedclinic.serving.prediction_service`).
+
+Security: the server binds to 127.0.0.1 and speaks plain HTTP by default, for use behind the hospital's
+reverse proxy or integration engine. ``--https`` (with ``--cert/--key/--ca`` from ``fedclinic pki``) serves
+HTTPS that requires a client certificate of the fedclinic CA (``--https tls``: server certificate only, then
+``--token-file`` is required). ``--token-file`` requires ``Authorization: Bearer <token>`` on every request but
+``/healthz``. Client certificates must have a role allowed to query a model (``--allow-roles``, default
+scientist and agent; :mod:`fedclinic.serving.caller_policy`); with ``--crl`` revoked certificates are refused.
 
 With ``--grpc-port`` the same predictions are also served by the ``fedclinic.v1.Inference`` gRPC service
-(``protos/fedclinic/v1/inference.proto``) with the standard health service. With ``--cert/--key/--ca`` from
-``fedclinic pki`` that port requires mutual TLS, as every other fedclinic port does. Bad requests get
-INVALID_ARGUMENT with the same messages as HTTP's 4xx. SIGTERM and SIGINT stop both gracefully.
+(:mod:`fedclinic.serving.inference_grpc`) with the standard health service; with ``--cert/--key/--ca`` that port
+requires mutual TLS and the same role check. SIGTERM and SIGINT stop both gracefully (exit status 0).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
+import contextlib
+import ipaddress
 import json
+import logging
+import resource
 import signal
+import socket
+import ssl
+import sys
 import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
-import numpy as np
+import uvicorn
 
-from fedclinic.errors import ConfigError, DatasetError, FedclinicError
+from fedclinic.errors import ConfigError
 from fedclinic.serving.bundle import ClassifierBundle
-from fedclinic.spec.model_card import card_summary
+from fedclinic.serving.caller_policy import DEFAULT_ROLES, CallerPolicy
+from fedclinic.serving.guarded_h11 import GuardedH11Protocol
+from fedclinic.serving.http_app import HttpApp
+from fedclinic.serving.pixel_budget import DEFAULT_MAX_PIXELS, PixelBudget
+from fedclinic.serving.prediction_service import PredictionService
+from fedclinic.serving.work_pool import WorkPool
 
-MAX_ITEMS = 256
-#: questions per request to a question-answering bundle (generation costs one model step per answer token)
-MAX_QUESTIONS = 32
-MAX_BODY = 1 << 20
-#: image + report pairs per request to an image-text bundle, and its body limit (a DICOM study image is MBs)
-MAX_IMAGES = 16
-MAX_IMAGE_BODY = 64 << 20
-IMAGE_TEXT = "image-text-classification"
-
-
-class _BadRequest(Exception):
-    pass
+#: seconds a stopping server waits for requests in progress
+GRACEFUL_STOP_S = 10
 
 
-def _item_limit(bundle) -> int:
-    if bundle.family == IMAGE_TEXT:
-        return MAX_IMAGES
-    return MAX_QUESTIONS if bundle.family == "question-answering" else MAX_ITEMS
+@dataclass(frozen=True)
+class ServeLimits:
+    """The bounds of one server (module doc); ``None``: the bundle family's default."""
+
+    max_body: int | None = None
+    max_inflight_bytes: int | None = None
+    max_connections: int = 1000
+    backlog: int = 2048
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    keep_alive_timeout: float = 5.0
+    inference_workers: int = 2
+    inference_queue: int = 16
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    grpc_max_concurrent_rpcs: int = 64
+
+    def check(self) -> None:
+        """ConfigError naming the flag of a value out of range."""
+        for flag, value, low in (("--max-connections", self.max_connections, 1), ("--backlog", self.backlog, 1),
+                                 ("--inference-workers", self.inference_workers, 1),
+                                 ("--inference-queue", self.inference_queue, 0),
+                                 ("--max-image-pixels", self.max_image_pixels, 1),
+                                 ("--grpc-max-concurrent-rpcs", self.grpc_max_concurrent_rpcs, 1),
+                                 ("--max-body", self.max_body if self.max_body is not None else 1, 1)):
+            if value < low:
+                raise ConfigError(f"{flag} must be >= {low}, got {value}")
+        for flag, seconds in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
+                              ("--keep-alive-timeout", self.keep_alive_timeout)):
+            if not seconds > 0:
+                raise ConfigError(f"{flag} must be > 0 seconds, got {seconds}")
 
 
-def _body_limit(bundle) -> int:
-    return MAX_IMAGE_BODY if bundle.family == IMAGE_TEXT else MAX_BODY
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, telling us when it listens, and ending on SIGTERM/SIGINT with status 0 (uvicorn
+    re-raises the signal after a graceful stop, which would end the process with -15)."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_started()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
-def _b64_image(value: Any, index: int) -> bytes:
-    """The bytes of image ``index`` of a JSON request: standard base64 (RFC 4648; whitespace and a
-    ``data:<type>;base64,`` prefix are allowed)."""
-    if not isinstance(value, str) or not value.strip():
-        raise _BadRequest(f"image {index} is missing or not a string; send each image as the base64 of its PNG, "
-                          "JPEG or DICOM file's bytes")
-    text = value.strip()
-    if text.startswith("data:"):
-        head, sep, text = text.partition(",")
-        if not sep or not head.endswith(";base64"):
-            raise _BadRequest(f"image {index} is a data URL without ';base64,'; send the file base64-encoded")
+class InferenceServer:
+    """One ``fedclinic serve`` process's servers: HTTP(S) on ``host:port`` and, with ``grpc_port``, gRPC.
+
+    The HTTP socket is bound at construction (:attr:`http_port` is known at once); :meth:`serve` runs until
+    SIGTERM/SIGINT (or :meth:`stop`). ``https``: None (plain HTTP), ``"mtls"`` (client certificate required)
+    or ``"tls"``; both need ``tls``, the files that also secure the gRPC port."""
+
+    def __init__(self, bundle: Any, host: str = "127.0.0.1", port: int = 8080, *, limits: ServeLimits = ServeLimits(),
+                 tls: Any = None, https: str | None = None, callers: CallerPolicy | None = None,
+                 grpc_port: int | None = None) -> None:
+        limits.check()
+        if https is not None and tls is None:
+            raise ConfigError("--https needs --cert, --key and --ca (this server's certificate from `fedclinic pki`)")
+        self.callers = callers or CallerPolicy()
+        if https == "tls" and not self.callers.needs_token:
+            raise ConfigError("--https tls checks no client certificate, so it would let anyone in: add --token-file, "
+                              "or use --https mtls")
+        budget = PixelBudget(limits.max_image_pixels)
+        budget.install()
+        self.service = PredictionService(bundle, budget, limits.max_body)
+        if limits.max_inflight_bytes is not None and limits.max_inflight_bytes < self.service.body_limit:
+            raise ConfigError(f"--max-inflight-bytes ({limits.max_inflight_bytes}) must be at least --max-body "
+                              f"({self.service.body_limit})")
+        self.limits = limits
+        self.host = host
+        self.pool = WorkPool(limits.inference_workers, limits.inference_queue)
+        self.app = HttpApp(self.service, self.pool, self.callers, body_timeout=limits.body_timeout,
+                           max_inflight_bytes=limits.max_inflight_bytes, client_certificates=https == "mtls")
+        self.scheme = "https" if https else "http"
+        _raise_open_file_limit(limits.max_connections + 256)
+        self._socket = _bind(host, port)
+        self.http_port: int = self._socket.getsockname()[1]
+        ssl_context = _ssl_context(tls, client_certificates=https == "mtls") if https else None
+        config = uvicorn.Config(self.app.asgi, http=GuardedH11Protocol.with_header_timeout(limits.header_timeout),
+                                loop="asyncio", lifespan="off", ws="none", interface="asgi3",
+                                limit_concurrency=limits.max_connections, backlog=limits.backlog,
+                                timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
+                                timeout_graceful_shutdown=GRACEFUL_STOP_S, log_config=None, access_log=False,
+                                server_header=False, proxy_headers=False,
+                                ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None)
+        self._started = threading.Event()
+        self._on_ready: Callable[[dict[str, int]], None] | None = None
+        self._uvicorn = _Uvicorn(config, self._now_ready)
+        self.grpc_server = None
+        self.grpc_port: int | None = None
+        if grpc_port is not None:
+            # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
+            from fedclinic.serving.inference_grpc import make_grpc_server
+
+            self.grpc_server, self.grpc_port = make_grpc_server(self.service, self.pool, f"{host}:{grpc_port}", tls,
+                                                                self.callers, limits.grpc_max_concurrent_rpcs)
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """``{"http": PORT}`` and ``"grpc"`` when served."""
+        return {"http": self.http_port, **({"grpc": self.grpc_port} if self.grpc_port is not None else {})}
+
+    def serve(self, on_ready: Callable[[dict[str, int]], None] | None = None) -> None:
+        """Serve until stopped; ``on_ready(ports)`` once both ports accept requests."""
+        import asyncio
+
+        # uvicorn logs a warning per refused request (503, malformed): under a flood that is the flood again
+        logging.getLogger("uvicorn.error").setLevel(logging.ERROR)
+        if self.grpc_server is not None:
+            self.grpc_server.start()
+        self._on_ready = on_ready
+        try:
+            asyncio.run(self._uvicorn.serve(sockets=[self._socket]))
+        finally:
+            if self.grpc_server is not None:
+                self.grpc_server.stop(grace=GRACEFUL_STOP_S).wait()
+            self.pool.shutdown()
+            self._socket.close()
+
+    def _now_ready(self) -> None:
+        self._started.set()
+        if self._on_ready is not None:
+            self._on_ready(self.ports)
+
+    def start_in_thread(self, timeout: float = 60.0) -> threading.Thread:
+        """:meth:`serve` in a daemon thread, returned once it accepts requests (for tests and embedding)."""
+        thread = threading.Thread(target=self.serve, name="fedclinic-serve", daemon=True)
+        thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError(f"the inference server did not start within {timeout} s")
+        return thread
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to stop gracefully (returns at once)."""
+        self._uvicorn.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
     try:
-        return base64.b64decode("".join(text.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise _BadRequest(f"image {index} is not valid base64 (standard alphabet, '=' padding); send the image "
-                          "file's bytes base64-encoded") from None
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --host/--port "
+                          "(0 = any free port)") from None
+    return sock
 
 
-def _predict_images(bundle, images: list[bytes], texts: Any) -> list[dict]:
-    """An image-text bundle's predictions; every problem with the inputs is a bad request (400 /
-    INVALID_ARGUMENT) that names the input."""
-    if not isinstance(texts, list) or not texts:
-        raise _BadRequest("expected a non-empty list of reports in 'texts', one per image (this model is "
-                          f"{IMAGE_TEXT})")
-    if not images:
-        raise _BadRequest("no images: send one image per report in 'images' (this model is "
-                          f"{IMAGE_TEXT}: it reads an image and its report together)")
-    if len(texts) > MAX_IMAGES or len(images) > MAX_IMAGES:
-        raise _BadRequest(f"{max(len(texts), len(images))} inputs; the limit is {MAX_IMAGES} image + report pairs "
-                          "per call")
-    if len(images) != len(texts):
-        raise _BadRequest(f"{len(images)} images for {len(texts)} reports; send exactly one image per report")
+def _ssl_context(tls: Any, *, client_certificates: bool) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        return bundle.predict_image_text(images, texts)
-    except DatasetError as exc:
-        raise _BadRequest(str(exc)) from None
+        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+        if client_certificates:
+            ctx.load_verify_locations(cafile=str(tls.ca))
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the HTTPS certificate {tls.cert}, key {tls.key} or CA {tls.ca}: {exc}; "
+                          "check the paths (create them with `fedclinic pki issue`)") from None
+    return ctx
 
 
-def _contexts(bundle, contexts: Any, count: int) -> list[str] | None:
-    """The request's contexts (None: none given), checked: only question-answering bundles take them, one
-    string per question."""
-    if contexts is None or contexts == []:
-        return None
-    if bundle.family != "question-answering":
-        raise _BadRequest(f"'contexts' are for question-answering bundles; this model is {bundle.family}")
-    if not isinstance(contexts, list) or not all(isinstance(c, str) for c in contexts):
-        raise _BadRequest("'contexts' must be a list of strings, one per question (\"\" for none)")
-    if len(contexts) != count:
-        raise _BadRequest(f"{len(contexts)} contexts for {count} questions; give one per question (\"\" for none)")
-    return contexts
+def _raise_open_file_limit(wanted: int) -> None:
+    """Raise this process's soft limit on open files towards ``wanted`` (within the hard limit), so that
+    ``--max-connections`` and not the file limit is what refuses a connection."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def make_server(bundle, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
-    """An HTTP server answering the API above with ``bundle`` (a :class:`fedclinic.serving.bundle.ClassifierBundle`)."""
-    info: dict[str, Any] = {"family": bundle.family, "labels": bundle.labels, "multi_label": bundle.multi_label}
-    if bundle.multi_label:
-        info["threshold"] = bundle.threshold
-    if getattr(bundle, "image", None) is not None:
-        info["image"] = {"channels": 1, "size": bundle.image.size, "mean": bundle.image.mean, "std": bundle.image.std,
-                         "formats": ["png", "jpeg", "dicom"]}
-    if getattr(bundle, "card", None):
-        info["card"] = card_summary(bundle.card)
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "fedclinic-serve"
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-            pass  # request logs would carry nothing useful; errors are returned to the caller
-
-        def _send(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802 - stdlib name
-            if self.path == "/healthz":
-                self._send(HTTPStatus.OK, {"status": "ok"})
-            elif self.path == "/readyz":
-                self._send(HTTPStatus.OK, {"ready": True, "model": info})
-            else:
-                self._send(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {self.path}; see /v1/predict"})
-
-        def do_POST(self) -> None:  # noqa: N802 - stdlib name
-            if self.path != "/v1/predict":
-                self._send(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint {self.path}; POST to /v1/predict"})
-                return
-            try:
-                self._send(HTTPStatus.OK, {"predictions": self._predict()})
-            except _BadRequest as exc:
-                self._send(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
-            except FedclinicError as exc:
-                self._send(HTTPStatus.UNPROCESSABLE_ENTITY, {"error": str(exc)})
-
-        def _predict(self) -> list[dict]:
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                raise _BadRequest("send a JSON body with a Content-Length header") from None
-            if length > _body_limit(bundle):
-                raise _BadRequest(f"the body is {length} bytes; the limit is {_body_limit(bundle)}: send fewer inputs "
-                                  "per call")
-            try:
-                body = json.loads(self.rfile.read(length) or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise _BadRequest("the body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise _BadRequest('expected a JSON object like {"texts": ["..."]}')
-            if bundle.family == IMAGE_TEXT:
-                images = body.get("images")
-                if images is not None and not isinstance(images, list):
-                    raise _BadRequest("'images' must be a list of base64 strings, one per report")
-                images = images or []
-                if len(images) > MAX_IMAGES:
-                    raise _BadRequest(f"{len(images)} images; the limit is {MAX_IMAGES} per call")
-                return _predict_images(bundle, [_b64_image(v, i) for i, v in enumerate(images)], body.get("texts"))
-            if body.get("images") is not None:
-                raise _BadRequest(f"'images' are for {IMAGE_TEXT} bundles; this model is {bundle.family}")
-            key = "features" if bundle.family == "feature-classification" else "texts"
-            items = body.get(key)
-            if not isinstance(items, list) or not items:
-                raise _BadRequest(f"expected a non-empty list in {key!r} (this model is {bundle.family})")
-            if len(items) > _item_limit(bundle):
-                raise _BadRequest(f"{len(items)} inputs; the limit is {_item_limit(bundle)} per call")
-            if key == "texts":
-                contexts = _contexts(bundle, body.get("contexts"), len(items))
-                return bundle.predict(items) if contexts is None else bundle.predict(items, contexts=contexts)
-            try:
-                x = np.asarray(items, dtype=np.float32)
-            except (TypeError, ValueError):
-                raise _BadRequest("features must be a list of equal-length lists of numbers") from None
-            return bundle.predict_features(x)
-
-    return ThreadingHTTPServer((host, port), Handler)
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
-def _prediction_message(p: dict):
-    # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
-    from fedclinic.proto import inference_pb2
-
-    return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p.get("scores", {}),
-                                    entities=[inference_pb2.Entity(**e) for e in p.get("entities", [])],
-                                    answer=p.get("answer", ""), threshold=p.get("threshold", 0.0))
-
-
-def make_grpc_server(bundle, address: str, tls=None):
-    """A gRPC server with the Inference and health services bound to ``address`` (mTLS when ``tls`` is given).
-
-    Returns (server, bound port)."""
-    from concurrent import futures
-
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
-    from fedclinic.proto import inference_pb2, inference_pb2_grpc
-    from fedclinic.transport.rpc import server_credentials
-
-    class Inference(inference_pb2_grpc.InferenceServicer):
-        def Predict(self, request, context):  # noqa: N802 - generated name
-            try:
-                if bundle.family == "feature-classification":
-                    if not request.features:
-                        raise _BadRequest("send features (this model is feature-classification)")
-                    rows = [list(r.values) for r in request.features]
-                    if len({len(r) for r in rows}) != 1:
-                        raise _BadRequest("every feature row must have the same length")
-                    items = bundle.predict_features(np.asarray(rows, dtype=np.float32))
-                elif bundle.family == IMAGE_TEXT:
-                    items = _predict_images(bundle, list(request.images), list(request.texts))
-                else:
-                    if request.images:
-                        raise _BadRequest(f"images are for {IMAGE_TEXT} bundles; this model is {bundle.family}")
-                    if not request.texts:
-                        raise _BadRequest(f"send texts (this model is {bundle.family})")
-                    if len(request.texts) > _item_limit(bundle):
-                        raise _BadRequest(f"{len(request.texts)} inputs; the limit is {_item_limit(bundle)} per call")
-                    contexts = _contexts(bundle, list(request.contexts), len(request.texts))
-                    items = (bundle.predict(list(request.texts)) if contexts is None else
-                             bundle.predict(list(request.texts), contexts=contexts))
-            except (_BadRequest, FedclinicError) as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return inference_pb2.PredictResponse(predictions=[_prediction_message(p) for p in items])
-
-        def DescribeModel(self, request, context):  # noqa: N802 - generated name
-            image = getattr(bundle, "image", None)
-            return inference_pb2.ModelDescription(family=bundle.family, labels=bundle.labels,
-                                                  multi_label=bundle.multi_label,
-                                                  threshold=bundle.threshold if bundle.multi_label else 0.0,
-                                                  image_size=image.size if image is not None else 0)
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                         options=[("grpc.max_receive_message_length", _body_limit(bundle))])
-    inference_pb2_grpc.add_InferenceServicer_to_server(Inference(), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("fedclinic.v1.Inference", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
-
-
-def add_serve_command(sub) -> None:
+def add_serve_command(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve an exported model bundle over HTTP/JSON (and gRPC)")
     p.add_argument("bundle", help="a folder written by `fedclinic export onnx`")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -298,43 +298,87 @@ def add_serve_command(sub) -> None:
     p.add_argument("--cert", help="this server's certificate (fedclinic pki): the gRPC port then requires mTLS")
     p.add_argument("--key", help="its private key")
     p.add_argument("--ca", help="the fedclinic CA certificate")
+    sec = p.add_argument_group("HTTP security (plain HTTP on loopback by default)")
+    sec.add_argument("--https", nargs="?", const="mtls", choices=["mtls", "tls"],
+                     help="serve HTTPS with --cert/--key: 'mtls' (the default) requires a client certificate of the "
+                          "--ca; 'tls' does not (then --token-file is required)")
+    sec.add_argument("--token-file", help="require 'Authorization: Bearer <token>' (the file's one line) on every "
+                                          "request but /healthz, and on every gRPC call")
+    sec.add_argument("--allow-roles", default=",".join(DEFAULT_ROLES),
+                     help="certificate roles that may query the model (default: %(default)s)")
+    sec.add_argument("--crl", help="the fedclinic CA's revocation list (crl.pem): refuse revoked client certificates "
+                                   "on HTTPS and gRPC (re-read when the file changes)")
+    lim = p.add_argument_group("limits")
+    d = ServeLimits()
+    lim.add_argument("--max-body", type=int, help="request body limit in bytes (default 1 MiB; 64 MiB for image-text)")
+    lim.add_argument("--max-inflight-bytes", type=int, help="request bodies held at once, bytes (default 4 x --max-body)")
+    lim.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections (default %(default)s)")
+    lim.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
+    lim.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                     help="seconds for a request's line and headers (default %(default)s)")
+    lim.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                     help="seconds for a request's body (default %(default)s)")
+    lim.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                     help="idle seconds between requests on one connection (default %(default)s)")
+    lim.add_argument("--inference-workers", type=int, default=d.inference_workers,
+                     help="predictions run at once (default %(default)s)")
+    lim.add_argument("--inference-queue", type=int, default=d.inference_queue,
+                     help="predictions waiting for a worker before requests get 503 (default %(default)s)")
+    lim.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                     help="pixels per image, checked from its header before decoding (default %(default)s)")
+    lim.add_argument("--grpc-max-concurrent-rpcs", type=int, default=d.grpc_max_concurrent_rpcs,
+                     help="calls at once on the gRPC port (default %(default)s)")
     p.set_defaults(func=_serve_command)
 
 
-def _serve_command(args) -> int:
+def _serve_command(args: Any) -> int:
     tls_args = [args.cert, args.key, args.ca]
     if any(tls_args) and not all(tls_args):
         raise ConfigError("give all of --cert, --key and --ca for mutual TLS, or none of them")
-    bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads, threshold=args.threshold)
-    server = make_server(bundle, args.host, args.port)
-    port = server.server_address[1]
-    grpc_server = None
-    ports = {"http": port}
-    if args.grpc_port is not None:
+    limits = ServeLimits(max_body=args.max_body, max_inflight_bytes=args.max_inflight_bytes,
+                         max_connections=args.max_connections, backlog=args.backlog,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                         keep_alive_timeout=args.keep_alive_timeout, inference_workers=args.inference_workers,
+                         inference_queue=args.inference_queue, max_image_pixels=args.max_image_pixels,
+                         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)
+    limits.check()
+    if args.crl and not all(tls_args):
+        raise ConfigError("--crl checks client certificates: give it with --cert, --key and --ca")
+    revocations = None
+    if args.crl:
+        from fedclinic.pki import PkiError, RevocationList
+
+        try:
+            revocations = RevocationList(args.crl, args.ca)
+        except PkiError as exc:
+            raise ConfigError(f"--crl: {exc}") from None
+    callers = CallerPolicy.from_token_file(args.token_file,
+                                           tuple(r.strip() for r in args.allow_roles.split(",") if r.strip()),
+                                           revocations)
+    tls = None
+    if all(tls_args):
         # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
         from fedclinic.transport.rpc import TlsFiles
 
-        tls = TlsFiles(Path(args.cert), Path(args.key), Path(args.ca)) if all(tls_args) else None
-        grpc_server, ports["grpc"] = make_grpc_server(bundle, f"{args.host}:{args.grpc_port}", tls)
-        grpc_server.start()
-        print(f"gRPC Inference service on {args.host}:{ports['grpc']} ({'mutual TLS' if tls else 'plaintext'})",
+        tls = TlsFiles(Path(args.cert), Path(args.key), Path(args.ca))
+    bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads, threshold=args.threshold)
+    server = InferenceServer(bundle, args.host, args.port, limits=limits, tls=tls, https=args.https,
+                             callers=callers, grpc_port=args.grpc_port)
+    if not _is_loopback(args.host) and not args.https and not callers.needs_token:
+        print(f"warning: serving plain HTTP without authentication on {args.host}: anyone who can reach this port "
+              "can query the model; use --https and/or --token-file, or keep it behind the hospital's reverse proxy",
+              file=sys.stderr, flush=True)
+    if server.grpc_port is not None:
+        print(f"gRPC Inference service on {args.host}:{server.grpc_port} ({'mutual TLS' if tls else 'plaintext'})",
               flush=True)
 
-    def stop(_signum, _frame) -> None:
-        if grpc_server is not None:
-            grpc_server.stop(grace=5)
-        threading.Thread(target=server.shutdown, daemon=True).start()
+    def ready(ports: dict[str, int]) -> None:
+        print(f"serving {args.bundle} ({bundle.family}, {len(bundle.labels)} labels) on "
+              f"{server.scheme}://{args.host}:{ports['http']}", flush=True)
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(json.dumps(ports))
+            tmp.replace(args.port_file)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    print(f"serving {args.bundle} ({bundle.family}, {len(bundle.labels)} labels) on http://{args.host}:{port}",
-          flush=True)
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(json.dumps(ports))
-        tmp.replace(args.port_file)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    server.serve(ready)
     return 0

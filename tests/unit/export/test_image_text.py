@@ -265,16 +265,12 @@ def test_an_incomplete_or_inconsistent_bundle_is_refused(exported, tmp_path):
 
 @pytest.fixture
 def http_server(served):
-    import threading
+    from fedclinic.serving.http_server import InferenceServer
 
-    from fedclinic.serving.http_server import make_server
-
-    server = make_server(served, "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    server = InferenceServer(served, "127.0.0.1", 0)
+    thread = server.start_in_thread()
+    yield server.http_port
+    server.stop()
     thread.join(timeout=30)
 
 
@@ -321,10 +317,12 @@ def test_grpc_takes_image_bytes_and_refuses_bad_ones(exported, served):
     import grpc
 
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
-    from fedclinic.serving.http_server import make_grpc_server
+    from fedclinic.serving.inference_grpc import make_grpc_server
+    from fedclinic.serving.prediction_service import PredictionService
+    from fedclinic.serving.work_pool import WorkPool
 
     png = image_bytes(exported, 8)  # a DICOM stand-in image
-    server, port = make_grpc_server(served, "127.0.0.1:0")
+    server, port = make_grpc_server(PredictionService(served), WorkPool(1, 4), "127.0.0.1:0")
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
