@@ -17,7 +17,7 @@ anything else                                       INTERNAL             ask the
 
 A request message that does not parse (damaged bytes, another protocol) is refused with INVALID_ARGUMENT
 naming the method, instead of grpc's own ``INTERNAL: Exception deserializing request!`` and a traceback in the
-log: the handler gets the raw bytes and parses them itself (:func:`_lenient`).
+log (fedclinic.transport.request_parsing).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Callable
 
 import grpc
 import structlog
+
+from fedclinic.transport.request_parsing import checked_requests, lenient_parser
 
 log = structlog.get_logger("fedclinic.aggregator.rpc")
 
@@ -73,49 +75,11 @@ def _fail(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
     context.abort(code, message)
 
 
-class _Undecodable:
-    """What :func:`_lenient` hands on for bytes its parser refused."""
-
-
-_UNDECODABLE = _Undecodable()
-
-
-def _lenient(parse: Callable | None) -> Callable | None:
-    """``parse`` (a message's FromString), returning :data:`_UNDECODABLE` instead of raising: grpc would answer
-    a parser's exception with INTERNAL and log a traceback for what is a caller's damaged message."""
-    if parse is None:
-        return None
-
-    def lenient(data: bytes):
-        try:
-            return parse(data)
-        except Exception:  # noqa: BLE001 - any parser failure is the caller's damaged message
-            return _UNDECODABLE
-    return lenient
-
-
-def _refuse_undecodable(context: grpc.ServicerContext, method: str) -> None:
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                  f"a request message to {method} does not parse as the message it expects (damaged, cut, or not "
-                  "a fedclinic message); send a well-formed message from a fedclinic client of this version")
-
-
-def _decoded(requests, context: grpc.ServicerContext, method: str):
-    for r in requests:
-        if r is _UNDECODABLE:
-            _refuse_undecodable(context, method)
-        yield r
-
-
 def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     streamed = handler.request_streaming
 
     def checked(request, context):
-        if streamed:
-            return _decoded(request, context, method)
-        if request is _UNDECODABLE:
-            _refuse_undecodable(context, method)
-        return request
+        return checked_requests(request, context, method, streamed)
 
     def unary(behavior: Callable):
         def inner(request, context):
@@ -138,7 +102,7 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
         return inner
 
     h = handler
-    parse = _lenient(h.request_deserializer)
+    parse = lenient_parser(h.request_deserializer)
     if h.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary(h.unary_unary), parse, h.response_serializer)
     if h.unary_stream:

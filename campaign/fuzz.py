@@ -37,16 +37,18 @@ SERVICES = ("agent", "control", "inference", "http")
 FIXED = (
     "Fixed: the aggregator answered a request message that does not parse (damaged bytes, on any RPC) with "
     "grpc's INTERNAL 'Exception deserializing request!' and a traceback in its log; it is now INVALID_ARGUMENT "
-    "naming the method (aggregator_service.rpc_errors; tests/integration/test_fuzz_findings.py).",
+    "naming the method (fedclinic.transport.request_parsing; tests/integration/test_fuzz_findings.py).",
+    "Fixed: fedclinic serve's gRPC port answered the same damaged bytes (Predict, DescribeModel, Health) with "
+    "INTERNAL; it now refuses them with INVALID_ARGUMENT too (fedclinic.serving.inference_grpc; "
+    "tests/integration/test_serve_abuse.py::test_a_grpc_request_that_does_not_parse_is_invalid_argument_not_internal).",
+    "Fixed: fedclinic serve on uvicorn closed the connection of a client that half-closes after a complete request "
+    "(nc -N, some proxies) without answering it; it is answered now, and a request cut by the end of its stream gets "
+    "a 400 (fedclinic.serving.guarded_h11; tests/integration/test_serve_abuse.py::"
+    "test_a_client_that_half_closes_after_its_request_is_answered).",
 )
 #: findings whose fix belongs to work under way elsewhere: shown in the fragment as OPEN with their owner, not
 #: counted in ``crashes``; remove an entry once its fix lands (the finding then fails the part if it recurs)
-KNOWN_OPEN = {
-    "inference: INTERNAL 'Exception deserializing request!'":
-        "fedclinic serve's gRPC port (sdk/fedclinic/serving, rewritten on branch h16-serve) answers damaged request "
-        "bytes with grpc's INTERNAL 'Exception deserializing request!'; give its handlers a parser that refuses "
-        "them with INVALID_ARGUMENT, as aggregator_service.rpc_errors now does",
-}
+KNOWN_OPEN: dict[str, str] = {}
 TEXTS = ["fever and cough for three days", "rash on both arms"]
 TRACEBACK = b"Traceback (most recent call last)"
 

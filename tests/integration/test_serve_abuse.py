@@ -336,3 +336,40 @@ def test_with_a_crl_a_revoked_certificate_is_refused_on_both_ports(bundle, serve
         with pytest.raises(grpc.RpcError) as denied:
             inference_pb2_grpc.InferenceStub(channel).DescribeModel(inference_pb2.DescribeModelRequest(), timeout=30)
     assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED and "has been revoked" in denied.value.details()
+
+
+def test_a_grpc_request_that_does_not_parse_is_invalid_argument_not_internal(bundle, serve, certs):
+    """Found by the fuzz campaign: damaged bytes got grpc's own INTERNAL 'Exception deserializing request!'."""
+    import grpc
+
+    from fedclinic.transport.rpc import TlsFiles, secure_channel
+
+    _, ports = serve(bundle, "--grpc-port", "0", *_tls_flags(certs))
+    c = certs["scientist"]
+    damaged = (b"\x0a\x7f\x00", b"\xff" * 10 + b"\x01")  # a cut length; a varint longer than 64 bits
+    with secure_channel(f"127.0.0.1:{ports['grpc']}", TlsFiles(c.cert_path, c.key_path, c.ca_path)) as channel:
+        for method in ("/fedclinic.v1.Inference/Predict", "/fedclinic.v1.Inference/DescribeModel",
+                       "/grpc.health.v1.Health/Check"):
+            for data in damaged:
+                with pytest.raises(grpc.RpcError) as refused:  # request_serializer=None: the bytes go out as they are
+                    channel.unary_unary(method, request_serializer=None)(data, timeout=30)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, refused.value.details())
+                assert "does not parse" in refused.value.details()
+
+
+def test_a_client_that_half_closes_after_its_request_is_answered(bundle, serve):
+    """Found by the fuzz campaign: uvicorn closed on end-of-file without answering a complete request."""
+    _, port = serve(bundle)
+    body = json.dumps(PREDICT).encode()
+    cases = {b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body): b"200",
+             b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + body[:5]: b"400",
+             b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n": b"200",
+             b"GET /heal": b"400"}
+    for raw, expected in cases.items():
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(raw)
+            sock.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.split(b" ", 2)[1:2] == [expected], (raw, answer[:300])

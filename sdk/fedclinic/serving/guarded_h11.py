@@ -11,6 +11,9 @@ byte at a time (slowloris), holds its connection forever, and every such connect
   trickle; otherwise the connection is closed. The body has its own deadline in the app (``--body-timeout``).
 - a JSON ``400`` for a request h11 refuses (a negative or non-numeric Content-Length, a malformed request
   line or header), in the service's ``{"error": ...}`` form, and the connection closed;
+- an answer to a client that half-closes its side after sending a complete request (``nc -N``, some proxies):
+  uvicorn closes the connection on end-of-file without answering; a complete request is now answered and the
+  connection closed after the response, an incomplete one gets the 400 of a cut request;
 - the client certificate of an HTTPS connection in the request scope (the ASGI TLS extension,
   ``scope["extensions"]["tls"]["client_cert_chain"]``), so the app can check the certificate's role.
 """
@@ -42,6 +45,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._header_deadline: asyncio.TimerHandle | None = None
         self._tls_extension: dict[str, Any] | None = None
+        self._peer_eof = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,7 +63,29 @@ class GuardedH11Protocol(H11Protocol):
             if self._tls_extension is not None and self.scope is not None:
                 self.scope.setdefault("extensions", {})["tls"] = self._tls_extension  # type: ignore[typeddict-unknown-key]
 
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """The client will send nothing more. Nothing to answer (no request begun): close. A complete request:
+        keep the transport open to write its response, then close (:meth:`on_response_complete`). A request cut
+        in its headers or body: h11 sees the end and refuses it (:meth:`send_400_response`)."""
+        self._peer_eof = True
+        state = self.conn.their_state
+        if state in (h11.DONE, h11.MUST_CLOSE):  # MUST_CLOSE: a complete request with "Connection: close"
+            return True  # the response is being made; asyncio keeps the write side open (ignored under TLS)
+        cut = state is h11.SEND_BODY or (state is h11.IDLE and self.conn.trailing_data[0])
+        if not cut:
+            return None  # no byte of a request (or a closed/failed connection): asyncio closes the transport
+        # h11 sees the end of a cut request and refuses it (RemoteProtocolError: a 400, the transport closed).
+        # Never feed the end in another state: h11 would then return ConnectionClosed, which uvicorn's event
+        # loop does not handle (it would spin).
+        self.conn.receive_data(b"")
+        self.handle_events()
+        return None
+
     def on_response_complete(self) -> None:
+        if self._peer_eof:
+            self.server_state.total_requests += 1
+            self.transport.close()
+            return
         super().on_response_complete()
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self._arm_header_deadline()  # the next request on this kept-alive connection

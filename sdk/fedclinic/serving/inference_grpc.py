@@ -26,6 +26,7 @@ from fedclinic.serving.caller_policy import CallerPolicy
 from fedclinic.serving.pixel_budget import ImageTooLarge
 from fedclinic.serving.prediction_service import BadRequest, PredictionService
 from fedclinic.serving.work_pool import PoolFull, WorkPool
+from fedclinic.transport.request_parsing import UnparsableRequestInterceptor
 from fedclinic.transport.rpc import TlsFiles, server_credentials
 
 #: calls served at once on the gRPC port, by default (more are refused with RESOURCE_EXHAUSTED)
@@ -88,6 +89,7 @@ def make_grpc_server(service: PredictionService, pool: WorkPool, address: str, t
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=min(max_concurrent_rpcs, 16),
                                                     thread_name_prefix="fedclinic-grpc"),
                          maximum_concurrent_rpcs=max_concurrent_rpcs,
+                         interceptors=[UnparsableRequestInterceptor()],  # damaged bytes: INVALID_ARGUMENT
                          options=[("grpc.max_receive_message_length", service.body_limit),
                                   ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS)])
     servicer = InferenceServicer(service, pool, callers or CallerPolicy(), mutual_tls=tls is not None)
