@@ -17,6 +17,7 @@ and raw gRPC stubs (the SDK's and agent's own behaviour bypassed):
 from __future__ import annotations
 
 import hashlib
+import signal
 import sqlite3
 import threading
 from pathlib import Path
@@ -32,7 +33,7 @@ from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_
 
 from aggregator_service.store.sqlite_store import DB_NAME
 
-from tests.helpers.federation import watch_assignments
+from tests.helpers.federation import keep_aggregator_address, watch_assignments
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -299,3 +300,38 @@ def test_undeclared_files_of_a_submission_are_refused_with_bounded_memory(federa
         assert fed.aggregator.poll() is None
     finally:
         channel.close()
+
+
+def test_an_agent_keeps_an_update_refused_for_a_limit_and_sends_it_later(federation_factory):
+    """RESOURCE_EXHAUSTED is a limit of the aggregator, not a verdict on the update: the real agent keeps the update
+    in its outbox and sends it when the round is offered again (here after an aggregator restart). Before, it
+    dropped the update and marked the round sent, so the task could never finish."""
+    fed = federation_factory(1, start=False, aggregator_settings={"limits": {"uploads_per_peer": 1,
+                                                                             "idle_timeout_s": 600}})
+    fed.make_pki()
+    fed.start_aggregator()
+    keep_aggregator_address(fed)  # the agent reconnects to the restarted aggregator
+    squatter = _channel(fed, "site-a")  # site-a's own certificate holds its only upload slot
+    release = threading.Event()
+    held = agent_pb2_grpc.AgentServiceStub(squatter).SubmitUpdate.future(_silent_stream(release))
+    fed.start_agent("site-a")
+    agent_log = fed.logs / "agent-site-a.log"
+    try:
+        with fed.client() as client:
+            st = client.submit(make_task(num_rounds=1, min_sites=1, round_timeout_s=600), package=tiny_package())
+        wait_until(lambda: "at most 1 concurrent uploads" in agent_log.read_text(errors="replace"), timeout=180,
+                   what="the agent's upload refused for the upload limit")
+        release.set()
+        held.cancel()
+        squatter.close()
+        assert fed.signal_aggregator(signal.SIGTERM) == 0
+        fed.start_aggregator()
+        with fed.client() as client:
+            final = client.wait(st.task_id, timeout=180, progress=False)
+        assert final.state == control_pb2.TASK_STATE_COMPLETED, final.error
+        assert [r.site_id for r in final.rounds[0].reports] == ["site-a"]
+        assert "dropping it" not in agent_log.read_text(errors="replace")
+    finally:
+        release.set()
+        held.cancel()
+        squatter.close()
