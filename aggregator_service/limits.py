@@ -6,8 +6,8 @@ What each limit guards and the status a caller gets when it is reached (SECURITY
 - concurrent calls per certificate identity, by class (``aggregator_service.peer_limits``): work streams
   (WatchWork, WatchTask, Health.Watch), uploads (SubmitUpdate, SubmitTask), downloads (the two FetchModel),
   unary calls (everything else) -> RESOURCE_EXHAUSTED at once;
-- long-lived calls of all peers together: at most ``max_workers - unary_reserve``, so that ``unary_reserve``
-  worker threads always remain for Hello, ListTasks, GetTask, Decline, ... -> RESOURCE_EXHAUSTED at once;
+- long-lived calls of all peers together: at most ``max_workers - unary_reserve`` (the reserve at most half the
+  pool), so that ``unary_reserve`` worker threads always remain for Hello, ListTasks, GetTask, Decline, ... -> RESOURCE_EXHAUSTED at once;
 - calls queued for a worker thread: ``max_concurrent_rpcs`` (gRPC's own server option) -> RESOURCE_EXHAUSTED;
 - a client stream (SubmitUpdate, SubmitTask) that sends nothing for ``idle_timeout_s`` -> DEADLINE_EXCEEDED;
 - field lengths (``aggregator_service.field_limits``): free-text reasons truncated with a marker at
@@ -41,7 +41,7 @@ class Limits:
     downloads_per_peer: int = 4
     #: concurrent unary calls per certificate identity
     unary_per_peer: int = 16
-    #: worker threads long-lived calls may never take: they stay free for unary calls
+    #: worker threads long-lived calls may never take: they stay free for unary calls (at most max_workers // 2)
     unary_reserve: int = 16
     #: calls admitted by gRPC at once (running or waiting for a thread); 0 = 2 x max_workers
     max_concurrent_rpcs: int = 0
@@ -61,17 +61,15 @@ class Limits:
     model_file_bytes: int = 1 << 30
 
     def long_lived_cap(self, max_workers: int) -> int:
-        """How many long-lived calls (streams, uploads, downloads) all peers together may hold."""
-        return max_workers - self.unary_reserve
+        """How many long-lived calls (streams, uploads, downloads) all peers together may hold: ``max_workers``
+        less ``unary_reserve``, which is at most half of them."""
+        return max_workers - min(self.unary_reserve, max_workers // 2)
 
     def concurrent_rpcs(self, max_workers: int) -> int:
         return self.max_concurrent_rpcs or 2 * max_workers
 
     def check(self, max_workers: int, where: str) -> None:
         """ConfigError when the limits cannot work with ``max_workers`` threads."""
-        if self.long_lived_cap(max_workers) < 1:
-            raise ConfigError(f"{where}: [limits] unary_reserve = {self.unary_reserve} leaves no worker thread of "
-                              f"max_workers = {max_workers} for streams; raise max_workers or lower unary_reserve")
         if self.max_concurrent_rpcs and self.max_concurrent_rpcs < max_workers:
             raise ConfigError(f"{where}: [limits] max_concurrent_rpcs = {self.max_concurrent_rpcs} is below "
                               f"max_workers = {max_workers}; set it to at least max_workers (or 0 for 2 x max_workers)")

@@ -327,7 +327,9 @@ def test_an_agent_keeps_an_update_refused_for_a_limit_and_sends_it_later(federat
         assert fed.signal_aggregator(signal.SIGTERM) == 0
         fed.start_aggregator()
         with fed.client() as client:
-            final = client.wait(st.task_id, timeout=180, progress=False)
+            wait_until(lambda: client.status(st.task_id).state != control_pb2.TASK_STATE_RUNNING, timeout=180,
+                       what="the task to end")
+            final = client.status(st.task_id)
         assert final.state == control_pb2.TASK_STATE_COMPLETED, final.error
         assert [r.site_id for r in final.rounds[0].reports] == ["site-a"]
         assert "dropping it" not in agent_log.read_text(errors="replace")
