@@ -134,7 +134,8 @@ class FieldLimits:
 
     def _scalar(self, name: str, kind: int, value) -> None:
         if kind == _STRING:  # a map's keys: the default string limit
-            limit = self.limits.string_chars if name.endswith(" key") else FIELD_LIMITS.get(name, self.limits.string_chars)
+            default = self.limits.string_chars
+            limit = default if name.endswith(" key") else FIELD_LIMITS.get(name, default)
             unit = "characters"
         elif kind == _BYTES:
             limit = FIELD_LIMITS.get(name, self.limits.bytes_field)

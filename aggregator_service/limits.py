@@ -7,7 +7,8 @@ What each limit guards and the status a caller gets when it is reached (SECURITY
   (WatchWork, WatchTask, Health.Watch), uploads (SubmitUpdate, SubmitTask), downloads (the two FetchModel),
   unary calls (everything else) -> RESOURCE_EXHAUSTED at once;
 - long-lived calls of all peers together: at most ``max_workers - unary_reserve`` (the reserve at most half the
-  pool), so that ``unary_reserve`` worker threads always remain for Hello, ListTasks, GetTask, Decline, ... -> RESOURCE_EXHAUSTED at once;
+  pool), so that ``unary_reserve`` worker threads always remain for Hello, ListTasks, GetTask, Decline, ...
+  -> RESOURCE_EXHAUSTED at once;
 - calls queued for a worker thread: ``max_concurrent_rpcs`` (gRPC's own server option) -> RESOURCE_EXHAUSTED;
 - a client stream (SubmitUpdate, SubmitTask) that sends nothing for ``idle_timeout_s`` -> DEADLINE_EXCEEDED;
 - field lengths (``aggregator_service.field_limits``): free-text reasons truncated with a marker at
