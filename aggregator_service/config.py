@@ -5,7 +5,7 @@ Example::
     listen = "0.0.0.0:7443"
     state_dir = "/var/lib/fedclinic-aggregator"
     log_level = "info"
-    max_workers = 64          # gRPC threads: one per connected agent stream plus headroom
+    max_workers = 256         # gRPC threads: 2 per agent + watching scientists + [limits] unary_reserve
     heartbeat_s = 15
     metrics_address = "127.0.0.1:9464"   # optional: Prometheus endpoint (HTTP GET /metrics); off when absent
 
@@ -15,6 +15,10 @@ Example::
     ca = "/etc/fedclinic/ca.crt"
     crl = "/etc/fedclinic/crl.pem"   # required (see allow_no_crl); reloaded when it changes, never rolled back
     # allow_no_crl = true            # development only: start without a CRL (revoked certificates are accepted)
+
+    [limits]                         # optional: per-peer limits (aggregator_service.limits.Limits, all keys)
+    uploads_per_peer = 4
+    idle_timeout_s = 60
 
 Without ``crl`` the aggregator refuses to start unless ``allow_no_crl = true`` (then it logs a warning at start).
 A CRL older than the newest one it has used (``STATE_DIR/crl-high-water.json``) is refused at start and at reload.
@@ -33,10 +37,12 @@ from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_add
 from fedclinic.transport.rpc import TlsFiles
 from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
+from aggregator_service.limits import Limits
+
 ENV_PREFIX = "FEDCLINIC_AGGREGATOR"
 #: the settings aggregator.toml may hold; anything else is refused (a misspelt ``[tls] crl`` must not silently
 #: turn revocation checks off)
-KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls")
+KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls", "limits")
 TLS_KEYS = ("cert", "key", "ca", "crl", "allow_no_crl")
 
 
@@ -49,10 +55,12 @@ class AggregatorConfig:
     #: development only: serve without a CRL (revoked certificates are accepted); without it, no ``crl`` is refused
     allow_no_crl: bool = False
     log_level: str = "info"
-    max_workers: int = 64
+    max_workers: int = 256
     heartbeat_s: float = 15.0
     #: where the Prometheus endpoint listens (fedclinic.runtime.metrics_endpoint); None: no endpoint
     metrics_address: MetricsAddress | None = None
+    #: per-peer limits (aggregator_service.limits): the ``[limits]`` table
+    limits: Limits = Limits()
 
     @classmethod
     def load(cls, path: str | Path) -> "AggregatorConfig":
@@ -72,13 +80,15 @@ class AggregatorConfig:
         allow_no_crl = doc["tls"].get("allow_no_crl", False)
         if not isinstance(allow_no_crl, bool):
             raise ConfigError(f"{src}: [tls] allow_no_crl must be true or false, got {allow_no_crl!r}")
-        max_workers = int(doc.get("max_workers", 64))
+        max_workers = int(doc.get("max_workers", 256))
         if max_workers < 4:
             raise ConfigError(f"{src}: max_workers must be at least 4")
+        limits = Limits.from_table(doc.get("limits"), src)
+        limits.check(max_workers, src)
         return cls(listen=require(doc, "listen", str, src), state_dir=p(require(doc, "state_dir", str, src)),
                    tls=tls, crl=p(crl) if crl else None, allow_no_crl=allow_no_crl, log_level=str(doc.get("log_level", "info")),
                    max_workers=max_workers, heartbeat_s=float(doc.get("heartbeat_s", 15.0)),
-                   metrics_address=parse_metrics_address(doc.get("metrics_address"), src))
+                   metrics_address=parse_metrics_address(doc.get("metrics_address"), src), limits=limits)
 
     def require_crl_or_dev_mode(self, where: str = "aggregator.toml") -> None:
         """Refuse to serve without a CRL unless ``[tls] allow_no_crl = true`` says it is a development setup."""

@@ -17,6 +17,7 @@ from fedclinic.transport.wire import manifest_from_proto
 from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine
+from aggregator_service.limits import Limits
 from aggregator_service.rounds import validate_spec
 from aggregator_service.status import TERMINAL, latest_model_hash, status_of
 from aggregator_service.model_streams import stream_task_model
@@ -26,8 +27,9 @@ log = structlog.get_logger("fedclinic.aggregator.control")
 
 
 class ControlApi(control_pb2_grpc.ControlServicer):
-    def __init__(self, engine: Engine, audit=None) -> None:
+    def __init__(self, engine: Engine, audit=None, limits: Limits | None = None) -> None:
         self.engine = engine
+        self.limits = limits or Limits()  # a submitted model's files: count and total bytes
         self.audit = audit or NoAudit()  # aggregator_service.audit_trail.AuditTrail
 
     def _visible(self, context, task_id: str) -> None:
@@ -55,7 +57,8 @@ class ControlApi(control_pb2_grpc.ControlServicer):
             manifest = manifest_from_proto(h.model)
             validate_spec(h.spec, manifest)
             items = _payload(request_iterator)
-            nbytes = receive_model(self.engine.blobs, manifest, items)
+            nbytes = receive_model(self.engine.blobs, manifest, items, max_files=self.limits.model_files,
+                                   max_file_bytes=self.limits.model_file_bytes)
             task_id = self.engine.create_task(owner, h.idempotency_key, h.spec, manifest)
         except IntegrityError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model upload rejected: {exc}")

@@ -36,6 +36,7 @@ from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.rounds import RoundMachine, validate_spec
 from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.sites import Sites
+from aggregator_service.stakes import require_assignment
 from aggregator_service.store import Store
 from aggregator_service.stored_data import StoredCopyDamaged, verify_spill
 from aggregator_service.update_admission import UpdateAdmission
@@ -198,14 +199,17 @@ class Engine:
         the round still waits for the site until its deadline. Refused when the site has no open assignment
         there."""
         with self.lock:
+            require_assignment(self.store, site, task_id, rnd, "hold")  # PERMISSION_DENIED if never assigned
             self.rounds.task(task_id)
             if self.sites.hold(site, task_id, rnd, reason):
                 self.changed.notify_all()
 
     def decline(self, site: str, task_id: str, rnd: int, reason: str, permanent: bool) -> None:
         """``site`` declined round ``rnd`` (``permanent``: the whole task): the round may close without it, or
-        the task fail when quorum is out of reach (aggregator_service.rounds)."""
+        the task fail when quorum is out of reach (aggregator_service.rounds). Refused (PERMISSION_DENIED, nothing
+        written) when ``site`` was never assigned to the task, FAILED_PRECONDITION when not to that round."""
         with self.lock:
+            require_assignment(self.store, site, task_id, rnd, "decline")
             self.rounds.task(task_id)
             self.sites.decline(site, task_id, rnd, reason, permanent)
             self.secagg.declined(site, task_id, rnd)

@@ -27,6 +27,9 @@ Counters (``_total``) and histograms, prefix ``fedclinic_aggregator_``:
   phase messages), the sum of the rounds' ``downlink_bytes`` for what was sent while its round was open
 - ``control_download_bytes_total``: models downloaded through the control API (data scientists)
 - ``auth_refusals_total{reason}``: calls refused by the auth interceptor: no_certificate | revoked | role
+- ``limit_refusals_total{limit}``: calls refused or ended by a per-peer limit (aggregator_service.peer_limits):
+  concurrency (per-certificate calls of one class) | long_lived (all peers' streams and transfers) | field (a
+  field over its length limit) | idle (a client stream ended by the idle timeout)
 
 Gauges, read at scrape time:
 
@@ -114,6 +117,8 @@ class AggregatorMetrics:
                                         registry=r)
         self.auth_refusals = Counter(P + "auth_refusals", "Calls refused by the auth interceptor", ["reason"],
                                      registry=r)
+        self.limit_refusals = Counter(P + "limit_refusals", "Calls refused or ended by a per-peer limit", ["limit"],
+                                      registry=r)
         self._engine: StateSource | None = None
         r.register(_StateCollector(self))
 
@@ -174,6 +179,10 @@ class AggregatorMetrics:
 
     def call_refused(self, reason: str) -> None:
         self.auth_refusals.labels(reason).inc()
+
+    def limit_refused(self, limit: str) -> None:
+        """A call refused or ended by a per-peer limit (``limit``: concurrency | long_lived | field | idle)."""
+        self.limit_refusals.labels(limit).inc()
 
     # scrape-time state ----------------------------------------------------------------------------------------
     def _round_seconds(self, task_id: str, rnd: Any) -> float | None:

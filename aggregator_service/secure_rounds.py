@@ -51,6 +51,7 @@ from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase
 from fedclinic.secagg.task_config import floor_of, session_params
 from fedclinic.spec.selection import select_names
 
+from aggregator_service.stakes import require_assignment
 from aggregator_service.store import RoundRecord, Store, now_ms
 
 log = structlog.get_logger("fedclinic.aggregator.secagg")
@@ -229,6 +230,7 @@ class SecureRounds:
         """Handle one ``SecAggRespond`` call from ``site`` (the certificate's name); raises Refused."""
         kind = msg.WhichOneof("body")
         with self.host.lock:
+            require_assignment(self.host.store, site, msg.task_id, msg.round, "answer secure aggregation for")
             st, rnd, spec = self._current(msg.task_id)
             if st is None or rnd.round != msg.round:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"round {msg.round} of task {msg.task_id} is not an open "

@@ -26,6 +26,7 @@ from aggregator_service.config import AggregatorConfig
 from aggregator_service.control_api import ControlApi
 from aggregator_service.engine import Engine
 from aggregator_service.metrics import AggregatorMetrics
+from aggregator_service.peer_limits import PeerLimits
 from aggregator_service.rpc_errors import ErrorInterceptor
 from aggregator_service.store import SqliteStore
 
@@ -58,13 +59,19 @@ class Aggregator:
         #: the server certificate, key and CA, followed on disk: new TLS handshakes get a renewed certificate
         self.credentials = WatchedCredentials(config.tls, role="aggregator")
         self.health = health.HealthServicer()
+        #: per-peer limits (aggregator_service.peer_limits): calls per certificate and class, long-lived calls of all
+        #: peers (unary calls always find a thread), field lengths, idle client streams
+        self.peer_limits = PeerLimits(config.limits, config.max_workers, count=self.metrics.limit_refused)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
                                   interceptors=[AuthInterceptor(revocations, on_refusal=self._refused,
                                                                 count_refusal=self.metrics.call_refused),
+                                                self.peer_limits,
                                                 ErrorInterceptor()],  # no failure reaches a caller as UNKNOWN
-                                  options=SERVER_OPTIONS)
+                                  options=SERVER_OPTIONS,
+                                  maximum_concurrent_rpcs=config.limits.concurrent_rpcs(config.max_workers))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
-        control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit), self.server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit, limits=config.limits),
+                                                       self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_secure_port(config.listen, reloading_server_credentials(self.credentials))
         if self.port == 0:

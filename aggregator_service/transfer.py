@@ -13,8 +13,9 @@ from fedclinic.runtime.durable_file import DurableFile
 from fedclinic.errors import IntegrityError
 from fedclinic.transport.package import Manifest
 from fedclinic.proto import tensors_pb2
-from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, FileAssembler, file_chunks, header_of, manifest_to_proto
+from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler, PipelinedAssembler, file_chunks, header_of, manifest_to_proto
 
+from aggregator_service.declared_files import DeclaredFiles
 from aggregator_service.folding import UpdateLayout
 from aggregator_service.stored_data import BlobNotAuthorised, StoredCopyDamaged
 
@@ -65,21 +66,23 @@ class SpillWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors_pb2.FileChunk | tensors_pb2.TensorChunk]
-                  ) -> int:
+def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors_pb2.FileChunk | tensors_pb2.TensorChunk],
+                  *, max_files: int = 1000, max_file_bytes: int = 1 << 30) -> int:
     """Store the files and tensors of ``manifest`` streamed as chunks; returns bytes received.
 
     Tensors already in the store are still accepted on the wire (the sender may not know); each is verified
     against the manifest and written atomically, so a failed stream leaves only complete, correct blobs.
     IntegrityError for a manifest that names a tensor or a file twice (one entry could point at a blob the
     sender never sent: a hash is not a capability), and for a file whose bytes do not hash to the manifest's
-    sha256: every blob a stored manifest references was sent, whole, by its submitter.
+    sha256: every blob a stored manifest references was sent, whole, by its submitter. Files are streamed to
+    the blob store as they arrive (aggregator_service.declared_files): at most ``max_files`` of at most
+    ``max_file_bytes`` in all, only those the manifest declares.
     """
     check_unique_names(manifest)
     expect = {t.name: header_of(t) for t in manifest.tensors}
     tensors = PipelinedAssembler(ChunkAssembler(
         lambda h: blobs.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True), expect=expect))
-    files = FileAssembler()
+    files = DeclaredFiles(blobs, manifest.files, max_files=max_files, max_total_bytes=max_file_bytes)
     try:
         for item in chunks:
             if isinstance(item, tensors_pb2.TensorChunk):
@@ -90,16 +93,9 @@ def receive_model(blobs: BlobStore, manifest: Manifest, chunks: Iterable[tensors
         files.finish()
     except BaseException:
         tensors.abort()
+        files.abort()
         raise
-    declared = {f.path: f for f in manifest.files}
-    if set(files.files) != set(declared):
-        raise IntegrityError(f"files sent {sorted(files.files)} differ from the manifest's {sorted(declared)}")
-    for path, data in files.files.items():
-        if hashlib.sha256(data).hexdigest() != declared[path].sha256:
-            raise IntegrityError(f"file {path!r}: its bytes do not match the manifest's sha256; send the file the "
-                                 "manifest describes")
-        blobs.put(data, declared[path].sha256, verified=True)
-    return tensors.nbytes + sum(len(d) for d in files.files.values())
+    return tensors.nbytes + files.nbytes
 
 
 def check_unique_names(manifest: Manifest) -> None:

@@ -197,3 +197,25 @@ def test_aggregator_refuses_sample_level_dp_for_a_model_dp_sgd_cannot_train():
     with pytest.raises(Refused, match=r"sample-level DP-SGD is not available for text-classification / lstm: .*"
                                       r"client-level DP instead"):
         validate_spec(spec, tiny_package("lstm").manifest())
+
+
+def test_aggregator_limits_table(tmp_path, monkeypatch):
+    body = 'listen = "127.0.0.1:0"\nstate_dir = "state"\n[tls]\ncert = "a"\nkey = "b"\nca = "c"\n'
+    (tmp_path / "agg.toml").write_text(body + "[limits]\nuploads_per_peer = 2\nidle_timeout_s = 5\n")
+    cfg = AggregatorConfig.load(tmp_path / "agg.toml")
+    assert cfg.limits.uploads_per_peer == 2 and cfg.limits.idle_timeout_s == 5.0
+    assert cfg.limits.downloads_per_peer == 4  # the defaults stay
+    assert cfg.limits.long_lived_cap(cfg.max_workers) == cfg.max_workers - cfg.limits.unary_reserve
+    assert cfg.limits.long_lived_cap(4) == 2  # the reserve never takes more than half the threads
+    monkeypatch.setenv("FEDCLINIC_AGGREGATOR_LIMITS__UPLOADS_PER_PEER", "7")
+    assert AggregatorConfig.load(tmp_path / "agg.toml").limits.uploads_per_peer == 7
+    monkeypatch.delenv("FEDCLINIC_AGGREGATOR_LIMITS__UPLOADS_PER_PEER")
+    for table, message in [("uploads_per_peer = 0", "uploads_per_peer must be at least 1"),
+                           ("uploads_per_peer = 1.5", "uploads_per_peer must be a whole number"),
+                           ("idle_timeout_s = -1", "idle_timeout_s must be between 0.1 and 86400"),
+                           ('idle_timeout_s = "soon"', "idle_timeout_s must be a number of seconds"),
+                           ("upload_per_peer = 2", r"unknown key\(s\) \['upload_per_peer'\]"),
+                           ("max_concurrent_rpcs = 8", "max_concurrent_rpcs = 8 is below max_workers")]:
+        (tmp_path / "bad.toml").write_text(body + f"[limits]\n{table}\n")
+        with pytest.raises(ConfigError, match=message):
+            AggregatorConfig.load(tmp_path / "bad.toml")

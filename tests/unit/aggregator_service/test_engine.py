@@ -110,12 +110,17 @@ def test_a_hold_is_shown_until_the_site_reports_and_is_refused_without_an_open_a
     assert list(status_of(store, task_id).rounds[0].held) == ["s1: awaiting approval by its IT"]
     send_update(engine, "s1", a["s1"], {"w": np.ones(4, np.float32)})  # reported: no longer shown as held
     assert list(status_of(store, task_id).rounds[0].held) == []
-    with pytest.raises(Refused, match="s3 has no open assignment to round 1 of task .*; nothing to hold"):
+    # a stake in what it writes (aggregator_service.stakes): never assigned, or a task that does not exist, is
+    # PERMISSION_DENIED alike; assigned to the task but not to that round, FAILED_PRECONDITION
+    with pytest.raises(Refused, match="s3 was never assigned to task .*; a site can only hold tasks") as exc:
         engine.hold("s3", task_id, 1, "awaiting approval")
-    with pytest.raises(Refused, match="no open assignment to round 2"):
+    assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(Refused, match="s1 has no assignment to round 2") as exc:
         engine.hold("s1", task_id, 2, "awaiting approval")
-    with pytest.raises(Refused, match="no task"):
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(Refused, match="was never assigned") as exc:
         engine.hold("s1", "t-000000000000", 1, "awaiting approval")
+    assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_admission_removes_the_spill_file_of_every_refused_upload(tmp_path):
