@@ -265,6 +265,13 @@ class ChunkAssembler:
             self._open.writer.abort()  # type: ignore[attr-defined]
             self._open = None
 
+    @property
+    def partial(self) -> tuple[str, int] | None:
+        """(name, verified bytes) of the tensor being received, or None between tensors: where a cut stream
+        resumes. The bytes so far are written and hashed; the rest continues the same running hash, so the
+        whole tensor is still checked against its header's sha256 when it completes."""
+        return (self._open.header.name, self._open.received) if self._open is not None else None
+
     def finish(self) -> None:
         if self._open is not None:
             h = self._open.header
@@ -461,6 +468,13 @@ class PipelinedAssembler:
     def abort(self) -> None:
         self._stop()
         self.inner.abort()
+
+    def settle(self) -> BaseException | None:
+        """Stop the worker once the chunks already handed to it are processed, leaving the tensor being received
+        open (its accepted bytes written): what keeping an interrupted stream's prefix needs. Returns the error
+        one of those chunks raised, if any."""
+        self._stop()
+        return self._error
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,199 @@
+"""Resumable transfers (issue 16, network faults): a model fetch or an update upload cut mid-stream by a reset
+continues from the last verified chunk instead of from its first byte, and ends bit-identical.
+
+Real aggregator and agent processes; the agent dials the aggregator through :class:`campaign.fault_proxy.FaultProxy`,
+which resets the connection once it carried N bytes in one direction. What the proxy forwarded is the proof:
+the connections after the cut carry less than what was left of the transfer plus one chunk of slack, and
+all connections together less than twice its size. A resume that does not fit what the aggregator holds
+(a wrong offset, a chunk that does not match) is refused with a status that says to start again from byte 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import grpc
+import pytest
+
+from fedclinic.client import state_name
+from fedclinic.federation.local_federation import wait_until
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
+from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.transport.package import raw_bytes
+from fedclinic.transport.rpc import TlsFiles, secure_channel
+from fedclinic.transport.wire import CHUNK_BYTES, tensor_chunks
+
+from campaign.fault_proxy import FaultProxy
+from tests.helpers.federation import watch_assignments
+from tests.helpers.tasks import make_task
+from tests.helpers.text_models import wide_package
+
+pytestmark = pytest.mark.integration
+
+SLACK = CHUNK_BYTES  # one chunk in flight at the cut, plus headers, heartbeats and TLS records
+LINK = 8e6  # bytes/s: the pace of the link while a cut is armed
+
+
+def _task(**kw):
+    return make_task(architecture="lstm", num_rounds=1, min_sites=1, local_epochs=1, round_timeout_s=240, **kw)
+
+
+def _audit(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _after_cut(proxy: FaultProxy, direction: str) -> int:
+    """Bytes forwarded in ``direction`` by the connections opened after the first reset one."""
+    cut = next(c for c in proxy.connections if c.reset)
+    return sum(c.bytes(direction) for c in proxy.connections if c.number > cut.number)
+
+
+def test_a_model_fetch_cut_mid_stream_resumes_from_the_last_verified_chunk(federation_factory):
+    package = wide_package()
+    size = sum(t.nbytes for t in package.manifest().tensors) + sum(len(d) for d in package.files.values())
+    cut_at = 2 * CHUNK_BYTES + 12345  # inside the embedding (the files and two small tensors come first)
+    fed = federation_factory(1, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    with FaultProxy(fed.address) as proxy:
+        proxy.reset_after(cut_at, "down")
+        fed.start_agent("site-a", address=proxy.address)
+        with fed.client() as client:
+            st = client.submit(_task(), package=package)
+            final = client.wait(st.task_id, timeout=300, progress=False)
+        assert state_name(final.state) == "completed", final.error
+        assert proxy.resets == 1
+        down = proxy.forwarded("down")
+        assert down < 2 * size, f"{down} bytes forwarded for a {size}-byte model: it was fetched again in full"
+        assert _after_cut(proxy, "down") < size - cut_at + SLACK, "the resumed fetch did not start after the cut"
+    fetched = [e for e in _audit(fed.root / "agent-site-a" / "audit.jsonl") if e["kind"] == "model.fetched"]
+    assert fetched and fetched[0]["details"]["resumed"] >= 1
+    cache = BlobStore(fed.root / "agent-site-a" / "cache")
+    for name, array in package.tensors.items():  # bit-identical to what was submitted
+        entry = package.manifest().tensor(name)
+        assert hashlib.sha256(cache.read(entry.sha256)).hexdigest() == entry.sha256
+        assert cache.read(entry.sha256) == raw_bytes(array)
+
+
+def test_an_upload_cut_mid_stream_resumes_from_what_the_aggregator_holds(federation_factory):
+    package = wide_package()
+    update_size = sum(t.nbytes for t in package.manifest().tensors)  # raw float32 deltas of every tensor
+    cut_at = 2 * CHUNK_BYTES + 54321
+    fed = federation_factory(1, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    with FaultProxy(fed.address) as proxy:
+        fed.start_agent("site-a", address=proxy.address)
+        with fed.client() as client:
+            wait_until(lambda: "connected" in fed.log_text("agent-site-a"), 60, "the agent to connect")
+            base = proxy.forwarded("up")
+            # the agent's calls so far went up this one connection; a hospital link's pace lets the aggregator
+            # take in each chunk as it arrives (on bare loopback it would still be in gRPC's buffers at the cut)
+            proxy.reset_after(cut_at + base, "up", bytes_per_s=LINK)
+            st = client.submit(_task(), package=package)
+            final = client.wait(st.task_id, timeout=300, progress=False)
+        assert state_name(final.state) == "completed", final.error
+        assert [r.site_id for r in final.rounds[0].reports] == ["site-a"]
+        assert proxy.resets == 1
+        up = proxy.forwarded("up")
+        assert up < 2 * update_size, f"{up} bytes sent up for a {update_size}-byte update: it was sent again in full"
+        assert _after_cut(proxy, "up") < update_size - cut_at + SLACK, "the resumed upload did not start after the cut"
+    assert "interrupted upload kept for resumption" in fed.log_text("aggregator")
+    def sent() -> list[dict]:
+        return [e for e in _audit(fed.root / "agent-site-a" / "audit.jsonl") if e["kind"] == "update.sent"]
+
+    wait_until(sent, 60, "the agent's record of its acknowledged upload")
+    sent = sent()
+    received = [e for e in _audit(fed.root / "aggregator-state" / "audit.jsonl") if e["kind"] == "update.received"]
+    assert len(sent) == 1 and len(received) == 1  # acknowledged once, counted once
+    assert received[0]["details"]["sha256"] == sent[0]["details"]["sha256"]  # every tensor's hash, verified
+    assert received[0]["details"]["size"] == update_size
+
+
+def _agent_stub(fed, site: str, address: str):
+    c = fed.creds(site)
+    channel = secure_channel(address, TlsFiles(c["cert"], c["key"], c["ca"]), server_name="localhost")
+    return channel, agent_pb2_grpc.AgentServiceStub(channel)
+
+
+def _update(a: agent_pb2.Assignment, upload_id: str, fill: float) -> tuple[agent_pb2.UpdateHeader, list]:
+    """A well-formed update of the assignment's tensors (every value ``fill``) and its tensor chunk messages."""
+    import numpy as np
+
+    h = agent_pb2.UpdateHeader(task_id=a.task_id, round=a.round, attempt=a.attempt, idempotency_key=upload_id,
+                               upload_id=upload_id, base_model_hash=a.model.model_hash, num_samples=3,
+                               kind=task_pb2.UPDATE_KIND_DELTA)
+    chunks = []
+    for t in a.model.tensors:
+        if t.name not in a.send_tensors:
+            continue
+        data = raw_bytes(np.full(tuple(t.shape), fill, dtype=np.float32))
+        header = tensors_pb2.TensorHeader(name=t.name, dtype="float32", shape=list(t.shape), codec="raw",
+                                          sha256=hashlib.sha256(data).hexdigest(), encoded_nbytes=len(data))
+        h.tensors.append(header)
+        chunks += [agent_pb2.UpdateChunk(tensor=c) for c in tensor_chunks(header, data)]
+    return h, chunks
+
+
+def _stream(h, chunks, start: int):
+    """Header, the chunks from byte ``start`` of the update on (re-cut at that byte), commit."""
+    yield agent_pb2.UpdateChunk(header=h)
+    pos = 0
+    for m in chunks:
+        c = m.tensor
+        end = pos + len(c.data)
+        if end > start:
+            skip = max(0, start - pos)
+            yield agent_pb2.UpdateChunk(tensor=tensors_pb2.TensorChunk(
+                name=c.name, header=c.header if c.offset + skip == 0 else None, offset=c.offset + skip,
+                data=c.data[skip:]))
+        pos = end
+    yield agent_pb2.UpdateChunk(commit=agent_pb2.UpdateCommit(total_encoded_nbytes=sum(
+        t.encoded_nbytes for t in h.tensors)))
+
+
+def test_a_resume_that_does_not_fit_what_the_aggregator_holds_is_refused_with_a_clear_status(federation_factory):
+    fed = federation_factory(1, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    with FaultProxy(fed.address) as proxy:
+        channel, stub = _agent_stub(fed, "site-a", proxy.address)
+        work, watch = watch_assignments(stub)
+        try:
+            with fed.client() as client:
+                client.submit(_task(), package=wide_package())
+            a = work.get(timeout=120)
+            h, chunks = _update(a, "upload-1", 0.001)
+            proxy.reset_after(proxy.forwarded("up") + 3 * CHUNK_BYTES, "up", bytes_per_s=LINK)
+            with pytest.raises(grpc.RpcError):
+                stub.SubmitUpdate(_stream(h, chunks, 0), timeout=120)
+            channel.close()
+            channel, stub = _agent_stub(fed, "site-a", fed.address)  # no more faults: straight to the aggregator
+            query = agent_pb2.QueryUploadRequest(task_id=a.task_id, upload_id="upload-1")
+            wait_until(lambda: stub.QueryUpload(query, timeout=30).verified_nbytes > 0, 60, "the kept prefix")
+            held = stub.QueryUpload(query, timeout=30).verified_nbytes
+            assert 0 < held <= 3 * CHUNK_BYTES
+
+            h.resume_offset = held + 4  # beyond what the aggregator holds
+            with pytest.raises(grpc.RpcError) as wrong:
+                stub.SubmitUpdate(_stream(h, chunks, held + 4), timeout=120)
+            assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"holds {held} verified bytes" in wrong.value.details()
+            assert "resume_offset 0" in wrong.value.details()
+
+            other, other_chunks = _update(a, "upload-1", 0.002)  # same header fields, other bytes: hashes differ
+            with pytest.raises(grpc.RpcError) as mismatch:
+                h.resume_offset = held
+                stub.SubmitUpdate(_stream(h, other_chunks, held), timeout=120)
+            assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sha256" in mismatch.value.details() and "from its first byte" in mismatch.value.details()
+            assert stub.QueryUpload(query, timeout=30).verified_nbytes == 0  # the kept bytes were dropped
+
+            h.resume_offset = 0
+            receipt = stub.SubmitUpdate(_stream(h, chunks, 0), timeout=120)  # from byte 0: accepted, once
+            assert not receipt.duplicate and receipt.stored_nbytes == sum(t.encoded_nbytes for t in h.tensors)
+            assert stub.SubmitUpdate(_stream(h, chunks, 0), timeout=120).duplicate
+        finally:
+            watch.cancel()
+            channel.close()
