@@ -48,8 +48,9 @@ class ConnectionStats:
 class _Faults:
     latency_s: float = 0.0
     bytes_per_s: float = 0.0
-    reset_after: int = 0  # reset a connection once it carried this many bytes in reset_direction (0: never)
+    reset_after: int = 0  # reset a connection once it carried this many more bytes in reset_direction (0: never)
     reset_direction: str = "down"
+    reset_base: dict[int, int] = field(default_factory=dict)  # connection -> its bytes when the reset was armed
     reset_once: bool = True
     held: set[str] = field(default_factory=set)  # directions that do not flow (half-open / black hole)
     black_hole: bool = False
@@ -143,10 +144,14 @@ class FaultProxy:
 
     def reset_after(self, nbytes: int, direction: str = "down", *, once: bool = True, bytes_per_s: float = 0.0
                     ) -> None:
-        """Reset (RST both ends) the first connection that carries ``nbytes`` in ``direction``; with ``once`` the
-        proxy then passes again, otherwise every connection is reset at that point."""
+        """Reset (RST both ends) the first connection that carries ``nbytes`` more bytes in ``direction`` (counted
+        from now; a new connection from its start); with ``once`` the proxy then passes again, otherwise every
+        connection is reset at that point. ``bytes_per_s`` caps the link meanwhile."""
         assert direction in DIRECTIONS
-        self._set(reset_after=nbytes, reset_direction=direction, reset_once=once, bytes_per_s=bytes_per_s)
+        with self._cond:
+            base = {c.number: c.bytes(direction) for c in self.connections}
+        self._set(reset_after=nbytes, reset_direction=direction, reset_once=once, bytes_per_s=bytes_per_s,
+                  reset_base=base)
 
     def half_open(self, direction: str = "down") -> None:
         """Stop ``direction`` on every connection (the sockets stay open; the other direction flows)."""
@@ -227,7 +232,7 @@ class FaultProxy:
                         return
                     piece = data
                     if f.reset_after and f.reset_direction == direction:
-                        left = f.reset_after - stats.bytes(direction)
+                        left = f.reset_after - (stats.bytes(direction) - f.reset_base.get(stats.number, 0))
                         piece = data[:max(left, 0)]
                 delay = read_at + f.latency_s - time.monotonic()
                 if delay > 0:

@@ -2,9 +2,10 @@
 continues from the last verified chunk instead of from its first byte, and ends bit-identical.
 
 Real aggregator and agent processes; the agent dials the aggregator through :class:`campaign.fault_proxy.FaultProxy`,
-which resets the connection once it carried N bytes in one direction. What the proxy forwarded is the proof:
-the connections after the cut carry less than what was left of the transfer plus one chunk of slack, and
-all connections together less than twice its size. A resume that does not fit what the aggregator holds
+which resets the connection once it carried N more bytes in one direction. What the proxy forwarded is the
+proof: the receiver kept a verified prefix (> 0 bytes, at most the cut point: the agent's or the aggregator's
+log says how much), the connections after the cut carry less than the rest of the transfer after that prefix
+plus framing slack, and all connections together less than twice its size. A resume that does not fit what the aggregator holds
 (a wrong offset, a chunk that does not match) is refused with a status that says to start again from byte 0.
 """
 
@@ -31,8 +32,8 @@ from tests.helpers.text_models import wide_package
 
 pytestmark = pytest.mark.integration
 
-SLACK = CHUNK_BYTES  # one chunk in flight at the cut, plus headers, heartbeats and TLS records
-LINK = 8e6  # bytes/s: the pace of the link while a cut is armed
+SLACK = CHUNK_BYTES // 2  # headers, heartbeats, TLS records and gRPC framing of the resumed stream
+LINK = 4e6  # bytes/s: the pace of the link while a cut is armed (the receiver takes in each chunk as it comes)
 
 
 def _task(**kw):
@@ -41,6 +42,10 @@ def _task(**kw):
 
 def _audit(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _log_events(fed, name: str, event: str) -> list[dict]:
+    return [json.loads(line) for line in fed.log_text(name).splitlines() if f'"event": "{event}"' in line]
 
 
 def _after_cut(proxy: FaultProxy, direction: str) -> int:
@@ -57,7 +62,7 @@ def test_a_model_fetch_cut_mid_stream_resumes_from_the_last_verified_chunk(feder
     fed.make_pki()
     fed.start_aggregator()
     with FaultProxy(fed.address) as proxy:
-        proxy.reset_after(cut_at, "down")
+        proxy.reset_after(cut_at, "down", bytes_per_s=LINK)
         fed.start_agent("site-a", address=proxy.address)
         with fed.client() as client:
             st = client.submit(_task(), package=package)
@@ -66,7 +71,14 @@ def test_a_model_fetch_cut_mid_stream_resumes_from_the_last_verified_chunk(feder
         assert proxy.resets == 1
         down = proxy.forwarded("down")
         assert down < 2 * size, f"{down} bytes forwarded for a {size}-byte model: it was fetched again in full"
-        assert _after_cut(proxy, "down") < size - cut_at + SLACK, "the resumed fetch did not start after the cut"
+        resumed = _log_events(fed, "agent-site-a", "model stream cut; resuming from the last verified chunk")
+        assert len(resumed) == 1 and resumed[0]["offset"] > 0  # inside the tensor cut, not from its first byte
+        manifest = package.manifest()
+        names = [t.name for t in manifest.tensors]
+        kept = (sum(len(d) for d in package.files.values()) + resumed[0]["offset"]
+                + sum(t.nbytes for t in manifest.tensors[:names.index(resumed[0]["tensor"])]))
+        assert 0 < kept <= cut_at
+        assert _after_cut(proxy, "down") < size - kept + SLACK, "the resumed fetch sent again what was verified"
     fetched = [e for e in _audit(fed.root / "agent-site-a" / "audit.jsonl") if e["kind"] == "model.fetched"]
     assert fetched and fetched[0]["details"]["resumed"] >= 1
     cache = BlobStore(fed.root / "agent-site-a" / "cache")
@@ -87,10 +99,9 @@ def test_an_upload_cut_mid_stream_resumes_from_what_the_aggregator_holds(federat
         fed.start_agent("site-a", address=proxy.address)
         with fed.client() as client:
             wait_until(lambda: "connected" in fed.log_text("agent-site-a"), 60, "the agent to connect")
-            base = proxy.forwarded("up")
-            # the agent's calls so far went up this one connection; a hospital link's pace lets the aggregator
+            # a hospital link's pace lets the aggregator
             # take in each chunk as it arrives (on bare loopback it would still be in gRPC's buffers at the cut)
-            proxy.reset_after(cut_at + base, "up", bytes_per_s=LINK)
+            proxy.reset_after(cut_at, "up", bytes_per_s=LINK)
             st = client.submit(_task(), package=package)
             final = client.wait(st.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "completed", final.error
@@ -98,8 +109,12 @@ def test_an_upload_cut_mid_stream_resumes_from_what_the_aggregator_holds(federat
         assert proxy.resets == 1
         up = proxy.forwarded("up")
         assert up < 2 * update_size, f"{up} bytes sent up for a {update_size}-byte update: it was sent again in full"
-        assert _after_cut(proxy, "up") < update_size - cut_at + SLACK, "the resumed upload did not start after the cut"
-    assert "interrupted upload kept for resumption" in fed.log_text("aggregator")
+        kept = _log_events(fed, "aggregator", "interrupted upload kept for resumption")
+        assert len(kept) == 1 and 0 < kept[0]["nbytes"] <= cut_at
+        resumed = _log_events(fed, "agent-site-a", "upload cut; resuming from the bytes the aggregator holds")
+        assert [r["offset"] for r in resumed] == [kept[0]["nbytes"]]
+        assert _after_cut(proxy, "up") < update_size - kept[0]["nbytes"] + SLACK, "the resumed upload sent again what " \
+                                                                                 "the aggregator held"
     def sent() -> list[dict]:
         return [e for e in _audit(fed.root / "agent-site-a" / "audit.jsonl") if e["kind"] == "update.sent"]
 
@@ -165,7 +180,7 @@ def test_a_resume_that_does_not_fit_what_the_aggregator_holds_is_refused_with_a_
                 client.submit(_task(), package=wide_package())
             a = work.get(timeout=120)
             h, chunks = _update(a, "upload-1", 0.001)
-            proxy.reset_after(proxy.forwarded("up") + 3 * CHUNK_BYTES, "up", bytes_per_s=LINK)
+            proxy.reset_after(3 * CHUNK_BYTES, "up", bytes_per_s=LINK)
             with pytest.raises(grpc.RpcError):
                 stub.SubmitUpdate(_stream(h, chunks, 0), timeout=120)
             channel.close()
