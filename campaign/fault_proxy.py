@@ -239,16 +239,16 @@ class FaultProxy:
                     self._stop.wait(delay)
                 self._buckets[direction].take(len(piece), f.bytes_per_s, self._stop)
                 if piece:
+                    with self._cond:  # counted before it is sent: whoever reads it sees it counted
+                        if direction == "up":
+                            stats.up += len(piece)
+                        else:
+                            stats.down += len(piece)
                     try:
                         dst.sendall(piece)
                     except OSError:
                         self._reset(stats, client, upstream)
                         return
-                    with self._cond:
-                        if direction == "up":
-                            stats.up += len(piece)
-                        else:
-                            stats.down += len(piece)
                 data = data[len(piece):]
                 if data:  # the reset point was reached inside this read
                     self._reset(stats, client, upstream, planned=True)

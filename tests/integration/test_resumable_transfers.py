@@ -88,6 +88,26 @@ def test_a_model_fetch_cut_mid_stream_resumes_from_the_last_verified_chunk(feder
         assert cache.read(entry.sha256) == raw_bytes(array)
 
 
+def test_a_scientist_s_download_cut_mid_stream_resumes_and_is_bit_identical(federation_factory):
+    package = wide_package()
+    size = sum(t.nbytes for t in package.manifest().tensors) + sum(len(d) for d in package.files.values())
+    cut_at = 2 * CHUNK_BYTES + 777
+    fed = federation_factory(1)
+    with fed.client() as client:
+        st = client.submit(_task(), package=package)
+        final = client.wait(st.task_id, timeout=300, progress=False)
+        assert state_name(final.state) == "completed", final.error
+        direct = client.fetch_package(st.task_id)
+    with FaultProxy(fed.address) as proxy, fed.client(proxy.address) as client:
+        proxy.reset_after(cut_at, "down", bytes_per_s=LINK)
+        got = client.fetch_package(st.task_id)
+        assert proxy.resets == 1
+        assert proxy.forwarded("down") < 2 * size
+        assert _after_cut(proxy, "down") < size - CHUNK_BYTES, "the download started over after the cut"
+    assert got.manifest().model_hash == direct.manifest().model_hash  # bit-identical: every tensor and file hash
+    assert all(raw_bytes(got.tensors[n]) == raw_bytes(a) for n, a in direct.tensors.items())
+
+
 def test_an_upload_cut_mid_stream_resumes_from_what_the_aggregator_holds(federation_factory):
     package = wide_package()
     update_size = sum(t.nbytes for t in package.manifest().tensors)  # raw float32 deltas of every tensor

@@ -199,12 +199,13 @@ class LocalFederation:
         for site in self.sites:
             self.start_agent(site)
 
-    def client(self):
+    def client(self, address: str | None = None):
+        """A scientist's client, dialing ``address`` (default: the aggregator's; e.g. a fault proxy's)."""
         # lazy: grpc loads only when a caller talks to the aggregator (the CLI imports this module via the demo)
         from fedclinic.client import connect
 
         c = self.creds("scientist")
-        return connect(self.address, cert=c["cert"], key=c["key"], ca=c["ca"], server_name="localhost")
+        return connect(address or self.address, cert=c["cert"], key=c["key"], ca=c["ca"], server_name="localhost")
 
     def signal_aggregator(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         assert self.aggregator is not None

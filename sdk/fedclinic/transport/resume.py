@@ -10,12 +10,14 @@ stream, and the receiver then starts over too.
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Callable, Iterable, Sequence
 
 import grpc
 
 from fedclinic.proto import tensors_pb2
-from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler
+from fedclinic.transport.package import ModelPackage
+from fedclinic.transport.wire import CHUNK_BYTES, ChunkAssembler, ModelChanged, PackageReceiver
 
 #: how many times one transfer is resumed before its failure is reported to the caller
 MAX_RESUMES = 8
@@ -45,3 +47,46 @@ def resume_point(assembler: ChunkAssembler, order: Sequence[str]) -> tuple[str, 
 def honoured(chunk: tensors_pb2.TensorChunk, point: tuple[str, int]) -> bool:
     """Whether the first tensor chunk of a resumed stream starts where it was asked to."""
     return (chunk.name, int(chunk.offset)) == point
+
+
+def receive_package_resuming(open_stream: Callable[[tuple[str, int]], Iterable[tensors_pb2.ModelChunk]], *,
+                             wait: Callable[[float], None] = time.sleep) -> tuple[ModelPackage, str]:
+    """A whole model package from ``open_stream(point)`` (a FetchModel call resumed at ``point`` = (tensor,
+    byte), ``("", 0)`` for the whole stream), resumed after each cut connection (:func:`is_cut`, at most
+    :data:`MAX_RESUMES` times, ``wait`` between tries) from the last verified chunk; started over when the
+    sender does not resume (an older aggregator), when the cut came inside the files, or when the model changed
+    meanwhile. The package is verified whole at the end (:meth:`PackageReceiver.result`); a refusal and the last
+    cut propagate as the RpcError they are."""
+    receiver, point, resumes = PackageReceiver(), ("", 0), 0
+    while True:
+        stream = open_stream(point)
+        try:
+            first = bool(point[0])
+            for chunk in stream:
+                if first and chunk.WhichOneof("item") != "manifest":
+                    first = False
+                    if chunk.WhichOneof("item") != "tensor" or not honoured(chunk.tensor, point):
+                        raise ModelChanged("the sender did not resume where it was asked to")
+                receiver.add(chunk)
+            return receiver.result()
+        except ModelChanged:
+            _cancel(stream)
+            receiver, point = PackageReceiver(), ("", 0)
+        except grpc.RpcError as exc:
+            if not is_cut(exc) or resumes >= MAX_RESUMES:
+                raise
+            resumes += 1
+            if not receiver.files_complete:
+                receiver, point = PackageReceiver(), ("", 0)
+            else:
+                nxt = resume_point(receiver.tensors, receiver.order)
+                if nxt is None:
+                    return receiver.result()  # every tensor arrived; the stream broke after the last one
+                point = nxt
+            wait(min(0.5 * 2 ** resumes, 8.0))
+
+
+def _cancel(stream: object) -> None:
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()

@@ -341,37 +341,68 @@ class MemoryWriter:
         self.buf = bytearray()
 
 
-def receive_package(chunks: Iterable[pb.ModelChunk]) -> tuple[ModelPackage, str]:
-    """Assemble a FetchModel stream (manifest, files, tensors) in memory: the package and its model hash.
+class PackageReceiver:
+    """Assembles a FetchModel stream (manifest, files, tensors) in memory, one chunk at a time with :meth:`add`;
+    :meth:`result` gives the package and its model hash. It can be fed a resumed stream after a cut
+    (:func:`fedclinic.transport.resume.receive_package_resuming`): the manifest again (it must be the same
+    model: :class:`ModelChanged` otherwise), then the tensors from the resume point on."""
 
-    IntegrityError when the stream has no manifest or the assembled package does not hash to it (every tensor
-    is also checked against its own sha256 as it completes). Transport errors propagate as they are."""
-    writers: dict[str, MemoryWriter] = {}
+    def __init__(self) -> None:
+        self.writers: dict[str, MemoryWriter] = {}
+        self.tensors = ChunkAssembler(self._begin)
+        self.files = FileAssembler()
+        self.manifest: pb.ModelManifest | None = None
 
-    def begin(h: pb.TensorHeader) -> MemoryWriter:
-        writers[h.name] = MemoryWriter()
-        return writers[h.name]
+    def _begin(self, h: pb.TensorHeader) -> MemoryWriter:
+        self.writers[h.name] = MemoryWriter()
+        return self.writers[h.name]
 
-    tensors = ChunkAssembler(begin)
-    files = FileAssembler()
-    manifest = None
-    for chunk in chunks:
+    def add(self, chunk: pb.ModelChunk) -> None:
         kind = chunk.WhichOneof("item")
         if kind == "manifest":
-            manifest = chunk.manifest
+            if self.manifest is not None and chunk.manifest.model_hash != self.manifest.model_hash:
+                raise ModelChanged("the resumed stream is of another model")
+            self.manifest = chunk.manifest
         elif kind == "tensor":
-            tensors.add(chunk.tensor)
+            self.tensors.add(chunk.tensor)
         else:
-            files.add(chunk.file)
-    tensors.finish()
-    files.finish()
-    if manifest is None:
-        raise IntegrityError("the aggregator sent no model manifest")
-    arrays = {name: array_from_bytes(tensors.done[name], w.data) for name, w in writers.items()}
-    package = ModelPackage(arrays, files.files)
-    if package.manifest().model_hash != manifest.model_hash:
-        raise IntegrityError("the downloaded model does not match its manifest hash; download it again")
-    return package, manifest.model_hash
+            self.files.add(chunk.file)
+
+    @property
+    def order(self) -> list[str]:
+        """The tensors of the stream, in the order they arrive (the manifest's)."""
+        return [t.name for t in self.manifest.tensors] if self.manifest is not None else []
+
+    @property
+    def files_complete(self) -> bool:
+        """The manifest arrived and so did every file it lists (a resumed stream sends no file)."""
+        return self.manifest is not None and {f.path for f in self.manifest.files} <= set(self.files.files)
+
+    def result(self) -> tuple[ModelPackage, str]:
+        """The package and its model hash; IntegrityError when the stream has no manifest or the assembled
+        package does not hash to it (every tensor is also checked against its own sha256 as it completes)."""
+        self.tensors.finish()
+        self.files.finish()
+        if self.manifest is None:
+            raise IntegrityError("the aggregator sent no model manifest")
+        arrays = {name: array_from_bytes(self.tensors.done[name], w.data) for name, w in self.writers.items()}
+        package = ModelPackage(arrays, self.files.files)
+        if package.manifest().model_hash != self.manifest.model_hash:
+            raise IntegrityError("the downloaded model does not match its manifest hash; download it again")
+        return package, self.manifest.model_hash
+
+
+class ModelChanged(IntegrityError):
+    """A resumed model stream is of another model than the cut one (e.g. "the latest" moved on meanwhile)."""
+
+
+def receive_package(chunks: Iterable[pb.ModelChunk]) -> tuple[ModelPackage, str]:
+    """Assemble a FetchModel stream (manifest, files, tensors) in memory: the package and its model hash
+    (:class:`PackageReceiver`). Transport errors propagate as they are."""
+    receiver = PackageReceiver()
+    for chunk in chunks:
+        receiver.add(chunk)
+    return receiver.result()
 
 
 def array_from_bytes(header: pb.TensorHeader, data: bytes | memoryview) -> np.ndarray:
