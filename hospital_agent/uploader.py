@@ -3,7 +3,8 @@
 ``upload(entry)`` streams one outbox entry (header, tensor chunks read from its file, commit) through
 ``SubmitUpdate``; on the receipt the task's staged error-feedback residual is committed, the upload audited and
 the entry removed. A refused update (any status but UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, UNAUTHENTICATED)
-is dropped and its staged residual discarded; an interrupted one stays in the outbox. ``upload_with_retries``
+is dropped and its staged residual discarded; an interrupted one stays in the outbox (cancelled by the agent
+stopping: :class:`~hospital_agent.task_state.Stopped`, never a reason to decline the task). ``upload_with_retries``
 repeats on UNAVAILABLE with capped exponential backoff and jitter; ``drain`` resends what the outbox holds (at
 start, and after a certificate switch) and discards residuals staged for an update that never reached it.
 
@@ -34,6 +35,7 @@ from fedclinic.transport.wire import CHUNK_BYTES, encode_tensor_chunk_in
 
 from hospital_agent.metrics import AgentMetrics, count_wire_bytes
 from hospital_agent.outbox import Outbox, OutboxEntry
+from hospital_agent.task_state import Stopped
 
 log = structlog.get_logger("fedclinic.agent")
 _UPDATE_TENSOR_FIELD = agent_pb2.UpdateChunk.DESCRIPTOR.fields_by_name["tensor"].number
@@ -103,6 +105,10 @@ class Uploader:
         wire_bytes = [0]
         try:
             receipt = self._send_resuming(entry, wire_bytes)
+        except grpc.FutureCancelledError:  # cancel(): the agent is stopping, not a refusal of the update
+            log.warning("upload interrupted by the agent stopping; the update stays in the outbox")
+            self.metrics.upload_interruptions.inc()
+            raise Stopped("agent is stopping") from None
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -232,3 +232,29 @@ def test_a_resume_that_does_not_fit_what_the_aggregator_holds_is_refused_with_a_
         finally:
             watch.cancel()
             channel.close()
+
+
+def test_an_agent_stopped_mid_upload_keeps_its_update_and_does_not_decline(federation_factory):
+    """SIGTERM while an update crawls up a slow link: the upload is interrupted (the update stays in the outbox),
+    the site does not decline the task, and once restarted it sends the update and the task completes."""
+    import signal
+
+    fed = federation_factory(1, start=False)
+    fed.make_pki()
+    fed.start_aggregator()
+    with FaultProxy(fed.address) as proxy:
+        fed.start_agent("site-a", address=proxy.address)
+        with fed.client() as client:
+            st = client.submit(_task(), package=wide_package())
+            wait_until(lambda: "update ready" in fed.log_text("agent-site-a"), 120, "the update to be written")
+            proxy.set_bandwidth(200e3)  # ~40 s for the update: the agent is stopped while it is on the way
+            wait_until(lambda: proxy.forwarded("up") > 1 << 20, 60, "the upload to be under way")
+            assert fed.signal_agent("site-a", signal.SIGTERM) == 0
+            assert "assignment failed unexpectedly" not in fed.log_text("agent-site-a")
+            status = client.status(st.task_id)
+            assert not status.rounds[0].declined, status.rounds[0].declined
+            proxy.set_pass()
+            fed.start_agent("site-a", address=proxy.address)
+            final = client.wait(st.task_id, timeout=300, progress=False)
+    assert state_name(final.state) == "completed", final.error
+    assert [r.site_id for r in final.rounds[0].reports] == ["site-a"]
