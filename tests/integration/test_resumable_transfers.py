@@ -225,6 +225,17 @@ def test_a_resume_that_does_not_fit_what_the_aggregator_holds_is_refused_with_a_
             assert "sha256" in mismatch.value.details() and "from its first byte" in mismatch.value.details()
             assert stub.QueryUpload(query, timeout=30).verified_nbytes == 0  # the kept bytes were dropped
 
+            for tensor, offset, why in (("embedding.weight", 1000, "not a chunk boundary"),
+                                        ("embedding.weight", 64 * CHUNK_BYTES, "not a chunk boundary"),
+                                        ("no.such.tensor", 0, "not a tensor this stream sends"),
+                                        ("", CHUNK_BYTES, "without resume_tensor")):
+                with pytest.raises(grpc.RpcError) as bad_fetch:  # a model fetch resumed where no chunk starts
+                    list(stub.FetchModel(agent_pb2.FetchModelRequest(
+                        task_id=a.task_id, model_hash=a.model.model_hash, resume_tensor=tensor, resume_offset=offset),
+                        timeout=60))
+                assert bad_fetch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert why in bad_fetch.value.details() and "cannot resume" in bad_fetch.value.details()
+
             h.resume_offset = 0
             receipt = stub.SubmitUpdate(_stream(h, chunks, 0), timeout=120)  # from byte 0: accepted, once
             assert not receipt.duplicate and receipt.stored_nbytes == sum(t.encoded_nbytes for t in h.tensors)
