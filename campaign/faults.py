@@ -87,6 +87,7 @@ class Outcome:
     lost: int = 0
     resumed: int = 0
     resets: int = 0
+    injected: int = 0  # faults set on the links: resets done, or one per link for the other faults
     forwarded: dict[str, int] = field(default_factory=dict)  # direction -> bytes the links forwarded
     cut_direction: str = ""
     restart_would_resend: int = 0
@@ -197,12 +198,13 @@ class FaultRun:
         out.ended_in_time = (final.updated_unix_ms - final.created_unix_ms) / 1000 <= budget
         out.rounds_in_time = all(r.closed_unix_ms <= r.deadline_unix_ms + GRACE_S * 1000
                                  for r in final.rounds if r.closed_unix_ms)
-        self._check_counts(final, out)
         wait_until(lambda: self._quiet(), 60, "the links to go quiet", interval=0.5)
+        self._check_counts(final, out)  # after the links went quiet: the agents' audit records are written
         out.resumed = self._resumed() - resumed0
         out.resets = sum(p.resets for p in self.proxies) - resets0
         out.forwarded = {d: sum(p.forwarded(d) for p in self.proxies) - fwd0[d] for d in DIRECTIONS}
         out.cut_direction = sc.cut[0] if sc.cut else ""
+        out.injected = out.resets if sc.cut else (0 if sc.arm is FaultProxy.set_pass else len(self.proxies))
         out.restart_would_resend = sum(sc.cut_points(len(self.proxies), self.sizes))
         if out.state != "completed" and not out.error:
             out.problems.append("the task failed without a reason")
@@ -273,7 +275,8 @@ def _report(frag: Fragment, outcomes: list[Outcome], run: FaultRun) -> None:
               and not o.lost and not o.problems and (o.state == "completed" or o.error))
         verdict = "ok" if ok else "FAILED"
         frag.rows.append((o.scenario, f"{o.state}{': ' + o.error[:80] if o.error else ''}; "
-                                      f"{len(run.sites)} links, resets {o.resets}, resumed transfers {o.resumed}, "
+                                      f"faults injected {o.injected} ({len(run.sites)} links), resumed transfers "
+                                      f"{o.resumed}, "
                                       f"re-sent {resent / 1e6:.1f} MB vs {o.restart_would_resend / 1e6:.1f} MB "
                                       f"by a restart; lost {o.lost}, double-counted {o.double_counted}; {verdict}"))
         if not ok:
@@ -284,7 +287,8 @@ def _report(frag: Fragment, outcomes: list[Outcome], run: FaultRun) -> None:
         if o.resets and not o.resumed:
             frag.ok = False
             frag.findings.append(f"{o.scenario}: {o.resets} cut(s) and no transfer resumed")
-    frag.figures.update(scenarios=len(outcomes), tasks=len(outcomes), links=len(run.sites), resets=resets,
+    frag.figures.update(scenarios=len(outcomes), tasks=len(outcomes), links=len(run.sites),
+                        faults_injected=sum(o.injected for o in outcomes), resets=resets,
                         resumed_transfers=resumed, resent_mb=round(resent_total / 1e6, 2),
                         saved_mb=round(saved_total / 1e6, 2),
                         completed=sum(o.state == "completed" for o in outcomes),
