@@ -274,7 +274,7 @@ def _report(frag: Fragment, outcomes: list[Outcome], run: FaultRun) -> None:
         ok = (o.state in ("completed", "failed") and o.ended_in_time and o.rounds_in_time and not o.double_counted
               and not o.lost and not o.problems and (o.state == "completed" or o.error))
         verdict = "ok" if ok else "FAILED"
-        frag.rows.append((o.scenario, f"{o.state}{': ' + o.error[:80] if o.error else ''}; "
+        frag.rows.append((o.scenario, f"{o.state}{': ' + o.error[:160] if o.error else ''}; "
                                       f"faults injected {o.injected} ({len(run.sites)} links), resumed transfers "
                                       f"{o.resumed}, "
                                       f"re-sent {resent / 1e6:.1f} MB vs {o.restart_would_resend / 1e6:.1f} MB "
