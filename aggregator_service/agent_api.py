@@ -102,7 +102,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             yield from stream_task_model(self.engine, context, request.task_id, model_hash, not_found=not_found,
                                          have=set(request.have_sha256), include_files=request.include_files,
                                          counter=counter, deltas={n: deltas[n] for n in request.delta_names},
-                                         wire=wire)
+                                         wire=wire, resume=(request.resume_tensor, request.resume_offset))
             complete = True
         finally:
             self.engine.add_downlink(request.task_id, counter[0], site=site, wire_bytes=wire[0])
@@ -166,6 +166,13 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         self.engine.metrics.masked_input_stored(h.task_id, site)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=assembler.nbytes,
                                        round=h.round)
+
+    def QueryUpload(self, request: agent_pb2.QueryUploadRequest, context) -> agent_pb2.QueryUploadResponse:
+        """Where the caller's resumable upload continues (aggregator_service.upload_partials)."""
+        try:
+            return self.engine.admission.partials.query(peer_identity(context).name, request)
+        except Refused as exc:
+            abort(context, exc)
 
     def SecAggRespond(self, request: agent_pb2.SecAggPhase, context) -> agent_pb2.SecAggAck:
         site = peer_identity(context).name  # the sender is the certificate, never a message field

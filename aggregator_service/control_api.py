@@ -127,7 +127,8 @@ class ControlApi(control_pb2_grpc.ControlServicer):
             yield from stream_task_model(self.engine, context, request.task_id, model_hash, counter=counter,
                                          not_found=f"task {request.task_id} has no such model; list its rounds "
                                                    "with `fedclinic task status`",
-                                         have=set(request.have_sha256), include_files=True)
+                                         have=set(request.have_sha256), include_files=True,
+                                         resume=(request.resume_tensor, request.resume_offset))
             complete = True
         finally:
             self.engine.metrics.control_download.inc(counter[0])

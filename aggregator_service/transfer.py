@@ -61,6 +61,12 @@ class SpillWriter:
         fsync_dir(self.path.parent)
         return self._offset
 
+    def keep_prefix(self) -> Path:
+        """Close the file written so far (fsync'd) without naming it final: the verified prefix of an
+        interrupted resumable upload (aggregator_service.upload_partials). Returns its path."""
+        self._f.close()
+        return self.tmp
+
     def discard(self) -> None:
         self._f.discard()
         self.tmp.unlink(missing_ok=True)
@@ -107,10 +113,34 @@ def check_unique_names(manifest: Manifest) -> None:
                                  "once")
 
 
+class BadResume(ValueError):
+    """A resume point (tensor, offset) the stream cannot start at; the message says what to ask for instead."""
+
+
+def check_resume(manifest: Manifest, have: set[str], deltas: Mapping[str, tensors_pb2.DownlinkDelta],
+                 tensor: str, offset: int) -> None:
+    """BadResume unless ``tensor`` is one the stream sends (in the manifest, not in ``have``) and ``offset`` is
+    a multiple of :data:`CHUNK_BYTES` below its size (of its encoded change when sent as one); ``("", 0)`` (no
+    resume) always passes."""
+    if not tensor:
+        if offset:
+            raise BadResume(f"resume_offset {offset} was given without resume_tensor; name the tensor to resume")
+        return
+    entry = next((t for t in manifest.tensors if t.name == tensor), None)
+    if entry is None or entry.sha256 in have:
+        raise BadResume(f"resume_tensor {tensor!r} is not a tensor this stream sends; fetch again without resume")
+    size = int(deltas[tensor].header.encoded_nbytes) if tensor in deltas else entry.nbytes
+    if offset < 0 or offset % CHUNK_BYTES or (offset and offset >= size):
+        raise BadResume(f"resume_offset {offset} of tensor {tensor!r} is not a chunk boundary (a multiple of "
+                        f"{CHUNK_BYTES} bytes) below its {size} bytes; resume from the offset of the last chunk "
+                        "you verified, or fetch it from 0")
+
+
 def send_model(blobs: BlobStore, manifest: Manifest, *, allowed: frozenset[str], have: set[str],
                include_files: bool, counter: list[int] | None = None,
                deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None = None,
-               wire: list[int] | None = None) -> Iterator[tensors_pb2.ModelChunk]:
+               wire: list[int] | None = None, resume: tuple[str, int] = ("", 0)
+               ) -> Iterator[tensors_pb2.ModelChunk]:
     """Manifest first, then files (optional), then every tensor whose sha256 is not in ``have``: in full, or as
     its encoded change when ``deltas`` holds one for it (compressed downlink, fedclinic.transport.downlink).
 
@@ -120,10 +150,19 @@ def send_model(blobs: BlobStore, manifest: Manifest, *, allowed: frozenset[str],
     read, and the last chunk of a tensor is held back until its hash matched, so a damaged stored copy raises
     StoredCopyDamaged instead of reaching the receiver (who would blame transit).
 
+    ``resume`` = (tensor, offset), checked by :func:`check_resume` (BadResume): after the manifest the stream
+    starts at that byte of that tensor (no files, no tensor before it in manifest order); the skipped prefix
+    of the tensor is still read and hashed, so the blob is verified whole.
+
     ``counter[0]`` adds up the payload bytes sent, ``wire[0]`` the serialized messages (plus gRPC's 5-byte
     prefix each)."""
+    check_resume(manifest, have, deltas or {}, *resume)
+    if resume[0]:
+        names = [t.name for t in manifest.tensors]
+        have = have | {t.sha256 for t in manifest.tensors[:names.index(resume[0])]}
+        include_files = False
     _authorise(manifest, allowed, have, include_files, deltas or {})
-    for chunk in _model_chunks(blobs, manifest, have, include_files, counter, deltas):
+    for chunk in _model_chunks(blobs, manifest, have, include_files, counter, deltas, resume):
         if wire is not None:
             wire[0] += chunk.ByteSize() + 5
         yield chunk
@@ -144,8 +183,8 @@ def _authorise(manifest: Manifest, allowed: frozenset[str], have: set[str], incl
 
 
 def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_files: bool,
-                  counter: list[int] | None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None
-                  ) -> Iterator[tensors_pb2.ModelChunk]:
+                  counter: list[int] | None, deltas: Mapping[str, tensors_pb2.DownlinkDelta] | None,
+                  resume: tuple[str, int] = ("", 0)) -> Iterator[tensors_pb2.ModelChunk]:
     yield tensors_pb2.ModelChunk(manifest=manifest_to_proto(manifest))
     if include_files:
         for f in manifest.files:
@@ -167,16 +206,18 @@ def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_
         delta = (deltas or {}).get(t.name)
         path, header = (blobs.path(delta.header.sha256), delta.header) if delta else (blobs.path(t.sha256), header_of(t))
         what = f"{'the encoded change of ' if delta else ''}tensor {t.name!r} of model {manifest.model_hash[:12]}"
-        for c, nbytes in _file_tensor_chunks(path, header, what):
+        start = resume[1] if t.name == resume[0] else 0
+        for c, nbytes in _file_tensor_chunks(path, header, what, start):
             if counter is not None:
                 counter[0] += nbytes  # not len(c.data): each read of a protobuf bytes field copies it
             yield tensors_pb2.ModelChunk(tensor=c)
 
 
-def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader, what: str
+def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader, what: str, start: int = 0
                         ) -> Iterator[tuple[tensors_pb2.TensorChunk, int]]:
     """(chunk, payload bytes) read straight from a blob file (one copy per chunk, never the whole tensor in
-    memory). The bytes are hashed as they are read and the last chunk is yielded only once they matched
+    memory), from byte ``start`` (a multiple of CHUNK_BYTES; the bytes before it are read and hashed, not sent).
+    The bytes are hashed as they are read and the last chunk is yielded only once they matched
     ``header.sha256`` and ``header.encoded_nbytes``: StoredCopyDamaged (``what`` names the tensor) otherwise."""
     if header.encoded_nbytes == 0:
         yield tensors_pb2.TensorChunk(name=header.name, header=header, offset=0, data=b""), 0
@@ -191,6 +232,9 @@ def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader, what: str
     with fh:
         while data := fh.read(CHUNK_BYTES):
             digest.update(data)
+            if offset < start:
+                offset += len(data)
+                continue
             if held is not None:
                 yield held
             held = (tensors_pb2.TensorChunk(name=header.name, header=header if offset == 0 else None, offset=offset,

@@ -11,7 +11,10 @@
 5. under the engine's lock the header is checked again (the round may have closed meanwhile), the update is
    folded into the round's accumulator, and only then recorded in the store (with its event) and acknowledged.
 
-Ownership of spill files: admission creates them and deletes every one it created unless the update was
+A resumable upload (``upload_id`` set) that breaks keeps its verified prefix for a resumed stream
+(:mod:`aggregator_service.upload_partials`: bounded per site, expired, cleaned with the round); a resumed
+stream (``resume_offset`` > 0) has that prefix replayed from disk through the same checks (step 3) before its
+own bytes. Ownership of spill files: admission creates them and deletes every one it created unless the update was
 recorded; the caller never touches them. Every refusal is :class:`~fedclinic.errors.Refused` with its gRPC
 code (a malformed stream or payload: INVALID_ARGUMENT ``update rejected: ...``); the stream breaking
 (any other exception) propagates after the files are gone.
@@ -20,6 +23,7 @@ code (a malformed stream or payload: INVALID_ARGUMENT ``update rejected: ...``);
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -52,6 +56,7 @@ from aggregator_service.status import task_of
 from aggregator_service.store import Store, UpdateRecord, now_ms
 from aggregator_service.stored_data import StoredCopyDamaged
 from aggregator_service.transfer import SpillWriter
+from aggregator_service.upload_partials import UploadPartials, replay
 
 log = structlog.get_logger("fedclinic.aggregator.engine")
 
@@ -86,7 +91,23 @@ def read_update_stream(request_iterator: Iterable, assembler, what: str, consequ
             return wire_bytes
         else:
             raise IntegrityError(f"unexpected {kind!r} message inside {what}")
-    raise IntegrityError(f"{what} ended before its commit message; {consequence}")
+    raise StreamEnded(f"{what} ended before its commit message; {consequence}")
+
+
+class StreamEnded(IntegrityError):
+    """An update stream ended before its commit message: a client that stopped early, or a connection that broke
+    in a way gRPC reports as an end (a reset seen by the server): a resumable upload keeps its prefix."""
+
+
+def check_resume_fields(h: agent_pb2.UpdateHeader) -> None:
+    """The resumable-upload fields of a header: an upload id of at most 255 characters, and a resume offset
+    that is non-negative, within the update's size and given only with an upload id (INVALID_ARGUMENT)."""
+    if len(h.upload_id) > 255:
+        raise Refused(INVALID, "upload_id must be at most 255 characters")
+    total = sum(int(t.encoded_nbytes) for t in h.tensors)
+    if h.resume_offset < 0 or h.resume_offset > total or (h.resume_offset and not h.upload_id):
+        raise Refused(INVALID, f"resume_offset {h.resume_offset} is not a byte of this update ({total} bytes) of "
+                               "a resumable upload (upload_id set); resume at what QueryUpload answers, or from 0")
 
 
 def _check_tensor_codec(spec: task_pb2.TaskSpec, t) -> None:
@@ -124,6 +145,8 @@ class UpdateAdmission:
         self.metrics = metrics
         self._on_accepted = on_accepted
         self._on_damaged = on_damaged
+        #: verified prefixes of interrupted resumable uploads (QueryUpload reads them)
+        self.partials = UploadPartials(spill_root, self.round_open)
 
     def admit(self, site: str, h: agent_pb2.UpdateHeader, messages: Iterator, header_wire_bytes: int = 0
               ) -> agent_pb2.UpdateReceipt:
@@ -138,26 +161,65 @@ class UpdateAdmission:
             return agent_pb2.UpdateReceipt(update_id=prior.update_id, duplicate=True, stored_nbytes=prior.nbytes,
                                            round=prior.round)
         self.check_header(site, h)
+        check_resume_fields(h)
+        kept = self.partials.take(site, h)  # the verified prefix a resumed stream continues (None: from byte 0)
         spill = SpillWriter(self._spill_path(h.task_id, h.round))
         assembler = PipelinedAssembler(ChunkAssembler(spill.begin, expect={t.name: t for t in h.tensors}, finite=True))
+        if kept is not None:
+            messages = itertools.chain(replay(kept, h, h.resume_offset), messages)
         try:
             wire_bytes = header_wire_bytes + read_update_stream(messages, assembler, "the update stream",
                                                                 "nothing was stored")
             nbytes = spill.finish()
             path, layout, sha = self._decode(h, spill.path, spill.layout, spill.sha256)  # codec payloads checked
+        except StreamEnded as exc:
+            if not (h.upload_id and self._keep_prefix(site, h, assembler, spill)):
+                assembler.abort()
+                spill.discard()
+                spill.path.unlink(missing_ok=True)
+                raise Refused(INVALID, f"update rejected: {exc}") from None
+            raise Refused(INVALID, f"the update stream ended before its commit message; the bytes received are "
+                                   f"kept: resume upload {h.upload_id[:64]!r} where QueryUpload says") from None
         except IntegrityError as exc:
             assembler.abort()
             spill.discard()
             spill.path.unlink(missing_ok=True)
-            log.warning("update rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
-            raise Refused(INVALID, f"update rejected: {exc}") from None
+            log.warning("update rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc),
+                        resumed_at=h.resume_offset)
+            again = ("; the bytes kept from its interrupted upload were dropped: send it again from its first byte"
+                     if kept is not None else "")
+            raise Refused(INVALID, f"update rejected: {exc}{again}") from None
         except BaseException:
-            assembler.abort()
-            spill.discard()
-            spill.path.unlink(missing_ok=True)
+            if not (h.upload_id and self._keep_prefix(site, h, assembler, spill)):
+                assembler.abort()
+                spill.discard()
+                spill.path.unlink(missing_ok=True)
             raise
+        finally:
+            if kept is not None:
+                kept.unlink(missing_ok=True)
         update_id = self._accept(site, h, path, layout, sha, nbytes, wire_bytes)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
+
+    def _keep_prefix(self, site: str, h: agent_pb2.UpdateHeader, assembler: PipelinedAssembler,
+                     spill: SpillWriter) -> bool:
+        """The stream of resumable upload ``h`` broke: keep the bytes the assembler accepted for a resumed stream
+        (UploadPartials.keep). False (the caller discards everything) when a chunk already handed over was bad or
+        the prefix cannot be kept; never raises."""
+        try:
+            if assembler.settle() is not None:
+                return False
+            self.partials.keep(site, h, spill.keep_prefix())
+            return True
+        except Exception:  # noqa: BLE001 - the stream's own failure is what the caller re-raises
+            log.exception("could not keep the interrupted upload's prefix", site=site, task_id=h.task_id)
+            spill.tmp.unlink(missing_ok=True)
+            return True  # its file is gone (or kept): nothing left for the caller to discard
+
+    def round_open(self, task_id: str, rnd: int) -> bool:
+        """Whether round ``rnd`` of ``task_id`` is the task's open round."""
+        r = self.store.open_round_of(task_id)
+        return r is not None and r.round == rnd
 
     def check_header(self, site: str, h: agent_pb2.UpdateHeader) -> dict[str, TensorEntry]:
         """Validate an update header before its bytes are read; returns the expected global tensors."""

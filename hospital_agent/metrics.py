@@ -11,6 +11,8 @@ Counters (``_total``) and histograms, updated by hooks in hospital_agent.worker;
 - ``updates_refused_total{reason}``: uploads the aggregator refused; ``reason`` is the gRPC status code in
   lower case (the update is dropped, see the log for the message)
 - ``upload_interruptions_total``: uploads cut by the network or a stop; the update stays in the outbox
+- ``transfers_resumed_total{direction}``: model fetches (``fetch``) and uploads (``upload``) continued from the
+  last verified chunk after a cut connection, instead of from their first byte
 - ``update_payload_bytes_sent_total{task_id}``: tensor payload bytes of acknowledged, first-time updates
   (encoded as sent: the aggregator's ``uplink_bytes`` for this site); ``update_wire_bytes_sent_total{task_id}``:
   the serialized SubmitUpdate messages of those uploads, with gRPC's 5-byte message prefixes
@@ -82,6 +84,8 @@ class AgentMetrics:
                                        registry=r)
         self.upload_interruptions = Counter(P + "upload_interruptions", "Uploads cut short; kept in the outbox",
                                             registry=r)
+        self.transfers_resumed = Counter(P + "transfers_resumed", "Transfers continued from the last verified chunk",
+                                         ["direction"], registry=r)
         self.payload_sent = Counter(P + "update_payload_bytes_sent", "Tensor payload bytes of acknowledged updates",
                                     ["task_id"], registry=r)
         self.wire_sent = Counter(P + "update_wire_bytes_sent", "SubmitUpdate message bytes of acknowledged updates",
@@ -114,6 +118,14 @@ class AgentMetrics:
 
     def fetched(self, task_id: str, nbytes: int) -> None:
         self.series.labels(self.model_received, task_id).inc(nbytes)
+
+    def fetch_resumed(self, task_id: str) -> None:
+        """A cut model fetch is asked to continue from its last verified chunk."""
+        self.transfers_resumed.labels("fetch").inc()
+
+    def upload_resumed(self, task_id: str) -> None:
+        """A cut upload continues from the bytes the aggregator holds verified."""
+        self.transfers_resumed.labels("upload").inc()
 
     def assignment_refused(self, reason: str) -> None:
         """``reason``: one of REFUSAL_REASONS."""

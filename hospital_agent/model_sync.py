@@ -28,7 +28,7 @@ from fedclinic.transport.wire import ChunkAssembler, FileAssembler, MemoryWriter
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import Audit
-from fedclinic.transport import downlink
+from fedclinic.transport import downlink, resume
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -94,49 +94,92 @@ class ModelSync:
                 return changes[h.name]
             return self.cache.writer(h.sha256, h.encoded_nbytes, verified_by_caller=True)
 
+        order = [t.name for t in manifest.tensors if t.name in expect]
         tensors = ChunkAssembler(begin, expect=expect)
         files = FileAssembler()
-        stream = self._stub().FetchModel(agent_pb2.FetchModelRequest(
-            task_id=task_id, model_hash=manifest.model_hash, have_sha256=have, include_files=include_files,
-            delta_names=sorted(deltas)))
-        try:
-            for chunk in stream:
-                if self.stop_event.is_set():
-                    stream.cancel()
-                    raise Stopped("agent is stopping")
-                kind = chunk.WhichOneof("item")
-                if kind == "manifest":
-                    if chunk.manifest.model_hash != manifest.model_hash:
-                        raise IntegrityError("the aggregator sent a different model than the one assigned")
-                elif kind == "tensor":
-                    tensors.add(chunk.tensor)
-                elif kind == "file":
-                    files.add(chunk.file)
-            tensors.finish()
-            files.finish()
-        except grpc.RpcError as exc:
-            tensors.abort()
-            if exc.code() == grpc.StatusCode.DATA_LOSS:  # the aggregator found its own copy damaged before sending it
-                raise IntegrityError(f"the aggregator's stored copy of model {manifest.model_hash[:12]} is damaged "
-                                     f"(the aggregator says: {exc.details()}); this is not a network error and fetching "
-                                     "again will not help: its operator must restore it from backup") from None
-            raise
-        except BaseException:
-            tensors.abort()
-            raise
+        point: tuple[str, int] = ("", 0)
+        resumes, sent_again = 0, 0
+        while True:
+            try:
+                self._receive(task_id, manifest, include_files and not point[0], have, deltas, tensors, files, point)
+                break
+            except _StartOver:  # the aggregator does not resume (an older one): start the transfer over
+                tensors.abort()
+                changes.clear()
+                tensors, files, point = ChunkAssembler(begin, expect=expect), FileAssembler(), ("", 0)
+                sent_again += 1
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DATA_LOSS:  # the aggregator found its own copy damaged before sending it
+                    tensors.abort()
+                    raise IntegrityError(f"the aggregator's stored copy of model {manifest.model_hash[:12]} is damaged "
+                                         f"(the aggregator says: {exc.details()}); this is not a network error and "
+                                         "fetching again will not help: its operator must restore it from backup"
+                                         ) from None
+                if not resume.is_cut(exc) or resumes >= resume.MAX_RESUMES or self.stop_event.is_set():
+                    tensors.abort()
+                    raise
+                resumes += 1
+                if include_files and not files.files.keys() >= {f.path for f in manifest.files}:
+                    files, point = FileAssembler(), ("", 0)  # cut inside the (small) files: ask for them again
+                    tensors.abort()
+                    tensors = ChunkAssembler(begin, expect=expect)
+                else:
+                    point = resume.resume_point(tensors, order) or ("", 0)
+                    if not point[0]:
+                        break  # every tensor arrived; the stream broke after the last one
+                log.warning("model stream cut; resuming from the last verified chunk", tensor=point[0],
+                            offset=point[1], attempt=resumes, error=exc.details())
+                self.metrics.fetch_resumed(task_id)
+                self.stop_event.wait(min(0.5 * 2 ** resumes, 8.0))
+            except BaseException:
+                tensors.abort()
+                raise
+        tensors.finish()
+        files.finish()
         declared = {f.path: f.sha256 for f in manifest.files}
         for path, data in files.files.items():
             if path not in declared:
                 raise IntegrityError(f"the aggregator sent file {path!r}, which is not in the model manifest")
             self.cache.put(data, declared[path])
-        log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have), as_changes=len(deltas))
+        log.info("model fetched", tensors=len(expect), bytes=tensors.nbytes, skipped=len(have), as_changes=len(deltas),
+                 resumed=resumes)
         self.metrics.fetched(task_id, tensors.nbytes + sum(len(data) for data in files.files.values()))
         self.audit("model.fetched", task_id, model_hash=manifest.model_hash, bytes=int(tensors.nbytes),
-                   tensors=len(expect), skipped=len(have), files=len(files.files), as_changes=len(deltas))
+                   tensors=len(expect), skipped=len(have), files=len(files.files), as_changes=len(deltas),
+                   resumed=resumes, started_over=sent_again)
         failed = self.rebuild_from_changes(manifest, deltas, changes)
         if failed:
             log.warning("encoded changes did not rebuild the global tensors; fetching them in full", tensors=failed)
             self.fetch(task_id, manifest, include_files=False)
+
+    def _receive(self, task_id: str, manifest: Manifest, include_files: bool, have: list[str],
+                 deltas: dict[str, tensors_pb2.DownlinkDelta], tensors: ChunkAssembler, files: FileAssembler,
+                 point: tuple[str, int]) -> None:
+        """One FetchModel call feeding ``tensors`` and ``files``, resumed at ``point`` (tensor, byte) unless it is
+        ("", 0). _StartOver when the aggregator did not resume where it was asked to."""
+        stream = self._stub().FetchModel(agent_pb2.FetchModelRequest(
+            task_id=task_id, model_hash=manifest.model_hash, have_sha256=have, include_files=include_files,
+            delta_names=sorted(deltas), resume_tensor=point[0], resume_offset=point[1]))
+        first = bool(point[0])
+        for chunk in stream:
+            if self.stop_event.is_set():
+                stream.cancel()
+                raise Stopped("agent is stopping")
+            kind = chunk.WhichOneof("item")
+            if kind == "manifest":
+                if chunk.manifest.model_hash != manifest.model_hash:
+                    raise IntegrityError("the aggregator sent a different model than the one assigned")
+            elif kind == "tensor":
+                if first and not resume.honoured(chunk.tensor, point):
+                    stream.cancel()
+                    raise _StartOver()
+                first = False
+                tensors.add(chunk.tensor)
+            elif kind == "file":
+                if first:
+                    stream.cancel()
+                    raise _StartOver()
+                files.add(chunk.file)
 
     def rebuild_from_changes(self, manifest: Manifest, deltas: dict[str, tensors_pb2.DownlinkDelta],
                              changes: dict[str, MemoryWriter]) -> list[str]:
@@ -160,3 +203,7 @@ class ModelSync:
                 continue
             self.cache.put(data, entry.sha256, verified=True)  # hashed just above
         return failed
+
+
+class _StartOver(Exception):
+    """The aggregator answered a resumed FetchModel from the start (it does not know the resume fields)."""

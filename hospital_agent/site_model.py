@@ -23,7 +23,7 @@ from fedclinic.training.private_modules import PrivateStore
 from fedclinic.pki import identity_from_pem
 from fedclinic.proto import agent_pb2
 from fedclinic.transport.rpc import explain_rpc_error
-from fedclinic.transport.wire import receive_package
+from fedclinic.transport.resume import receive_package_resuming
 from hospital_agent.config import AgentConfig
 from hospital_agent.connection import AgentChannel
 
@@ -101,8 +101,8 @@ def export_site_model(config_path: str, task_id: str, out_dir: str) -> int:
     store = PrivateStore(private_store_folder(config.work_dir))
     conn = AgentChannel(config.aggregator, config.tls, server_name=config.server_name)
     try:
-        stream = conn.stub().FetchModel(agent_pb2.FetchModelRequest(task_id=task_id, latest=True, include_files=True))
-        package, model_hash = receive_package(stream)
+        package, model_hash = receive_package_resuming(lambda point: conn.stub().FetchModel(agent_pb2.FetchModelRequest(
+            task_id=task_id, latest=True, include_files=True, resume_tensor=point[0], resume_offset=point[1])))
         model = merge_private(package, model_hash, store, task_id)
         site = identity_from_pem(config.tls.cert.read_bytes()).name
         folder = write_site_model(model, out, task_id=task_id, site=site)

@@ -102,7 +102,7 @@ class Agent:
         #: Prometheus metrics (hospital_agent.metrics), served by the CLI when metrics_address is set
         self.metrics = AgentMetrics(self.outbox, self.privacy.ledger, lambda: len(self.approval.held))
         self.uploader = Uploader(self.outbox, config.work_dir, self._submit_update, self.metrics, self.audit,
-                                 self.stop_event)
+                                 self.stop_event, query_upload=lambda: self.stub().QueryUpload)
         self.model_sync = ModelSync(BlobStore(config.work_dir / "cache"), self.stub, self.metrics, self.audit,
                                     self.stop_event)
         self.training = TrainingStep(config, self.private_store, self.metrics, lambda: self.site_id, self.stop_event,

@@ -24,7 +24,8 @@ from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.spec.task import Task
 from fedclinic.transport.package import raw_bytes
-from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto, receive_package
+from fedclinic.transport.resume import receive_package_resuming
+from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
 from fedclinic.pki import check_own_certificate
 from fedclinic.spec.model_card import build_card, write_card
 
@@ -168,9 +169,12 @@ class Client:
 
     def _fetch(self, task_id: str, round: int) -> tuple[ModelPackage, str]:
         """The package and its verified model hash."""
-        stream = self._stub.FetchModel(control_pb2.ControlFetchModelRequest(task_id=task_id, round=round))
-        try:
-            return receive_package(stream)
+        def open_stream(point: tuple[str, int]):
+            return self._stub.FetchModel(control_pb2.ControlFetchModelRequest(
+                task_id=task_id, round=round, resume_tensor=point[0], resume_offset=point[1]))
+
+        try:  # a cut connection resumes from the last verified chunk (fedclinic.transport.resume)
+            return receive_package_resuming(open_stream)
         except grpc.RpcError as exc:
             raise explain_rpc_error(exc, self.address) from None
 

@@ -16,11 +16,13 @@ WORDS = {
 FILLER = ["patient", "reports", "the", "after", "with", "daily", "mild", "severe", "since", "week"]
 
 
-def tiny_tokenizer_json() -> bytes:
-    """A word-level tokenizer over every word of the set ([PAD], [UNK], [CLS], [SEP] first)."""
+def tiny_tokenizer_json(padding_words: int = 0) -> bytes:
+    """A word-level tokenizer over every word of the set ([PAD], [UNK], [CLS], [SEP] first), plus
+    ``padding_words`` words the data never uses (a larger embedding, for transfer tests)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
+    vocab += [f"unused{i}" for i in range(padding_words)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return tok.to_str().encode()
@@ -39,6 +41,16 @@ def tiny_package(architecture: str = "logreg", seed: int = 0):
         config = {"embedding_dim": 16, "hidden_size": 16, "num_layers": 1, "bidirectional": True}
     return package_from_config(architecture=architecture, labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
                                config=config, max_length=16, seed=seed)
+
+
+def wide_package(padding_words: int = 30_000, embedding_dim: int = 64, seed: int = 0):
+    """A small LSTM whose embedding is large (``padding_words`` x ``embedding_dim`` float32, 7.7 MB by default):
+    model fetches and updates of several 2 MiB chunks, still trained in a second on a CPU."""
+    from fedclinic.models import package_from_config
+
+    return package_from_config(architecture="lstm", labels=LABELS, tokenizer_json=tiny_tokenizer_json(padding_words),
+                               config={"embedding_dim": embedding_dim, "hidden_size": 8, "num_layers": 1,
+                                       "bidirectional": False}, max_length=16, seed=seed)
 
 
 def make_examples(n: int, seed: int) -> list[dict]:

@@ -160,9 +160,10 @@ class LocalFederation:
     def agent_config_path(self, site: str) -> Path:
         return self.root / f"agent-{site}.toml"
 
-    def write_agent_config(self, site: str) -> Path:
+    def write_agent_config(self, site: str, address: str | None = None) -> Path:
+        """Write ``site``'s agent config, dialing ``address`` (default: the aggregator's; e.g. a fault proxy's)."""
         s = self.sites[site]
-        cfg: dict[str, Any] = {"aggregator": self.address, "work_dir": str(self.root / f"agent-{site}"),
+        cfg: dict[str, Any] = {"aggregator": address or self.address, "work_dir": str(self.root / f"agent-{site}"),
                                "log_level": self.log_level, "server_name": "localhost",
                                **({"metrics_address": self.metrics_address} if self.metrics_address is not None else {}),
                                **s.extra,
@@ -173,8 +174,9 @@ class LocalFederation:
         path.write_text(to_toml(cfg))
         return path
 
-    def start_agent(self, site: str) -> subprocess.Popen:
-        path = self.write_agent_config(site)
+    def start_agent(self, site: str, address: str | None = None) -> subprocess.Popen:
+        """Start ``site``'s agent, dialing ``address`` (default: the aggregator's)."""
+        path = self.write_agent_config(site, address)
         proc = self._spawn(["-m", "hospital_agent.cli", "run", "--config", str(path)], f"agent-{site}.log",
                            self._env(self.agent_threads))
         self.agents[site] = proc
@@ -197,12 +199,13 @@ class LocalFederation:
         for site in self.sites:
             self.start_agent(site)
 
-    def client(self):
+    def client(self, address: str | None = None):
+        """A scientist's client, dialing ``address`` (default: the aggregator's; e.g. a fault proxy's)."""
         # lazy: grpc loads only when a caller talks to the aggregator (the CLI imports this module via the demo)
         from fedclinic.client import connect
 
         c = self.creds("scientist")
-        return connect(self.address, cert=c["cert"], key=c["key"], ca=c["ca"], server_name="localhost")
+        return connect(address or self.address, cert=c["cert"], key=c["key"], ca=c["ca"], server_name="localhost")
 
     def signal_aggregator(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         assert self.aggregator is not None

@@ -259,20 +259,24 @@ class WorkItem(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., cancel: _Optional[_Union[CancelWork, _Mapping]] = ..., secagg: _Optional[_Union[SecAggPhase, _Mapping]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("task_id", "model_hash", "have_sha256", "include_files", "latest", "delta_names")
+    __slots__ = ("task_id", "model_hash", "have_sha256", "include_files", "latest", "delta_names", "resume_tensor", "resume_offset")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_FILES_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     DELTA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     model_hash: str
     have_sha256: _containers.RepeatedScalarFieldContainer[str]
     include_files: bool
     latest: bool
     delta_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ..., latest: _Optional[bool] = ..., delta_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    resume_tensor: str
+    resume_offset: int
+    def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ..., latest: _Optional[bool] = ..., delta_names: _Optional[_Iterable[str]] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class DpReport(_message.Message):
     __slots__ = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "accountant")
@@ -289,7 +293,7 @@ class DpReport(_message.Message):
     def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., accountant: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics", "secagg_session_id")
+    __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics", "secagg_session_id", "upload_id", "resume_offset")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +320,8 @@ class UpdateHeader(_message.Message):
     DP_FIELD_NUMBER: _ClassVar[int]
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
     SECAGG_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     attempt: int
@@ -328,7 +334,9 @@ class UpdateHeader(_message.Message):
     dp: DpReport
     eval_metrics: _containers.ScalarMap[str, float]
     secagg_session_id: str
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., base_model_hash: _Optional[str] = ..., kind: _Optional[_Union[_task_pb2.UpdateKind, str]] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tensors: _Optional[_Iterable[_Union[_tensors_pb2.TensorHeader, _Mapping]]] = ..., dp: _Optional[_Union[DpReport, _Mapping]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., secagg_session_id: _Optional[str] = ...) -> None: ...
+    upload_id: str
+    resume_offset: int
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., base_model_hash: _Optional[str] = ..., kind: _Optional[_Union[_task_pb2.UpdateKind, str]] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tensors: _Optional[_Iterable[_Union[_tensors_pb2.TensorHeader, _Mapping]]] = ..., dp: _Optional[_Union[DpReport, _Mapping]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., secagg_session_id: _Optional[str] = ..., upload_id: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class UpdateCommit(_message.Message):
     __slots__ = ("total_encoded_nbytes",)
@@ -359,6 +367,22 @@ class UpdateReceipt(_message.Message):
     stored_nbytes: int
     round: int
     def __init__(self, update_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., stored_nbytes: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class QueryUploadRequest(_message.Message):
+    __slots__ = ("task_id", "upload_id")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    upload_id: str
+    def __init__(self, task_id: _Optional[str] = ..., upload_id: _Optional[str] = ...) -> None: ...
+
+class QueryUploadResponse(_message.Message):
+    __slots__ = ("verified_nbytes", "expires_unix_ms")
+    VERIFIED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    verified_nbytes: int
+    expires_unix_ms: int
+    def __init__(self, verified_nbytes: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class DeclineRequest(_message.Message):
     __slots__ = ("task_id", "round", "reason", "permanent")

@@ -56,6 +56,11 @@ class AgentServiceStub:
                 request_serializer=fedclinic_dot_v1_dot_agent__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=fedclinic_dot_v1_dot_agent__pb2.UpdateReceipt.FromString,
                 _registered_method=True)
+        self.QueryUpload = channel.unary_unary(
+                '/fedclinic.v1.AgentService/QueryUpload',
+                request_serializer=fedclinic_dot_v1_dot_agent__pb2.QueryUploadRequest.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_agent__pb2.QueryUploadResponse.FromString,
+                _registered_method=True)
         self.Decline = channel.unary_unary(
                 '/fedclinic.v1.AgentService/Decline',
                 request_serializer=fedclinic_dot_v1_dot_agent__pb2.DeclineRequest.SerializeToString,
@@ -100,6 +105,14 @@ class AgentServiceServicer:
     def SubmitUpdate(self, request_iterator, context):
         """Client stream: UpdateHeader, TensorChunks, UpdateCommit. The receipt comes only once the update
         is durable. Retrying with the same idempotency key is acknowledged, never counted twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryUpload(self, request, context):
+        """How many bytes of a resumable upload (UpdateHeader.upload_id) the aggregator holds verified: the offset a
+        resumed SubmitUpdate starts from (0 when it holds none). An aggregator without it answers UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +164,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.SubmitUpdate,
                     request_deserializer=fedclinic_dot_v1_dot_agent__pb2.UpdateChunk.FromString,
                     response_serializer=fedclinic_dot_v1_dot_agent__pb2.UpdateReceipt.SerializeToString,
+            ),
+            'QueryUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryUpload,
+                    request_deserializer=fedclinic_dot_v1_dot_agent__pb2.QueryUploadRequest.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_agent__pb2.QueryUploadResponse.SerializeToString,
             ),
             'Decline': grpc.unary_unary_rpc_method_handler(
                     servicer.Decline,
@@ -276,6 +294,33 @@ class AgentService:
             '/fedclinic.v1.AgentService/SubmitUpdate',
             fedclinic_dot_v1_dot_agent__pb2.UpdateChunk.SerializeToString,
             fedclinic_dot_v1_dot_agent__pb2.UpdateReceipt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedclinic.v1.AgentService/QueryUpload',
+            fedclinic_dot_v1_dot_agent__pb2.QueryUploadRequest.SerializeToString,
+            fedclinic_dot_v1_dot_agent__pb2.QueryUploadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -217,11 +217,15 @@ class CancelTaskRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControlFetchModelRequest(_message.Message):
-    __slots__ = ("task_id", "round", "have_sha256")
+    __slots__ = ("task_id", "round", "have_sha256", "resume_tensor", "resume_offset")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     have_sha256: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., have_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+    resume_tensor: str
+    resume_offset: int
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., have_sha256: _Optional[_Iterable[str]] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...

@@ -265,6 +265,13 @@ class ChunkAssembler:
             self._open.writer.abort()  # type: ignore[attr-defined]
             self._open = None
 
+    @property
+    def partial(self) -> tuple[str, int] | None:
+        """(name, verified bytes) of the tensor being received, or None between tensors: where a cut stream
+        resumes. The bytes so far are written and hashed; the rest continues the same running hash, so the
+        whole tensor is still checked against its header's sha256 when it completes."""
+        return (self._open.header.name, self._open.received) if self._open is not None else None
+
     def finish(self) -> None:
         if self._open is not None:
             h = self._open.header
@@ -332,39 +339,6 @@ class MemoryWriter:
 
     def abort(self) -> None:
         self.buf = bytearray()
-
-
-def receive_package(chunks: Iterable[pb.ModelChunk]) -> tuple[ModelPackage, str]:
-    """Assemble a FetchModel stream (manifest, files, tensors) in memory: the package and its model hash.
-
-    IntegrityError when the stream has no manifest or the assembled package does not hash to it (every tensor
-    is also checked against its own sha256 as it completes). Transport errors propagate as they are."""
-    writers: dict[str, MemoryWriter] = {}
-
-    def begin(h: pb.TensorHeader) -> MemoryWriter:
-        writers[h.name] = MemoryWriter()
-        return writers[h.name]
-
-    tensors = ChunkAssembler(begin)
-    files = FileAssembler()
-    manifest = None
-    for chunk in chunks:
-        kind = chunk.WhichOneof("item")
-        if kind == "manifest":
-            manifest = chunk.manifest
-        elif kind == "tensor":
-            tensors.add(chunk.tensor)
-        else:
-            files.add(chunk.file)
-    tensors.finish()
-    files.finish()
-    if manifest is None:
-        raise IntegrityError("the aggregator sent no model manifest")
-    arrays = {name: array_from_bytes(tensors.done[name], w.data) for name, w in writers.items()}
-    package = ModelPackage(arrays, files.files)
-    if package.manifest().model_hash != manifest.model_hash:
-        raise IntegrityError("the downloaded model does not match its manifest hash; download it again")
-    return package, manifest.model_hash
 
 
 def array_from_bytes(header: pb.TensorHeader, data: bytes | memoryview) -> np.ndarray:
@@ -461,6 +435,13 @@ class PipelinedAssembler:
     def abort(self) -> None:
         self._stop()
         self.inner.abort()
+
+    def settle(self) -> BaseException | None:
+        """Stop the worker once the chunks already handed to it are processed, leaving the tensor being received
+        open (its accepted bytes written): what keeping an interrupted stream's prefix needs. Returns the error
+        one of those chunks raised, if any."""
+        self._stop()
+        return self._error
 
     @property
     def nbytes(self) -> int:
