@@ -26,6 +26,7 @@ import structlog
 
 from fedclinic.errors import Refused
 from fedclinic.pki import PkiError
+from fedclinic.transport.request_parsing import UNPARSABLE
 
 from aggregator_service.auth import peer_identity
 from aggregator_service.field_limits import FieldLimits
@@ -125,6 +126,8 @@ class PeerLimits(grpc.ServerInterceptor):
 
     def checked(self, message, context: grpc.ServicerContext):
         """``message`` within the field limits (free text truncated), or the call aborted INVALID_ARGUMENT."""
+        if message is UNPARSABLE:  # refused by the parse check (fedclinic.transport.request_parsing)
+            return message
         try:
             self.fields.apply(message)
         except Refused as exc:

@@ -65,8 +65,10 @@ class Aggregator:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
                                   interceptors=[AuthInterceptor(revocations, on_refusal=self._refused,
                                                                 count_refusal=self.metrics.call_refused),
-                                                self.peer_limits,
-                                                ErrorInterceptor()],  # no failure reaches a caller as UNKNOWN
+                                                # outside the limits: a request that does not parse is refused
+                                                # before they read it, and no failure reaches a caller as UNKNOWN
+                                                ErrorInterceptor(),
+                                                self.peer_limits],
                                   options=SERVER_OPTIONS,
                                   maximum_concurrent_rpcs=config.limits.concurrent_rpcs(config.max_workers))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
