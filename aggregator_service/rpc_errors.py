@@ -18,24 +18,17 @@ anything else                                       INTERNAL             ask the
 
 from __future__ import annotations
 
-import errno
-import sqlite3
 import uuid
 from typing import Callable
 
 import grpc
 import structlog
 
+from fedclinic.runtime.disk_errors import is_disk_full
+
 log = structlog.get_logger("fedclinic.aggregator.rpc")
 
-_SQLITE_FULL = 13
-
-
-def _disk_full(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return isinstance(exc, sqlite3.OperationalError) and (
-        getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "disk is full" in str(exc))
+_disk_full = is_disk_full
 
 
 def status_for(exc: BaseException, error_id: str) -> tuple[grpc.StatusCode, str]:

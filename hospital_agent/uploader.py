@@ -83,7 +83,7 @@ class Uploader:
                 self.upload(entry)
                 return
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     return
                 self.stop_event.wait(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 30.0)
@@ -97,7 +97,9 @@ class Uploader:
             receipt = self._call.result()
         except grpc.RpcError as exc:
             code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # RESOURCE_EXHAUSTED: a limit of the aggregator (concurrent uploads, its disk), not a verdict on the update
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED):
                 log.warning("upload interrupted; the update stays in the outbox", error=exc.details())
                 self.metrics.upload_interruptions.inc()
                 raise
