@@ -26,6 +26,7 @@ import grpc
 
 from fedclinic.errors import FedclinicError
 from fedclinic.federation.local_federation import wait_until
+from fedclinic.proto import control_pb2
 
 from campaign.fragment import Fragment
 from campaign.full_disk import FullDisk, can_mount
@@ -81,9 +82,10 @@ def run_side(side: str, root: Path, *, real: bool, frag: Fragment, rounds: int) 
             for site in fed.sites:
                 restart(fed, site, env=disk.env() if site == victim else None)
 
-            def task(name: str):
+            def task(name: str, **kw):
                 return make_task(name=f"disk-full-{side}-{name}", num_rounds=rounds, min_sites=2,
-                                 round_timeout_s=20, on_quorum_miss="retry", max_round_retries=20, local_epochs=1)
+                                 round_timeout_s=20, on_quorum_miss="retry", max_round_retries=20, local_epochs=1,
+                                 **kw)
 
             def ended(task_id: str, timeout: float, what: str):
                 wait_until(lambda: (st := poll_status(fed, task_id)) is not None and st.state in TERMINAL, timeout,
@@ -97,16 +99,19 @@ def run_side(side: str, root: Path, *, real: bool, frag: Fragment, rounds: int) 
                 fed.signal_agent(other)                    # round 1 of the next task waits for it
                 task_id = submit(fed, task("during"))
                 disk.fill()
-                problems += _refused_submit(fed)            # the scientist's write: a clear refusal
+                found, answer = _refused_submit(fed)        # the scientist's write: a clear refusal
+                problems += found
+                frag.rows.append(("aggregator: a submit while full is answered", answer[:240]))
                 restart(fed, other)                         # its upload meets the full disk
                 wait_until(lambda: _says_disk_full(fed.log_text(f"agent-{other}")), 90,
                            "the agent to report that the aggregator's disk is full")
             else:
                 disk.fill()
-                task_id = submit(fed, task("during"))      # the agent fetches, trains, writes: on a full disk
+                # another learning rate: from round 2 on, models the agent does not hold yet (blobs to write)
+                task_id = submit(fed, task("during", learning_rate=0.07))
                 wait_until(lambda: _says_disk_full(fed.log_text(log_name)), 90,
                            "the agent to log that its disk is full")
-            frag.rows.append((f"{side}: free bytes once filled", str(disk.free_bytes() if real else 0)))
+            frag.rows.append((f"{side}: free bytes once filled", str(disk.free_bytes()) if real else "n/a (injected)"))
             for name, proc in [("aggregator", fed.aggregator), *fed.agents.items()]:
                 if proc.poll() is not None:
                     problems.append(f"{name} exited (status {proc.returncode}) while the {side}'s disk was full")
@@ -114,29 +119,30 @@ def run_side(side: str, root: Path, *, real: bool, frag: Fragment, rounds: int) 
             t0 = time.monotonic()
             final = ended(task_id, 240, "the task to end once space was back")
             frag.rows.append((f"{side}: task after space came back",
-                              f"{'completed' if final.state == 2 else final.error[:200]} "
+                              f"{'completed' if final.state == control_pb2.TASK_STATE_COMPLETED else final.error[:200]} "
                               f"({time.monotonic() - t0:.0f} s)"))
             if final.final_model_hash == "":
                 problems.append(f"{side}: the task did not complete once space was back: {final.error}")
-    finally:
-        disk.close()
-    agent_dirs = {s: fed.root / f"agent-{s}" for s in fed.sites}
-    found, acks = update_problems(state_dir, agent_dirs)
-    problems += found
-    n_blobs = 0
-    for d in [state_dir / "blobs", *(a / "cache" for a in agent_dirs.values())]:
-        found, n = blob_problems(d)
+        agent_dirs = {s: fed.root / f"agent-{s}" for s in fed.sites}
+        found, acks = update_problems(state_dir, agent_dirs)
         problems += found
-        n_blobs += n
-    problems += sqlite_problems(state_dir / "aggregator.sqlite")
-    for a in agent_dirs.values():
-        problems += sqlite_problems(a / "privacy-ledger.sqlite")
+        n_blobs = 0
+        for d in [state_dir / "blobs", *(a / "cache" for a in agent_dirs.values())]:
+            found, n = blob_problems(d)
+            problems += found
+            n_blobs += n
+        problems += sqlite_problems(state_dir / "aggregator.sqlite")
+        for a in agent_dirs.values():
+            problems += sqlite_problems(a / "privacy-ledger.sqlite")
+    finally:
+        disk.close()  # after the checks: the tmpfs holds what they read
     frag.rows.append((f"{side}: blobs verified / acknowledged updates checked", f"{n_blobs} / {acks}"))
     return [f"{side}: {p}" for p in problems]
 
 
-def _refused_submit(fed) -> list[str]:
-    """A scientist's submit while the aggregator's disk is full: RESOURCE_EXHAUSTED, 'disk is full', no path."""
+def _refused_submit(fed) -> tuple[list[str], str]:
+    """A scientist's submit while the aggregator's disk is full: RESOURCE_EXHAUSTED, 'disk is full', no path.
+    Returns the problems and the answer."""
     from tests.helpers.text_models import tiny_package
 
     try:
@@ -149,8 +155,8 @@ def _refused_submit(fed) -> list[str]:
             bad.append(f"a submit on a full disk was refused without saying so: {text[:300]}")
         if str(fed.root) in text or "/tmp/" in text:
             bad.append(f"a submit on a full disk was answered with a server path: {text[:300]}")
-        return bad
-    return ["a submit on a full disk was accepted"]
+        return bad, text
+    return ["a submit on a full disk was accepted"], "accepted"
 
 
 def main(argv: list[str] | None = None) -> int:

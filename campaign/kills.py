@@ -279,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="campaign-kills-") as tmp:
         tmp = args.keep or tmp
         camp = KillCampaign(Path(tmp), frag, aggregator_kills=agg, agent_kills=agents, budget_s=budget,
-                            rounds=3 if smoke else 8, seed=args.seed)
-        camp.run(tasks_max=2 if smoke else 60, kinds=tuple(args.kinds.split(",")))
+                            rounds=4 if smoke else 8, seed=args.seed)
+        kinds = ("plain",) if smoke and args.kinds == ",".join(KINDS) else tuple(args.kinds.split(","))
+        camp.run(tasks_max=2 if smoke else 60, kinds=kinds)
     report(frag, camp, agg, agents)
     return frag.finish(args.out)
 

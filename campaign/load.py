@@ -37,6 +37,18 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional memory of ``pid`` (Pss of /proc/PID/smaps_rollup: shared pages, e.g. torch's libraries,
+    divided among the processes mapping them): what one more agent costs the machine."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -63,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     frag = Fragment("load", "Load (agents x rounds)", args.smoke)
     samples: dict[int, tuple[int, int]] = {}  # round closed -> (rss, fds)
     agent_rss: list[int] = []
+    agent_pss: list[int] = []
     with tempfile.TemporaryDirectory(prefix="campaign-load-") as tmp:
         fed = make_federation(Path(tmp), n, log_level="warning")
         with fed:
@@ -91,15 +104,16 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             wall = time.monotonic() - t0
             agent_rss = [rss_bytes(p.pid) for p in fed.agents.values() if p.poll() is None]
+            agent_pss = [pss_bytes(p.pid) for p in fed.agents.values() if p.poll() is None]
             crashed = [s for s, p in fed.agents.items() if p.poll() is not None]
             if fed.aggregator.poll() is not None:
                 crashed.append("aggregator")
-    report(frag, st, n, rounds, samples, agent_rss, crashed, wall)
+    report(frag, st, n, rounds, samples, agent_rss, agent_pss, crashed, wall)
     return frag.finish(args.out)
 
 
 def report(frag: Fragment, st, n: int, rounds: int, samples: dict[int, tuple[int, int]], agent_rss: list[int],
-           crashed: list[str], wall: float) -> None:
+           agent_pss: list[int], crashed: list[str], wall: float) -> None:
     from fedclinic.client import state_name
 
     per_round = {r.round: sorted(x.site_id for x in r.reports) for r in st.rounds} if st is not None else {}
@@ -126,6 +140,8 @@ def report(frag: Fragment, st, n: int, rounds: int, samples: dict[int, tuple[int
          f"{rss_dev * 100:.1f} %, {fds_dev * 100:.1f} %"),
         ("agent RSS, MiB (mean, max)", f"{statistics.mean(agent_rss) / mib:.0f}, {max(agent_rss) / mib:.0f}"
          if agent_rss else "none"),
+        ("agent PSS (shared pages divided among the agents), MiB (mean, sum)",
+         f"{statistics.mean(agent_pss) / mib:.0f}, {sum(agent_pss) / mib:.0f}" if agent_pss else "none"),
         ("wall time of the task, s", f"{wall:.0f}"),
     ]
     problems = []
