@@ -38,6 +38,16 @@ from tests.helpers.federation import keep_aggregator_address
 from tests.helpers.tasks import make_task
 
 DISK_WORDS = ("disk is full", "no space left")
+#: what this part found when it first ran, and the fixes (each covered by a test that fails without it)
+FIXED = [
+    "fixed: an agent on a full disk declined the round for good blaming the task (\"the task's spec or model "
+    "cannot be handled here\": SQLite's 'database or disk is full' is no OSError), and a round declined for now was "
+    "never offered again at its next attempt, so the task could not finish once space was back; now the agent "
+    "declines for now naming its disk and the retried round is offered again (tests/integration/"
+    "test_agent_disk_full.py)",
+    "fixed (with h16-limits): an upload refused RESOURCE_EXHAUSTED 'disk is full' was dropped by the agent, whose "
+    "round then never completed; it now stays in the outbox and is retried with backoff",
+]
 
 
 def blob_problems(folder: Path) -> tuple[list[str], int]:
@@ -179,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems += run_side(side, Path(tmp) / side, real=real, frag=frag, rounds=2 if args.smoke else 4)
             except (TimeoutError, FedclinicError) as exc:
                 problems.append(f"{side}: {exc}")
-    frag.findings += problems
+    frag.findings += FIXED + problems
     frag.ok = not problems
     frag.figures.update(sides=2, problems=len(problems), real_disk=int(real))
     frag.summary = ("clear error, nothing corrupted, recovery once space is back, at the aggregator and at an agent"
