@@ -49,6 +49,7 @@ import structlog
 
 from fedclinic.runtime.durable_file import fsync_dir, write_atomically
 from fedclinic.runtime.blobstore import blob_relpath
+from fedclinic.runtime.failpoints import failpoint
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.proto import control_pb2
 
@@ -225,6 +226,7 @@ def _copy_state(state_dir: Path, tmp: Path) -> BackupManifest:
         rel = _blob_rel(sha)
         try:
             copied = _copy_hashed(state_dir / rel, tmp / rel)
+            failpoint("aggregator.backup.copy")  # kill campaign: a backup half copied
         except FileNotFoundError:
             raise BackupError(f"blob {sha} is referenced by the database but missing from {state_dir / 'blobs'}; "
                               "the state folder is damaged: restore it from an earlier backup") from None

@@ -27,6 +27,7 @@ import structlog
 from fedclinic.transport import codec_wire
 from fedclinic.transport import downlink
 from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.runtime.failpoints import failpoint
 from fedclinic.errors import ConfigError, IntegrityError, Refused
 from fedclinic.transport.package import Manifest, TensorEntry, raw_bytes
 from fedclinic.proto import control_pb2, task_pb2, tensors_pb2
@@ -241,6 +242,7 @@ class RoundMachine:
             if delta is not None and sha != t.sha256:
                 deltas.append(delta)
         manifest = Manifest(tuple(entries), base.files)
+        failpoint("aggregator.round.finalized")  # kill campaign: new model stored, round not closed
         saved_state = self.folding.save_state(acc.strategy)
         reports = self.store.updates_of(task_id, rnd.round)
         metrics = round_metrics(spec, reports, acc.strategy, extra_metrics)
@@ -257,6 +259,7 @@ class RoundMachine:
                              final_model=model_hash, rounds=rnd.round)
             else:
                 self._open_round(tx, task_id, spec, rnd.round + 1, 1, model_hash)
+        failpoint("aggregator.round.published")  # kill campaign: round closed, spill not yet dropped
         log.info("round closed", task_id=task_id, round=rnd.round, updates=len(reports), model=model_hash[:12])
         self.folding.drop(task_id)
         shutil.rmtree(self.spill_root / task_id / str(rnd.round), ignore_errors=True)

@@ -22,26 +22,18 @@ log (fedclinic.transport.request_parsing).
 
 from __future__ import annotations
 
-import errno
-import sqlite3
 import uuid
 from typing import Callable
 
 import grpc
 import structlog
 
+from fedclinic.runtime.disk_errors import is_disk_full
 from fedclinic.transport.request_parsing import checked_requests, lenient_parser
 
 log = structlog.get_logger("fedclinic.aggregator.rpc")
 
-_SQLITE_FULL = 13
-
-
-def _disk_full(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return isinstance(exc, sqlite3.OperationalError) and (
-        getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "disk is full" in str(exc))
+_disk_full = is_disk_full
 
 
 def status_for(exc: BaseException, error_id: str) -> tuple[grpc.StatusCode, str]:

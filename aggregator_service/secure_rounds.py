@@ -443,6 +443,7 @@ class SecureRounds:
         missing = sorted(st.expected)
         try:
             if s.phase is Phase.ADVERTISE:
+                failpoint("aggregator.secagg.advertised")  # kill campaign: between secure-aggregation phases
                 directory = s.close_advertise()
                 entries = [agent_pb2.SecAggKeyEntry(site_id=e.sender, mask_public_key=e.mask_public_key,
                                                     encryption_public_key=e.encryption_public_key)
@@ -481,6 +482,7 @@ class SecureRounds:
                     + (f" (silent at the deadline: {', '.join(missing)})" if missing else ""))
 
     def _finish(self, st: _Round, result: AggregateResult) -> None:
+        failpoint("aggregator.secagg.unmasked")  # kill campaign: sum unmasked, round not closed
         m = len(result.survivors)
         mean = result.total / np.float32(m)
         tensors: dict[str, np.ndarray] = {}

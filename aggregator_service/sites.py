@@ -4,8 +4,9 @@
 at Hello, decides whether a site may take a task (:meth:`Sites.eligible`: named in the task, secure-aggregation
 capable when needed, has the task's codecs, has not declined it for good), hands out assignments on the work
 stream (:meth:`Sites.next_work`: at most ``sites_target`` active per round attempt, never twice per attempt,
-cancellations of ended tasks) and records holds and declines. Callers hold the engine's lock; every change
-is written through the store, so nothing here survives a restart except what the store holds.
+cancellations of ended tasks; a round declined for now is offered again at its next attempt) and records holds
+and declines. Callers hold the engine's lock; every change is written through the store, so nothing here
+survives a restart except what the store holds.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class Sites:
             if self.store.has_update(task.task_id, rnd.round, site):
                 continue
             a = self.store.assignment(task.task_id, rnd.round, site)
-            if a is not None and a.declined:
-                continue
+            if a is not None and a.declined and a.attempt == rnd.attempt:
+                continue  # declined for now: offered again when the round is retried (for good: not eligible)
             if a is None or a.attempt != rnd.attempt:
                 if self.store.active_assignments(task.task_id, rnd.round, rnd.attempt) >= rnd.sites_target:
                     continue

@@ -42,6 +42,7 @@ from fedclinic.runtime.audit_log import update_digest
 from fedclinic.runtime.blobstore import fsync_dir
 from fedclinic.codecs import open_payload
 from fedclinic.runtime.durable_file import DurableFile
+from fedclinic.runtime.failpoints import failpoint
 from fedclinic.errors import IntegrityError, Refused
 from fedclinic.transport.package import Manifest, TensorEntry
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
@@ -83,6 +84,7 @@ def read_update_stream(request_iterator: Iterable, assembler, what: str, consequ
         kind = msg.WhichOneof("item")
         if kind == "tensor":
             assembler.add(msg.tensor)
+            failpoint("aggregator.update.chunk")  # kill campaign: mid-upload
         elif kind == "commit":
             assembler.finish()
             if msg.commit.total_encoded_nbytes != assembler.nbytes:
@@ -199,6 +201,7 @@ class UpdateAdmission:
             if kept is not None:
                 kept.unlink(missing_ok=True)
         update_id = self._accept(site, h, path, layout, sha, nbytes, wire_bytes)
+        failpoint("aggregator.update.before-ack")  # kill campaign: durable, not acknowledged
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=nbytes, round=h.round)
 
     def _keep_prefix(self, site: str, h: agent_pb2.UpdateHeader, assembler: PipelinedAssembler,
@@ -357,6 +360,7 @@ class UpdateAdmission:
                                   "stored") from None
                 try:  # fold first: a strategy that rejects an update leaves itself unchanged (Strategy contract)
                     acc.fold(update_id, spill, layout, acc.strategy.weight_for(h.num_samples, h.metrics), site)
+                    failpoint("aggregator.fold")  # kill campaign: folded, not yet recorded
                 except (IntegrityError, ValueError) as exc:
                     raise Refused(INVALID, f"update rejected by the {acc.strategy.name} strategy: {exc}") from None
                 try:

@@ -88,7 +88,7 @@ def http_cases(draw) -> HttpCase:
         st.sampled_from((b"", b"{not json", b"\xff\xfe", b"null", b"[]", b'{"texts": ["a"]}' * 3))))
     length = "right" if _chance(draw, 70) else draw(st.sampled_from(("none", "-1", "huge", "short", "long", "twice",
                                                                       "junk", "chunked")))
-    headers = [f"Host: 127.0.0.1", "Connection: close"]
+    headers = ["Host: 127.0.0.1", "Connection: close"]
     ctype = "application/json" if _chance(draw, 80) else draw(st.sampled_from((
         "text/plain", "", "multipart/form-data; boundary=x", "application/json; charset=utf-16")))
     if ctype:

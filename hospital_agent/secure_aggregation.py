@@ -227,6 +227,7 @@ class SiteSecAgg:
             mask_public_key=adv.mask_public_key, encryption_public_key=adv.encryption_public_key))
 
     def _share_keys(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        failpoint("agent.secagg.share-keys")  # kill campaign
         assert job.session is not None
         sid = job.session.params.session_id
         directory = KeyDirectory(sid, tuple(AdvertiseKeys(sid, e.site_id, e.mask_public_key, e.encryption_public_key)
@@ -254,6 +255,7 @@ class SiteSecAgg:
         return self._reply(job)  # the answer went through SubmitUpdate
 
     def _unmask(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        failpoint("agent.secagg.unmask")  # kill campaign
         assert job.session is not None
         r = msg.unmask_request
         job.revealed = True  # from here on, never join another session for this round

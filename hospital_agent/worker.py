@@ -32,6 +32,8 @@ import structlog
 import fedclinic
 from fedclinic.runtime.audit_log import AuditError, AuditLog
 from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.runtime.disk_errors import is_local_storage_failure
+from fedclinic.runtime.failpoints import failpoint
 from fedclinic.codecs import available_codecs
 from fedclinic.errors import DatasetError, FedclinicError, IntegrityError
 from fedclinic.training.private_modules import PrivateStore
@@ -286,7 +288,7 @@ class Agent:
     def _decline_unexpected(self, a: agent_pb2.Assignment, exc: Exception) -> None:
         """Decline an assignment whose handling raised ``exc`` unexpectedly (see :meth:`_handle_safely`); never
         raises."""
-        transient = isinstance(exc, (OSError, MemoryError))
+        transient = isinstance(exc, MemoryError) or is_local_storage_failure(exc)  # e.g. SQLite: disk is full
         reason = (f"the site's agent failed on this assignment ({type(exc).__name__}); "
                   + ("a resource of the site (disk or memory) ran out; it may take the task again later"
                      if transient else "the task's spec or model cannot be handled here; the task owner should check "
@@ -405,14 +407,17 @@ class Agent:
             verdict, state.private = self.budget.admit(a, len(state.raw_train), cfg.batch_size, cfg.local_epochs)
             if not self._passes(a, verdict):
                 return
+        failpoint("agent.fetch")  # kill campaign: assigned, model not yet fetched
         self.model_sync.sync(a, manifest, state)
         if private:
             self.training.restore_private(a.task_id, state, private)
         trained = self.training.run(a, state, cfg, private)
+        failpoint("agent.trained")  # kill campaign: trained, not charged or written
         result = trained.site.train
         dp_report = None
         if state.private is not None:  # charged before the update is written or sent; a refused charge sends nothing
             verdict, dp_report = self.budget.charge(a, state.private)
+            failpoint("agent.charged")  # kill campaign: privacy charged, update not yet written
             if not self._passes(a, verdict):
                 return
         if secure:  # no sample count, metrics or DP report travel beside a masked vector
@@ -431,6 +436,7 @@ class Agent:
         header.tensors.extend(trained.site.update.headers)
         self.training.stage_feedback(a.task_id, trained)  # the staged residual is durable before the update exists
         entry = self.outbox.put(header, trained.site.update.payloads)
+        failpoint("agent.outbox-written")  # kill campaign: durable in the outbox, not yet sent
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self.uploader.upload(entry)

@@ -29,6 +29,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from fedclinic.runtime.failpoints import disk_full
+
 #: write alignment for O_DIRECT: 4096 covers 512-byte and 4K logical-block devices
 ALIGN = 4096
 #: staging buffer: large writes keep a virtual disk busy; one buffer per open file
@@ -103,6 +105,7 @@ class DurableFile:
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._closed:
             raise ValueError(f"{self.path} is already closed")
+        disk_full()
         view = memoryview(data).cast("B")
         if not self.direct and not self._bufs:
             _write_all(self._fd, view)
@@ -219,6 +222,7 @@ def write_atomically(path: str | os.PathLike[str], data: bytes, *, mode: int = 0
     temporary file created exclusively with ``mode`` in the same folder, fsync'd, renamed over ``path``,
     then the folder fsync'd. The temporary file is removed if anything fails."""
     path = Path(path)
+    disk_full()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)

@@ -4,10 +4,16 @@
 (``os._exit(97)``, like a power cut: no cleanup, no flush) the 3rd time ``agent.upload.chunk`` is reached and
 the first time ``agent.after-receipt`` is. The integration tests use this to crash a real agent at an exact
 point of the upload protocol instead of racing a timer.
+
+``FEDCLINIC_DISK_FULL=/path/to/flag`` makes every write through the one durable-write layer
+(:mod:`fedclinic.runtime.durable_file`: blobs, update spill files, atomically replaced files) fail with
+``OSError(ENOSPC)`` while that flag file exists: a full disk for hosts where the campaign cannot mount a small
+tmpfs (not root). SQLite and plain ``open()`` writes are not covered; a real full disk covers everything.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -33,3 +39,10 @@ def failpoint(name: str) -> None:
         _counts[name] = _counts.get(name, 0) + 1
         if _counts[name] >= armed[name]:
             os._exit(97)
+
+
+def disk_full() -> None:
+    """Raise ``OSError(ENOSPC)`` while the flag file named by ``FEDCLINIC_DISK_FULL`` exists (module docstring)."""
+    flag = os.environ.get("FEDCLINIC_DISK_FULL")
+    if flag and os.path.exists(flag):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: FEDCLINIC_DISK_FULL)")

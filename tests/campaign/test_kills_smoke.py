@@ -1,0 +1,22 @@
+"""Smoke of the kill campaign (campaign.kills): a few SIGKILLs of the aggregator and of agents during one task;
+nothing acknowledged lost, nothing counted twice, the model equals the replay, no crash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from campaign import kills
+
+pytestmark = pytest.mark.integration
+
+
+def test_kills_smoke(tmp_path):
+    out = tmp_path / "kills.json"
+    rc = kills.main(["--smoke", "--out", str(out)])
+    frag = json.loads(out.read_text())
+    assert rc == 0 and frag["ok"], frag["findings"]
+    assert frag["figures"]["aggregator_kills"] >= 3 and frag["figures"]["agent_kills"] >= 3
+    assert frag["figures"]["problems"] == 0 and frag["figures"]["crashes"] == 0
+    assert any(what.startswith("plain tasks completed") for what, _ in frag["rows"])
