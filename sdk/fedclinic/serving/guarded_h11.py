@@ -108,6 +108,9 @@ class GuardedH11Protocol(H11Protocol):
                 self.transport.write(self.conn.send(event))
         except h11.LocalProtocolError:
             pass  # h11 cannot frame a response in this state: closing is the answer
+        if self.cycle is not None:  # a request the app is handling (its body was cut): it must not answer too,
+            self.cycle.disconnected = True  # before the transport's close reaches connection_lost (found by the
+            self.cycle.message_event.set()  # fuzz campaign: h11 LocalProtocolError in state MUST_CLOSE)
         self.transport.close()
 
     def _arm_header_deadline(self) -> None:
