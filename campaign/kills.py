@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                             rounds=4 if smoke else 8, seed=args.seed)
         kinds = ("plain",) if smoke and args.kinds == ",".join(KINDS) else tuple(args.kinds.split(","))
         camp.run(tasks_max=2 if smoke else 60, kinds=kinds)
-    report(frag, camp, agg, agents)
+        report(frag, camp, agg, agents)  # inside: it reads the agents' ledgers, gone once the folder is removed
     return frag.finish(args.out)
 
 
