@@ -33,14 +33,12 @@ from fedclinic.transport.request_parsing import checked_requests, lenient_parser
 
 log = structlog.get_logger("fedclinic.aggregator.rpc")
 
-_disk_full = is_disk_full
-
 
 def status_for(exc: BaseException, error_id: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a caller gets for an exception no handler mapped (module docstring); the message
     never contains the exception's text, only ``error_id``, under which the aggregator's log has the details."""
     ref = f"(error id {error_id} in the aggregator's log)"
-    if _disk_full(exc):
+    if is_disk_full(exc):
         return (grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the aggregator's disk is full, so nothing of this call was stored {ref}; ask its operator to free "
                 "space, then try again (a submission or upload may be repeated safely with the same idempotency key)")
