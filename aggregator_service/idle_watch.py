@@ -40,12 +40,14 @@ class IdleWatch:
         self.idle_timeout_s = idle_timeout_s
         self.on_idle = on_idle
         self._lock = threading.Condition()
-        self._armed: dict[int, tuple[float, grpc.ServicerContext, str, str]] = {}
+        self._armed: dict[int, tuple] = {}  # token -> (deadline, context, method, peer, before_end)
         self._next_token = 0
         self._thread: threading.Thread | None = None
 
-    def watch(self, messages: Iterator[T], context: grpc.ServicerContext, method: str, peer: str) -> Iterator[T]:
-        """``messages`` with the idle deadline armed while each next message is awaited."""
+    def watch(self, messages: Iterator[T], context: grpc.ServicerContext, method: str, peer: str,
+              before_end: Callable[[], None] | None = None) -> Iterator[T]:
+        """``messages`` with the idle deadline armed while each next message is awaited; ``before_end`` is
+        called (on the watchdog thread) just before an idle call is ended."""
         with self._lock:
             self._next_token += 1
             token = self._next_token
@@ -54,7 +56,7 @@ class IdleWatch:
                 self._thread.start()
         try:
             while True:
-                self._arm(token, context, method, peer)
+                self._arm(token, context, method, peer, before_end)
                 try:
                     message = next(messages)
                 except StopIteration:
@@ -65,9 +67,9 @@ class IdleWatch:
         finally:
             self._disarm(token)
 
-    def _arm(self, token: int, context, method: str, peer: str) -> None:
+    def _arm(self, token: int, context, method: str, peer: str, before_end) -> None:
         with self._lock:
-            self._armed[token] = (time.monotonic() + self.idle_timeout_s, context, method, peer)
+            self._armed[token] = (time.monotonic() + self.idle_timeout_s, context, method, peer, before_end)
             self._lock.notify()
 
     def _disarm(self, token: int) -> None:
@@ -79,15 +81,17 @@ class IdleWatch:
             expired = []
             with self._lock:
                 now = time.monotonic()
-                for token, (deadline, context, method, peer) in list(self._armed.items()):
+                for token, (deadline, context, method, peer, before_end) in list(self._armed.items()):
                     if deadline <= now:
-                        expired.append((context, method, peer))
+                        expired.append((context, method, peer, before_end))
                         del self._armed[token]
                 soonest = min((d for d, *_ in self._armed.values()), default=now + 3600)
                 if not expired:
                     self._lock.wait(max(0.01, soonest - now))
-            for context, method, peer in expired:
+            for context, method, peer, before_end in expired:
                 log.warning("idle stream ended", method=method, peer=peer, idle_timeout_s=self.idle_timeout_s)
+                if before_end is not None:
+                    before_end()
                 end_call(context, f"this stream sent nothing for {self.idle_timeout_s:g} s and was ended by the "
                                   "aggregator (idle timeout); nothing of it was kept. Send the whole stream without "
                                   "pausing, and retry")

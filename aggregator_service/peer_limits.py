@@ -110,8 +110,8 @@ class PeerLimits(grpc.ServerInterceptor):
                                             WORK if handler.response_streaming else UNARY)
         return _wrap(self, handler, method, kind)
 
-    def begin(self, context: grpc.ServicerContext, kind: str) -> str:
-        """Take the call's slot (abort RESOURCE_EXHAUSTED if none); the caller's "role name"."""
+    def begin(self, context: grpc.ServicerContext, kind: str) -> "_Slot":
+        """Take the call's slot (abort RESOURCE_EXHAUSTED if none)."""
         try:
             ident = peer_identity(context)
             peer = f"{ident.role} {ident.name}"
@@ -122,7 +122,7 @@ class PeerLimits(grpc.ServerInterceptor):
         except Refused as exc:
             log.warning("call refused: limit", peer=peer, kind=kind, reason=exc.message)
             context.abort(exc.code, exc.message)
-        return peer
+        return _Slot(self, peer, kind)
 
     def checked(self, message, context: grpc.ServicerContext):
         """``message`` within the field limits (free text truncated), or the call aborted INVALID_ARGUMENT."""
@@ -135,31 +135,49 @@ class PeerLimits(grpc.ServerInterceptor):
             context.abort(exc.code, exc.message)
         return message
 
-    def request_stream(self, messages: Iterator, context: grpc.ServicerContext, method: str, peer: str) -> Iterator:
-        for message in self.idle.watch(messages, context, method, peer):
+    def request_stream(self, messages: Iterator, context: grpc.ServicerContext, method: str,
+                       slot: "_Slot") -> Iterator:
+        for message in self.idle.watch(messages, context, method, slot.peer, before_end=slot.release):
             yield self.checked(message, context)
 
 
+class _Slot:
+    """One call's slot; :meth:`release` frees it once, whichever comes first: the handler's end, or the idle
+    watchdog ending the call (before the caller sees the status, so its retry finds the slot free)."""
+
+    def __init__(self, limits: PeerLimits, peer: str, kind: str) -> None:
+        self.limits, self.peer, self.kind = limits, peer, kind
+        self._released = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self.limits.release(self.peer, self.kind)
+
+
 def _wrap(limits: PeerLimits, handler: grpc.RpcMethodHandler, method: str, kind: str) -> grpc.RpcMethodHandler:
-    def request_of(request, context, peer):
+    def request_of(request, context, slot):
         if handler.request_streaming:
-            return limits.request_stream(request, context, method, peer)
+            return limits.request_stream(request, context, method, slot)
         return limits.checked(request, context)
 
     def unary(behavior):
         def inner(request, context):
-            peer = limits.begin(context, kind)
+            slot = limits.begin(context, kind)
             try:
-                return behavior(request_of(request, context, peer), context)
+                return behavior(request_of(request, context, slot), context)
             finally:
-                limits.release(peer, kind)
+                slot.release()
         return inner
 
     def streaming(behavior):
         def inner(request, context):
-            peer = limits.begin(context, kind)
+            slot = limits.begin(context, kind)
             try:
-                responses = behavior(request_of(request, context, peer), context)
+                responses = behavior(request_of(request, context, slot), context)
                 try:
                     yield from responses
                 finally:
@@ -167,7 +185,7 @@ def _wrap(limits: PeerLimits, handler: grpc.RpcMethodHandler, method: str, kind:
                     if close is not None:
                         close()
             finally:
-                limits.release(peer, kind)
+                slot.release()
         return inner
 
     h = handler
