@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -38,7 +39,9 @@ CRL_HIGH_WATER = "crl-high-water.json"
 
 
 class Aggregator:
-    def __init__(self, config: AggregatorConfig) -> None:
+    def __init__(self, config: AggregatorConfig, *, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
+        """``interceptors`` run after fedclinic's own (auth, errors, limits), nearest the services: an embedding
+        process's additions (the test suite's malicious aggregator, tests/helpers/malicious_aggregator.py)."""
         config.require_crl_or_dev_mode()  # before anything is created: no CRL and no dev switch is refused
         self.config = config
         self.store = SqliteStore(config.state_dir)
@@ -68,7 +71,7 @@ class Aggregator:
                                                 # outside the limits: a request that does not parse is refused
                                                 # before they read it, and no failure reaches a caller as UNKNOWN
                                                 ErrorInterceptor(),
-                                                self.peer_limits],
+                                                self.peer_limits, *interceptors],
                                   options=SERVER_OPTIONS,
                                   maximum_concurrent_rpcs=config.limits.concurrent_rpcs(config.max_workers))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)

@@ -105,6 +105,17 @@ def _to_v7(c: sqlite3.Connection, state_dir: Path) -> None:
     _add_column(c, "updates", "spill_sha256", "TEXT NOT NULL DEFAULT ''")
 
 
+def _to_v8(c: sqlite3.Connection, state_dir: Path) -> None:
+    # the scientist's signed task (a serialized fedclinic.v1.SignedStatement over the spec and the initial model's
+    # manifest), relayed to the sites as it was submitted; empty for a task submitted unsigned
+    _add_column(c, "tasks", "signed_task", "BLOB NOT NULL DEFAULT x''")
+    # each site's signed statement about a round (the model it trained from, the update it sent), kept with the
+    # round so that anyone holding the public records can check it (`fedclinic task verify`)
+    c.execute("CREATE TABLE IF NOT EXISTS site_statements ("
+              " task_id TEXT NOT NULL, round INTEGER NOT NULL, attempt INTEGER NOT NULL, site_id TEXT NOT NULL,"
+              " statement BLOB NOT NULL, PRIMARY KEY (task_id, round, attempt, site_id))")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -123,6 +134,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "assignments.downlink_bytes and downlink_wire_bytes (per-site downlink accounting)", _to_v5),
     Migration(6, "assignments.held: why a site holds its assignment (e.g. awaiting approval by its IT)", _to_v6),
     Migration(7, "updates.spill_sha256: the spill file's hash at acknowledgement, checked at recovery", _to_v7),
+    Migration(8, "tasks.signed_task (the scientist's signature) and site_statements (the sites' signed rounds)",
+              _to_v8),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 

@@ -178,3 +178,15 @@ class TaskSpec(_message.Message):
     description: str
     strategy_options: _containers.ScalarMap[str, str]
     def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SignedStatement(_message.Message):
+    __slots__ = ("purpose", "payload", "signature", "certificate_pem")
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    purpose: str
+    payload: bytes
+    signature: bytes
+    certificate_pem: bytes
+    def __init__(self, purpose: _Optional[str] = ..., payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., certificate_pem: _Optional[bytes] = ...) -> None: ...
