@@ -11,6 +11,8 @@ import grpc
 import structlog
 
 from fedclinic.errors import IntegrityError, Refused
+from fedclinic.pki.model_signatures import aggregator_statement
+from fedclinic.pki.signed_statement import SignedStatement, Signer
 from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
 from fedclinic.transport.wire import manifest_from_proto
 
@@ -27,8 +29,11 @@ log = structlog.get_logger("fedclinic.aggregator.control")
 
 
 class ControlApi(control_pb2_grpc.ControlServicer):
-    def __init__(self, engine: Engine, audit=None, limits: Limits | None = None) -> None:
+    def __init__(self, engine: Engine, audit=None, limits: Limits | None = None,
+                 signer: Signer | None = None) -> None:
         self.engine = engine
+        #: the aggregator's own key and certificate: signs each model a scientist downloads (FetchModel)
+        self.signer = signer
         self.limits = limits or Limits()  # a submitted model's files: count and total bytes
         self.audit = audit or NoAudit()  # aggregator_service.audit_trail.AuditTrail
 
@@ -124,16 +129,26 @@ class ControlApi(control_pb2_grpc.ControlServicer):
                               f"task {request.task_id} has finished no round yet; nothing to download")
         who, counter, complete = peer_identity(context).name, [0], False
         try:  # only the task's own models and blobs, verified as read (aggregator_service.model_streams)
-            yield from stream_task_model(self.engine, context, request.task_id, model_hash, counter=counter,
-                                         not_found=f"task {request.task_id} has no such model; list its rounds "
-                                                   "with `fedclinic task status`",
-                                         have=set(request.have_sha256), include_files=True,
-                                         resume=(request.resume_tensor, request.resume_offset))
+            for chunk in stream_task_model(self.engine, context, request.task_id, model_hash, counter=counter,
+                                           not_found=f"task {request.task_id} has no such model; list its rounds "
+                                                     "with `fedclinic task status`",
+                                           have=set(request.have_sha256), include_files=True,
+                                           resume=(request.resume_tensor, request.resume_offset)):
+                yield chunk
+                if chunk.WhichOneof("item") == "manifest" and self.signer is not None:
+                    yield tensors_pb2.ModelChunk(statement=self._model_statement(task, model_hash).to_proto())
             complete = True
         finally:
             self.engine.metrics.control_download.inc(counter[0])
             self.audit.record("model.downloaded", actor=who, task_id=request.task_id, model_hash=model_hash,
                               bytes=counter[0], complete=complete)
+
+    def _model_statement(self, task, model_hash: str) -> SignedStatement:
+        """The aggregator's signature over a model it streams to a scientist (fedclinic.pki.model_signatures):
+        the task, the round that made it (0: the submitted initial model), whether it is the final model."""
+        rounds = [r.round for r in self.engine.store.rounds_of(task.task_id) if r.model_hash == model_hash]
+        return aggregator_statement(self.signer, task_id=task.task_id, round=max(rounds, default=0),
+                                    model_hash=model_hash, final=model_hash == task.final_model)
 
 
 def _payload(request_iterator) -> Iterator[tensors_pb2.FileChunk | tensors_pb2.TensorChunk]:

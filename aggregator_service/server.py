@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.runtime.metrics_endpoint import MetricsServer
 from fedclinic.pki import RevocationList
+from fedclinic.pki.signed_statement import Signer
 from fedclinic.proto import agent_pb2_grpc, control_pb2_grpc
 from fedclinic.pki.credentials import WatchedCredentials, reloading_server_credentials
 from fedclinic.transport.rpc import SERVER_OPTIONS
@@ -75,7 +76,9 @@ class Aggregator:
                                   options=SERVER_OPTIONS,
                                   maximum_concurrent_rpcs=config.limits.concurrent_rpcs(config.max_workers))
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
-        control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit, limits=config.limits),
+        control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit, limits=config.limits,
+                                                                  signer=Signer(key_path=config.tls.key,
+                                                                                cert_path=config.tls.cert)),
                                                        self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_secure_port(config.listen, reloading_server_credentials(self.credentials))

@@ -98,7 +98,7 @@ def _task_command(args) -> int:
         elif args.task_cmd == "cancel":
             _print_status(client.cancel(args.task_id, args.reason), False)
         elif args.task_cmd == "download":
-            path = client.download(args.task_id, args.out, round=args.round)
+            path = client.download(args.task_id, args.out, round=args.round, allow_unsigned=args.allow_unsigned)
             print(f"model written to {path} (model card: {path / 'MODEL_CARD.md'})")
     return 0
 
@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id")
     p.add_argument("out")
     p.add_argument("--round", type=int, default=0)
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="accept a model the aggregator sent no signature for (an older aggregator); a signature "
+                        "that does not verify is refused regardless")
     _connection_args(p)
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)

@@ -18,13 +18,16 @@ from typing import Callable, Iterator
 
 import grpc
 
-from fedclinic.errors import FedclinicError
-from fedclinic.transport.package import Manifest, ModelPackage
+from fedclinic.errors import FedclinicError, IntegrityError
+from fedclinic.pki.common import PkiError
+from fedclinic.pki.model_signatures import check_aggregator_statement, countersign
+from fedclinic.pki.signed_statement import SignedStatement, Signer
+from fedclinic.transport.package import SIGNATURES_FILE, Manifest, ModelPackage
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.spec.task import Task
 from fedclinic.transport.package import raw_bytes
-from fedclinic.transport.resume import receive_package_resuming
+from fedclinic.transport.resume import receive_resuming
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
 from fedclinic.pki import check_own_certificate
 from fedclinic.spec.model_card import build_card, write_card
@@ -62,6 +65,7 @@ def held_sites(status: control_pb2.TaskStatus) -> dict[str, str]:
 class Client:
     def __init__(self, address: str, tls: TlsFiles, *, server_name: str | None = None) -> None:
         self.address = address
+        self._tls = tls
         self._channel = secure_channel(address, tls, server_name=server_name)
         self._stub = control_pb2_grpc.ControlStub(self._channel)
         self._submit_raw = self._channel.stream_unary("/fedclinic.v1.Control/SubmitTask", request_serializer=None,
@@ -163,31 +167,56 @@ class Client:
         return status if status is not None else self.status(task_id)
 
     # models -----------------------------------------------------------------------------------------------
-    def fetch_package(self, task_id: str, round: int = 0) -> ModelPackage:
-        """The final model (round=0), the model after ``round``, or the initial one (round=-1)."""
-        return self._fetch(task_id, round)[0]
+    def fetch_package(self, task_id: str, round: int = 0, *, allow_unsigned: bool = False) -> ModelPackage:
+        """The final model (round=0), the model after ``round``, or the initial one (round=-1), checked against
+        the aggregator's signature over it (see :meth:`download`)."""
+        return self._fetch(task_id, round, allow_unsigned=allow_unsigned)[0]
 
-    def _fetch(self, task_id: str, round: int) -> tuple[ModelPackage, str]:
-        """The package and its verified model hash."""
+    def _fetch(self, task_id: str, round: int, *, allow_unsigned: bool
+               ) -> tuple[ModelPackage, str, SignedStatement | None]:
+        """The package, its verified model hash and the aggregator's verified statement on it (None only when
+        the aggregator sent none and ``allow_unsigned``)."""
         def open_stream(point: tuple[str, int]):
             return self._stub.FetchModel(control_pb2.ControlFetchModelRequest(
                 task_id=task_id, round=round, resume_tensor=point[0], resume_offset=point[1]))
 
         try:  # a cut connection resumes from the last verified chunk (fedclinic.transport.resume)
-            return receive_package_resuming(open_stream)
+            got = receive_resuming(open_stream)
         except grpc.RpcError as exc:
             raise explain_rpc_error(exc, self.address) from None
+        statement = SignedStatement.from_proto(got.statement) if got.statement is not None else None
+        if statement is None and allow_unsigned:
+            return got.package, got.model_hash, None
+        try:
+            check_aggregator_statement(statement, ca_path=self._tls.ca, task_id=task_id, round=round,
+                                       model_hash=got.model_hash)
+        except PkiError as exc:
+            raise IntegrityError(f"download of task {task_id} refused: {exc}") from None
+        return got.package, got.model_hash, statement
 
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
-                 status: control_pb2.TaskStatus | None = None) -> Path:
+                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False) -> Path:
         """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card
-        (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.spec.model_card`) beside the files.
+        (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.spec.model_card`) and its signatures
+        (``SIGNATURES.json``, :mod:`fedclinic.pki.model_signatures`) beside the files.
 
+        The aggregator's signature over the model is checked against the CA before anything is written (an
+        IntegrityError saying why otherwise: a model the aggregator did not sign, or signed for another task,
+        round or model), then countersigned with this client's key. ``allow_unsigned`` accepts a model the
+        aggregator sent no signature for (an older aggregator); the folder then has no ``SIGNATURES.json``.
         The card is built from ``status`` when given, else from the task's status fetched after the model (so
         it knows every round that went into it).
         """
-        package, model_hash = self._fetch(task_id, round)
+        package, model_hash, statement = self._fetch(task_id, round, allow_unsigned=allow_unsigned)
+        signatures = None
+        if statement is not None:
+            signatures = countersign(Signer(key_path=self._tls.key, cert_path=self._tls.cert), statement,
+                                     task_id=task_id, manifest=package.manifest())
         folder = package.save(out_dir)
+        if signatures is not None:
+            signatures.save(folder)
+        else:
+            (folder / SIGNATURES_FILE).unlink(missing_ok=True)  # an earlier download's, of another model
         if status is None:
             status = self.status(task_id)
         write_card(folder, build_card(package.meta, model_hash=model_hash, status=status, requested_round=round))

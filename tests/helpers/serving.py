@@ -1,4 +1,5 @@
-"""`fedclinic serve` as a real process for tests: start it on a free port, call it, watch its memory."""
+"""`fedclinic serve` as a real process for tests: start it on a free port, call it, watch its memory; or run it
+on a bundle it must refuse."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import urllib.error
 import urllib.request
 import zlib
 from pathlib import Path
+from typing import Sequence
 
 from fedclinic.federation.local_federation import wait_until
 
@@ -33,17 +35,34 @@ class ServeProcesses:
         self.folder = folder
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, bundle, *extra: str):
-        """(process, HTTP port) without extra arguments, (process, {"http": ..., "grpc": ...}) with them."""
+    def start(self, bundle, *extra: str, trust: Sequence[str] = ("--allow-unsigned",)):
+        """(process, HTTP port) without extra arguments, (process, {"http": ..., "grpc": ...}) with them.
+
+        ``trust`` are the bundle-signature arguments (default ``--allow-unsigned``: the bundles of tests about
+        something else are exported unsigned; e.g. ``("--trust-ca", CA)`` to have the signature checked)."""
         port_file = self.folder / f"port-{len(self.procs)}"
         proc = subprocess.Popen([sys.executable, "-m", "fedclinic.cli", "serve", str(bundle), "--port", "0",
-                                 "--port-file", str(port_file), "--threads", "1", *extra],
+                                 "--port-file", str(port_file), "--threads", "1", *trust, *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.procs.append(proc)
         wait_until(lambda: port_file.exists() or proc.poll() is not None, timeout=60, what="the server to start")
         assert proc.poll() is None, proc.stdout.read()
         ports = json.loads(port_file.read_text())
         return (proc, ports["http"]) if not extra else (proc, ports)
+
+    @staticmethod
+    def refused(bundle, *args: str) -> tuple[int, str]:
+        """Run `fedclinic serve BUNDLE ARGS` expecting it to refuse the bundle before it listens: (exit code,
+        output). A server that starts anyway is killed and reported with exit code None."""
+        proc = subprocess.Popen([sys.executable, "-m", "fedclinic.cli", "serve", str(bundle), "--port", "0",
+                                 "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            return None, out
+        return proc.returncode, out
 
     def __enter__(self) -> ServeProcesses:
         return self

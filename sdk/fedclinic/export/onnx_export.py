@@ -7,6 +7,8 @@
     OUT_DIR/tokenizer.json, fedclinic_model.json (and config.json)   what a server needs besides the graph;
                                   fedclinic_model.json is the label map (labels, and tags, in index order)
     OUT_DIR/export_report.json    parity figures, tolerances, inputs
+    OUT_DIR/BUNDLE_SIGNATURE.json every file's sha256 and the source model's signatures, signed by the exporter
+                                  (fedclinic.export.bundle_signing; `fedclinic serve` checks it)
     OUT_DIR/model_card.json, MODEL_CARD.md   the package's model card (fedclinic.spec.model_card) plus an
                                   ``export`` section with the parity figures; made from fedclinic_model.json
                                   alone when the package has no card (a package made locally)
@@ -66,6 +68,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fedclinic.errors import ConfigError
+from fedclinic.export.bundle_signing import BundleSigning, add_signing_arguments
 from fedclinic.export.causal_lm import export_causal_lm_into
 from fedclinic.export.parity import (  # noqa: F401  (the names of fedclinic.export before 0.2 are re-exported here)
     FP32_TOLERANCE,
@@ -90,6 +93,7 @@ from fedclinic.export import encoder_fusion as onnx_encoder_fusion
 from fedclinic.export.crf import append_viterbi
 from fedclinic.models import build_model, lora
 from fedclinic.models.image_text import PREPROCESSING_FILE, preprocessing_spec
+from fedclinic.pki.bundle_signature import BUNDLE_SIGNATURE_FILE
 from fedclinic.spec.model_card import read_card
 from fedclinic.transport.package import ModelPackage
 
@@ -149,7 +153,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
                 tolerance: float | None = None, int8_tolerance: float | None = None, overwrite: bool = False,
                 log: Callable[[str], None] = lambda _m: None,
                 contexts: Sequence[str] | None = None,
-                images: Sequence[str | Path] | None = None) -> ExportReport:
+                images: Sequence[str | Path] | None = None, signing: BundleSigning | None = None) -> ExportReport:
     """Export the package in ``model_dir`` to ``out_dir`` and check parity; see the module docstring.
 
     ``tolerance`` bounds the fp32 logits difference (default :data:`FP32_TOLERANCE`, 1e-4;
@@ -160,6 +164,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     ignore them, so one held-out file can carry them); for an image-text model ``images`` are the parity texts'
     image files (one per text; default: seeded random pixels); ``int8_tolerance``, when given, bounds
     the int8 graph's first-step logits difference (by default the int8 figures are reported, not checked).
+    ``signing`` (:mod:`fedclinic.export.bundle_signing`; the command always passes one) checks the model's
+    signatures first and signs the bundle; without it nothing is checked and the bundle is unsigned.
     Raises ConfigError for bad arguments, ParityError when a check fails (nothing is written then)."""
     import torch
 
@@ -170,8 +176,11 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
         raise ConfigError(f"{src} is not a folder; give a model package folder (e.g. from `fedclinic task download`)")
     if (out / "model.onnx").exists() and not overwrite:
         raise ConfigError(f"{out / 'model.onnx'} exists; choose another OUT_DIR or pass --overwrite")
+    if signing is not None:
+        signing.check_arguments()
     source_card = read_card(src)  # before any work: an unreadable card is reported at once
     package = ModelPackage.load(src)
+    source = signing.check_source(src, package, log) if signing is not None else None
     if lora.spec_of(package) is not None:
         package = lora.merge(package)
         log("LoRA adapters merged into their base weights (W + alpha/r * B A) before export")
@@ -209,8 +218,12 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, int8: bool = Fals
     try:
         with _quiet_third_party_logs():
             report = run(stage)
-        for name in report.files + ["export_report.json"]:
+        files = report.files + ["export_report.json"]
+        signed = signing.sign(stage, files, source, log) if signing is not None else []
+        for name in files + signed:
             (stage / name).replace(out / name)
+        if not signed:  # an earlier export's, over other files
+            (out / BUNDLE_SIGNATURE_FILE).unlink(missing_ok=True)
         if not int8:
             (out / "model.int8.onnx").unlink(missing_ok=True)  # it belonged to an earlier export
     finally:
@@ -409,6 +422,7 @@ def add_export_commands(sub) -> None:
                    help=f"int8 max |diff| allowed (default {INT8_TOLERANCE:g}; {INT8_TOKEN_TOLERANCE:g} for per-token "
                         "NER scores; question-answering: unchecked unless given)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT_DIR")
+    add_signing_arguments(p)
     p.set_defaults(func=_export_command)
 
 
@@ -437,7 +451,8 @@ def _export_command(args) -> int:
                               "(seeded random pixels are used then)")
     export_onnx(args.model_dir, args.out_dir, int8=args.int8, texts=texts, tolerance=args.tolerance,
                 int8_tolerance=args.int8_tolerance, overwrite=args.overwrite, log=lambda m: print(m, flush=True),
-                contexts=contexts if any(contexts) else None, images=images if any(images) else None)
+                contexts=contexts if any(contexts) else None, images=images if any(images) else None,
+                signing=BundleSigning.from_args(args))
     print(f"wrote {Path(args.out_dir) / 'model.onnx'}" + (" and model.int8.onnx" if args.int8 else ""))
     return 0
 

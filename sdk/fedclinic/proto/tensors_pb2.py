@@ -23,9 +23,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from fedclinic.proto import task_pb2 as fedclinic_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64\x63linic/v1/tensors.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\xe8\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x16\n\x0e\x65ncoded_nbytes\x18\x06 \x01(\x03\x12\x41\n\x0c\x63odec_params\x18\x07 \x03(\x0b\x32+.fedclinic.v1.TensorHeader.CodecParamsEntry\x1a\x32\n\x10\x43odecParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\rDownlinkDelta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_sha256\x18\x02 \x01(\t\x12*\n\x06header\x18\x03 \x01(\x0b\x32\x1a.fedclinic.v1.TensorHeader\"e\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.fedclinic.v1.TensorHeader\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"]\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x14\n\x0ctotal_nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"8\n\x08\x46ileInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"w\n\rModelManifest\x12\x12\n\nmodel_hash\x18\x01 \x01(\t\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.fedclinic.v1.TensorHeader\x12%\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x16.fedclinic.v1.FileInfo\"\x9b\x01\n\nModelChunk\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.fedclinic.v1.ModelManifestH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.fedclinic.v1.FileChunkH\x00\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.fedclinic.v1.TensorChunkH\x00\x42\x06\n\x04itemb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64\x63linic/v1/tensors.proto\x12\x0c\x66\x65\x64\x63linic.v1\x1a\x17\x66\x65\x64\x63linic/v1/task.proto\"\xe8\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x16\n\x0e\x65ncoded_nbytes\x18\x06 \x01(\x03\x12\x41\n\x0c\x63odec_params\x18\x07 \x03(\x0b\x32+.fedclinic.v1.TensorHeader.CodecParamsEntry\x1a\x32\n\x10\x43odecParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\rDownlinkDelta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_sha256\x18\x02 \x01(\t\x12*\n\x06header\x18\x03 \x01(\x0b\x32\x1a.fedclinic.v1.TensorHeader\"e\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.fedclinic.v1.TensorHeader\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"]\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x14\n\x0ctotal_nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"8\n\x08\x46ileInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"w\n\rModelManifest\x12\x12\n\nmodel_hash\x18\x01 \x01(\t\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.fedclinic.v1.TensorHeader\x12%\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x16.fedclinic.v1.FileInfo\"\xcf\x01\n\nModelChunk\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.fedclinic.v1.ModelManifestH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.fedclinic.v1.FileChunkH\x00\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.fedclinic.v1.TensorChunkH\x00\x12\x32\n\tstatement\x18\x04 \x01(\x0b\x32\x1d.fedclinic.v1.SignedStatementH\x00\x42\x06\n\x04itemb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +35,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORHEADER_CODECPARAMSENTRY']._loaded_options = None
   _globals['_TENSORHEADER_CODECPARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_TENSORHEADER']._serialized_start=45
-  _globals['_TENSORHEADER']._serialized_end=277
-  _globals['_TENSORHEADER_CODECPARAMSENTRY']._serialized_start=227
-  _globals['_TENSORHEADER_CODECPARAMSENTRY']._serialized_end=277
-  _globals['_DOWNLINKDELTA']._serialized_start=279
-  _globals['_DOWNLINKDELTA']._serialized_end=373
-  _globals['_TENSORCHUNK']._serialized_start=375
-  _globals['_TENSORCHUNK']._serialized_end=476
-  _globals['_FILECHUNK']._serialized_start=478
-  _globals['_FILECHUNK']._serialized_end=571
-  _globals['_FILEINFO']._serialized_start=573
-  _globals['_FILEINFO']._serialized_end=629
-  _globals['_MODELMANIFEST']._serialized_start=631
-  _globals['_MODELMANIFEST']._serialized_end=750
-  _globals['_MODELCHUNK']._serialized_start=753
-  _globals['_MODELCHUNK']._serialized_end=908
+  _globals['_TENSORHEADER']._serialized_start=70
+  _globals['_TENSORHEADER']._serialized_end=302
+  _globals['_TENSORHEADER_CODECPARAMSENTRY']._serialized_start=252
+  _globals['_TENSORHEADER_CODECPARAMSENTRY']._serialized_end=302
+  _globals['_DOWNLINKDELTA']._serialized_start=304
+  _globals['_DOWNLINKDELTA']._serialized_end=398
+  _globals['_TENSORCHUNK']._serialized_start=400
+  _globals['_TENSORCHUNK']._serialized_end=501
+  _globals['_FILECHUNK']._serialized_start=503
+  _globals['_FILECHUNK']._serialized_end=596
+  _globals['_FILEINFO']._serialized_start=598
+  _globals['_FILEINFO']._serialized_end=654
+  _globals['_MODELMANIFEST']._serialized_start=656
+  _globals['_MODELMANIFEST']._serialized_end=775
+  _globals['_MODELCHUNK']._serialized_start=778
+  _globals['_MODELCHUNK']._serialized_end=985
 # @@protoc_insertion_point(module_scope)

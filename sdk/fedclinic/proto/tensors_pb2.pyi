@@ -1,3 +1,4 @@
+from fedclinic.proto import task_pb2 as _task_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -88,11 +89,13 @@ class ModelManifest(_message.Message):
     def __init__(self, model_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
-    __slots__ = ("manifest", "file", "tensor")
+    __slots__ = ("manifest", "file", "tensor", "statement")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    STATEMENT_FIELD_NUMBER: _ClassVar[int]
     manifest: ModelManifest
     file: FileChunk
     tensor: TensorChunk
-    def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., file: _Optional[_Union[FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    statement: _task_pb2.SignedStatement
+    def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., file: _Optional[_Union[FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ..., statement: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...

@@ -22,6 +22,10 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx/5xx statu
                                     "threshold": t}, ...]; NER: [{"entities": [...]}, ...];
                                     question-answering: [{"answer": "..."}, ...]
 
+Before anything of the bundle is loaded its signature is checked (:mod:`fedclinic.serving.bundle_trust`): a bundle
+whose signature fails (a file edited, added or missing; a signer from another CA) is refused with exit code 2
+naming what failed, and an unsigned one unless ``--allow-unsigned``.
+
 Statuses: 400 a bad request (named input), 401 no/wrong bearer token, 403 a client certificate of a role not
 allowed, 404/405 unknown path/method, 408 body too slow, 413 body or image too large, 422 what the model
 refuses (an empty text, a question longer than the prompt budget), 503 busy (with ``Retry-After``; past
@@ -80,6 +84,7 @@ import uvicorn
 
 from fedclinic.errors import ConfigError
 from fedclinic.serving.bundle import ClassifierBundle
+from fedclinic.serving.bundle_trust import check_bundle_trust, trust_ca
 from fedclinic.serving.caller_policy import DEFAULT_ROLES, CallerPolicy
 from fedclinic.serving.guarded_h11 import GuardedH11Protocol
 from fedclinic.serving.http_app import HttpApp
@@ -298,6 +303,12 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--cert", help="this server's certificate (fedclinic pki): the gRPC port then requires mTLS")
     p.add_argument("--key", help="its private key")
     p.add_argument("--ca", help="the fedclinic CA certificate")
+    sig = p.add_argument_group("bundle signature (checked before the bundle is loaded)")
+    sig.add_argument("--trust-ca", help="the fedclinic CA the bundle's BUNDLE_SIGNATURE.json is checked against "
+                                        "(default: --ca, else $FEDCLINIC_CA)")
+    sig.add_argument("--allow-unsigned", action="store_true",
+                     help="serve a bundle that has no signature, or whose signature cannot be checked (no CA): "
+                          "with a warning; a signature that fails is refused regardless")
     sec = p.add_argument_group("HTTP security (plain HTTP on loopback by default)")
     sec.add_argument("--https", nargs="?", const="mtls", choices=["mtls", "tls"],
                      help="serve HTTPS with --cert/--key: 'mtls' (the default) requires a client certificate of the "
@@ -361,6 +372,10 @@ def _serve_command(args: Any) -> int:
         from fedclinic.transport.rpc import TlsFiles
 
         tls = TlsFiles(Path(args.cert), Path(args.key), Path(args.ca))
+    trust, warning = check_bundle_trust(args.bundle, ca=trust_ca(args.trust_ca, args.ca),
+                                        allow_unsigned=args.allow_unsigned)
+    if trust:
+        print(trust, file=sys.stderr if warning else sys.stdout, flush=True)
     bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads, threshold=args.threshold)
     server = InferenceServer(bundle, args.host, args.port, limits=limits, tls=tls, https=args.https,
                              callers=callers, grpc_port=args.grpc_port)

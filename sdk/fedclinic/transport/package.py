@@ -31,6 +31,8 @@ WEIGHTS_FILE = "model.safetensors"
 META_FILE = "fedclinic_model.json"
 CARD_FILE = "model_card.json"
 CARD_MARKDOWN_FILE = "MODEL_CARD.md"
+#: the signatures a download writes beside the package (fedclinic.pki.model_signatures); not a package file
+SIGNATURES_FILE = "SIGNATURES.json"
 
 
 def meta_bytes(meta: Mapping[str, Any]) -> bytes:
@@ -135,7 +137,8 @@ class ModelPackage:
     def load(cls, folder: str | os.PathLike[str]) -> "ModelPackage":
         """Read a package folder written by :meth:`save` (or a Hugging Face folder with safetensors).
 
-        The model card files at the top of the folder are not package files and are left out."""
+        The model card files and the download's ``SIGNATURES.json`` at the top of the folder are not package
+        files and are left out."""
         from safetensors.numpy import load_file
 
         root = Path(folder)
@@ -146,7 +149,7 @@ class ModelPackage:
             p.relative_to(root).as_posix(): p.read_bytes()
             for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != WEIGHTS_FILE and not p.name.startswith(".")
-            and not (p.parent == root and p.name in (CARD_FILE, CARD_MARKDOWN_FILE))
+            and not (p.parent == root and p.name in (CARD_FILE, CARD_MARKDOWN_FILE, SIGNATURES_FILE))
         }
         return cls(tensors=dict(load_file(str(weights))), files=files)
 

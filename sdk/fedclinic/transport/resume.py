@@ -12,7 +12,8 @@ stream, and the receiver then starts over too. :class:`PackageReceiver` assemble
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 
@@ -62,6 +63,8 @@ class PackageReceiver:
         self.tensors = ChunkAssembler(self._begin)
         self.files = FileAssembler()
         self.manifest: pb.ModelManifest | None = None
+        #: the sender's signed statement on the model (Control.FetchModel: right after the manifest), if any
+        self.statement = None
 
     def _begin(self, h: pb.TensorHeader) -> MemoryWriter:
         self.writers[h.name] = MemoryWriter()
@@ -73,6 +76,10 @@ class PackageReceiver:
             if self.manifest is not None and chunk.manifest.model_hash != self.manifest.model_hash:
                 raise ModelChanged("the resumed stream is of another model")
             self.manifest = chunk.manifest
+        elif kind == "statement":
+            if self.manifest is None:
+                raise IntegrityError("the model stream sent a signed statement before its manifest")
+            self.statement = chunk.statement
         elif kind == "tensor":
             self.tensors.add(chunk.tensor)
         else:
@@ -106,6 +113,11 @@ class ModelChanged(IntegrityError):
     """A resumed model stream is of another model than the cut one (e.g. "the latest" moved on meanwhile)."""
 
 
+def _received(receiver: PackageReceiver) -> ReceivedModel:
+    package, model_hash = receiver.result()
+    return ReceivedModel(package, model_hash, receiver.statement)
+
+
 def receive_package(chunks: Iterable[pb.ModelChunk]) -> tuple[ModelPackage, str]:
     """Assemble a FetchModel stream (manifest, files, tensors) in memory: the package and its model hash
     (:class:`PackageReceiver`). Transport errors propagate as they are."""
@@ -117,6 +129,23 @@ def receive_package(chunks: Iterable[pb.ModelChunk]) -> tuple[ModelPackage, str]
 
 def receive_package_resuming(open_stream: Callable[[tuple[str, int]], Iterable[pb.ModelChunk]], *,
                              wait: Callable[[float], None] = time.sleep) -> tuple[ModelPackage, str]:
+    """The package and its model hash, as :func:`receive_resuming` receives them."""
+    received = receive_resuming(open_stream, wait=wait)
+    return received.package, received.model_hash
+
+
+@dataclass(frozen=True)
+class ReceivedModel:
+    """A received model package, its verified model hash, and the sender's signed statement on it (the proto
+    ``SignedStatement``; None when the stream carried none)."""
+
+    package: ModelPackage
+    model_hash: str
+    statement: Any = None
+
+
+def receive_resuming(open_stream: Callable[[tuple[str, int]], Iterable[pb.ModelChunk]], *,
+                     wait: Callable[[float], None] = time.sleep) -> ReceivedModel:
     """A whole model package from ``open_stream(point)`` (a FetchModel call resumed at ``point`` = (tensor,
     byte), ``("", 0)`` for the whole stream), resumed after each cut connection (:func:`is_cut`, at most
     :data:`MAX_RESUMES` times, ``wait`` between tries) from the last verified chunk; started over when the
@@ -129,12 +158,12 @@ def receive_package_resuming(open_stream: Callable[[tuple[str, int]], Iterable[p
         try:
             first = bool(point[0])
             for chunk in stream:
-                if first and chunk.WhichOneof("item") != "manifest":
+                if first and chunk.WhichOneof("item") not in ("manifest", "statement"):
                     first = False
                     if chunk.WhichOneof("item") != "tensor" or not honoured(chunk.tensor, point):
                         raise ModelChanged("the sender did not resume where it was asked to")
                 receiver.add(chunk)
-            return receiver.result()
+            return _received(receiver)
         except ModelChanged:
             _cancel(stream)
             receiver, point = PackageReceiver(), ("", 0)
@@ -147,7 +176,7 @@ def receive_package_resuming(open_stream: Callable[[tuple[str, int]], Iterable[p
             else:
                 nxt = resume_point(receiver.tensors, receiver.order)
                 if nxt is None:
-                    return receiver.result()  # every tensor arrived; the stream broke after the last one
+                    return _received(receiver)  # every tensor arrived; the stream broke after the last one
                 point = nxt
             wait(min(0.5 * 2 ** resumes, 8.0))
 

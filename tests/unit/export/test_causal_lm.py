@@ -209,7 +209,8 @@ def test_cli_export_with_questions_and_contexts(tmp_path, capsys):
     package(TINY, seed=2).save(tmp_path / "pkg")
     texts = tmp_path / "questions.jsonl"
     texts.write_text('{"text": "what treats headache"}\n{"text": "what drug", "context": "patient with reflux"}\n')
-    assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "out"), "--texts", str(texts)]) == 0
+    assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "out"), "--texts", str(texts),
+                 "--allow-unsigned"]) == 0
     printed = capsys.readouterr().out
     assert "fp32 parity: max |ONNX - PyTorch|" in printed
     assert "greedy answers to 2 questions identical to PyTorch's" in printed

@@ -36,7 +36,8 @@ def exported(tmp_path_factory):
     rows = [json.loads(line) for m in (png, dcm) for line in m.read_text().splitlines()]
     heldout = data / "heldout.jsonl"
     heldout.write_text("".join(json.dumps({"text": r["text"], "image": r["image"]}) + "\n" for r in rows))
-    assert main(["export", "onnx", str(root / "pkg"), str(root / "bundle"), "--int8", "--texts", str(heldout)]) == 0
+    assert main(["export", "onnx", str(root / "pkg"), str(root / "bundle"), "--int8", "--texts", str(heldout),
+                 "--allow-unsigned"]) == 0
     return root / "pkg", root / "bundle", rows, data
 
 

@@ -218,7 +218,8 @@ def test_cli_export_with_held_out_texts(tmp_path, capsys):
     tiny_package("logreg").save(tmp_path / "pkg")
     texts = tmp_path / "heldout.jsonl"
     texts.write_text('{"text": "fever and cough"}\n{"text": "rash after amoxicillin"}\n')
-    assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "out"), "--texts", str(texts)]) == 0
+    assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "out"), "--texts", str(texts),
+                 "--allow-unsigned"]) == 0
     assert "fp32 parity: max |ONNX - PyTorch|" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "export_report.json").read_text())["fp32"]["inputs"] == 2
     texts.write_text("not json\n")
