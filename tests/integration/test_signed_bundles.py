@@ -84,7 +84,7 @@ def test_a_downloaded_model_exported_and_served_keeps_its_signatures_and_any_cha
         status, out = call(port, "/v1/predict", {"texts": ["chest pain and palpitations"]})
         assert status == 200 and len(out["predictions"]) == 1
         proc.terminate()
-        assert f"verified: signed by the scientist 'scientist'" in proc.communicate(timeout=30)[0]
+        assert "verified: signed by the scientist 'scientist'" in proc.communicate(timeout=30)[0]
 
         def copy(name: str):
             dst = tmp_path / name

@@ -35,6 +35,7 @@ from fedclinic.assets.smollm2 import smollm2_folder
 from fedclinic.data.ner_tags import entity_scores
 from fedclinic.data.partition import dirichlet_label_skew, iid
 from fedclinic.data.qa import QAExample
+from fedclinic.export.bundle_signing import BundleSigning
 from fedclinic.export.onnx_export import export_onnx
 from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 from fedclinic.models import build_model, lora, package_pretrained
@@ -175,11 +176,13 @@ def _metrics(loaded, data) -> dict[str, float]:
     return {"accuracy": m["accuracy"]}
 
 
-def _export_and_check(model_dir: Path, bundle_dir: Path, test) -> dict:
-    """Export the final model to ONNX (fp32 and int8, parity-checked) and measure both on the test reviews."""
+def _export_and_check(model_dir: Path, bundle_dir: Path, test, signing: BundleSigning) -> dict:
+    """Export the final model to ONNX (fp32 and int8, parity-checked; its signatures checked and the bundle signed
+    as ``signing`` says) and measure both on the test reviews."""
     _say(f"\nexporting the final model to ONNX (parity against PyTorch on {min(64, len(test))} test reviews)")
     texts = [ex.text for ex in test]
-    export = export_onnx(model_dir, bundle_dir, int8=True, texts=texts[:64], overwrite=True, log=lambda m: _say("  " + m))
+    export = export_onnx(model_dir, bundle_dir, int8=True, texts=texts[:64], overwrite=True, log=lambda m: _say("  " + m),
+                         signing=signing)
     out = {"dir": str(bundle_dir), "fp32_max_abs_diff": export.fp32.max_abs_diff,
            "int8_max_abs_diff": export.int8.max_abs_diff, "int8_top1_agreement": export.int8.top1_agreement}
     if export.fp32.path_agreement is not None:
@@ -200,7 +203,7 @@ def _export_and_check(model_dir: Path, bundle_dir: Path, test) -> dict:
     key, what = (("strict_f1", "entity strict F1 (character spans in the first max_length tokens)")
                  if "fp32_strict_f1" in out else ("accuracy", "accuracy"))
     _say(f"  test {what} served from ONNX: fp32 {out['fp32_' + key]:.3f}, int8 {out['int8_' + key]:.3f}; "
-         f"serve it with `fedclinic serve {bundle_dir}`")
+         f"serve it with `fedclinic serve {bundle_dir} --trust-ca {signing.ca}`")
     return out
 
 
@@ -407,7 +410,9 @@ def run_demo(args: argparse.Namespace) -> int:
         _say(f"(the demo skips the ONNX export of SmolLM2, about 2 minutes on this CPU: run `fedclinic export onnx "
              f"{final_dir} OUT_DIR` for a bundle that `fedclinic serve` answers questions from)")
     elif not args.no_export:
-        onnx_report = _export_and_check(final_dir, out / "onnx-model", test)
+        creds = fed.creds("scientist")  # the demo's scientist signs the bundle; its CA stays in OUT/federation/pki
+        onnx_report = _export_and_check(final_dir, out / "onnx-model", test,
+                                        BundleSigning(Path(creds["ca"]), Path(creds["cert"]), Path(creds["key"])))
     _say(f"final model: {final_dir}   (federation {fed_seconds:.0f} s, total {time.monotonic() - t0:.0f} s)")
     report.update({"onnx": onnx_report})
     report.update({"codec": args.codec, "downlink_codec": args.downlink_codec or "raw", "layers": args.layers, "safl_top_k": args.safl_top_k,

@@ -113,7 +113,8 @@ def check_aggregator_statement(statement: SignedStatement | None, *, ca_path: st
 
 def manifest_hashes(manifest: Manifest) -> dict[str, dict[str, str]]:
     """Every tensor's and file's sha256 (name -> hash), as the countersignature records them."""
-    return {"tensors": {t.name: t.sha256 for t in manifest.tensors}, "files": {f.path: f.sha256 for f in manifest.files}}
+    return {"tensors": {t.name: t.sha256 for t in manifest.tensors},
+            "files": {f.path: f.sha256 for f in manifest.files}}
 
 
 @dataclass(frozen=True)
