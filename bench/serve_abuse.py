@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PREDICT = json.dumps({"texts": ["fever cough"]})
 
 
-def start(bundle: Path, sdk: Path, folder: Path) -> tuple[subprocess.Popen, int]:
+def start(bundle: Path, sdk: Path, folder: Path, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port_file = folder / "port"
     env = {**os.environ, "PYTHONPATH": f"{sdk}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "fedclinic.cli", "serve", str(bundle), "--port", "0",
-                             "--port-file", str(port_file), "--threads", "1"], env=env,
+                             "--port-file", str(port_file), "--threads", "1", *extra], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not port_file.exists():
@@ -145,13 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", required=True, type=Path, help="a text bundle (fedclinic export onnx)")
     ap.add_argument("--sdk", type=Path, default=ROOT / "sdk", help="the SDK folder whose server to run")
+    ap.add_argument("--serve-args", default="", help="extra flags for serve, e.g. '--trust-ca ca.crt', or "
+                    "'--allow-unsigned' for an unsigned bundle (an SDK that checks bundle signatures refuses one "
+                    "otherwise; an older SDK does not know these flags)")
     args = ap.parse_args(argv)
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("negative_cl", "concurrent", "slow"):
             folder = Path(tmp) / name
             folder.mkdir()
-            proc, port = start(args.bundle, args.sdk, folder)
+            proc, port = start(args.bundle, args.sdk, folder, args.serve_args.split())
             try:
                 figures[name] = (negative_cl(proc.pid, port) if name == "negative_cl" else
                                  concurrent(port) if name == "concurrent" else slow(proc.pid, port))
