@@ -36,14 +36,16 @@ ROUND_STATE_CLOSED: RoundState
 ROUND_STATE_FAILED: RoundState
 
 class SubmitTaskHeader(_message.Message):
-    __slots__ = ("spec", "idempotency_key", "model")
+    __slots__ = ("spec", "idempotency_key", "model", "signed_task")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_TASK_FIELD_NUMBER: _ClassVar[int]
     spec: _task_pb2.TaskSpec
     idempotency_key: str
     model: _tensors_pb2.ModelManifest
-    def __init__(self, spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ...) -> None: ...
+    signed_task: _task_pb2.SignedStatement
+    def __init__(self, spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., signed_task: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
 
 class SubmitTaskCommit(_message.Message):
     __slots__ = ()
