@@ -96,6 +96,7 @@ def test_forged_tasks_are_declined_before_any_download_and_the_honest_one_runs(f
 
             final = client.wait(tasks["honest"], timeout=300, progress=False)
             assert state_name(final.state) == "completed", final.error
+            assert final.signed and not client.status(tasks["invented"]).signed  # what the owner sees
             for name, expected in EXPECTED.items():
                 wait_until(lambda: declines(client, tasks[name]), 120, f"site-a to decline the {name} task")
                 (reason,) = declines(client, tasks[name])
