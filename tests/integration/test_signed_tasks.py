@@ -13,8 +13,10 @@ import threading
 import grpc
 import pytest
 
+from fedclinic.cli import _print_status as print_status
 from fedclinic.client import state_name, submission_stream
 from fedclinic.federation.local_federation import wait_until
+from fedclinic.pki.signed_statement import Signer
 from fedclinic.proto import control_pb2
 from fedclinic.spec.signed_task import sign_task
 from fedclinic.transport.wire import manifest_to_proto
@@ -73,7 +75,8 @@ class Forger(Tamper):
         return request
 
 
-def test_forged_tasks_are_declined_before_any_download_and_the_honest_one_runs(federation_factory, tmp_path):
+def test_forged_tasks_are_declined_before_any_download_and_the_honest_one_runs(federation_factory, tmp_path,
+                                                                               capsys):
     fed = federation_factory(1, start=False)
     fed.make_pki()
     signers = {
@@ -97,6 +100,8 @@ def test_forged_tasks_are_declined_before_any_download_and_the_honest_one_runs(f
             final = client.wait(tasks["honest"], timeout=300, progress=False)
             assert state_name(final.state) == "completed", final.error
             assert final.signed and not client.status(tasks["invented"]).signed  # what the owner sees
+            print_status(client.status(tasks["invented"]), as_json=False)  # `fedclinic task status`
+            assert "UNSIGNED" in capsys.readouterr().out
             for name, expected in EXPECTED.items():
                 wait_until(lambda: declines(client, tasks[name]), 120, f"site-a to decline the {name} task")
                 (reason,) = declines(client, tasks[name])
@@ -173,8 +178,6 @@ def test_each_site_declines_a_task_that_does_not_offer_the_protection_its_policy
         spec = task.to_spec()
         scientist = fed.creds("scientist")
         own = issue_signer(fed.ca_dir, tmp_path / "dr-lee", role="scientist", name="dr-lee")
-        from fedclinic.pki.signed_statement import Signer
-
         me = Signer(key_path=scientist["key"], cert_path=scientist["cert"])
         other_spec = make_task(name="mismatch", num_rounds=5, min_sites=1).to_spec()
         cases = [
