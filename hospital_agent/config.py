@@ -35,6 +35,7 @@ Example::
     # approval = "manual"                 # a new task waits for `hospital-agent tasks approve ID` (default "auto")
     # require_signed_tasks = true         # run only tasks their owner signed (default); false also runs unsigned ones
     # allowed_owners = ["dr-lee"]         # train only for these task owners (signers); default: any owner
+    # signed_task_max_age_days = 7        # do not start a task signed longer ago than this (default: no limit)
     # require_secure_aggregation = true   # decline tasks that do not enable secure aggregation
     # require_dp = true                   # decline tasks without sample-level differential privacy
     # min_cohort = 5                      # decline tasks whose rounds may close with fewer sites than this
@@ -63,8 +64,8 @@ APPROVAL_MODES = ("auto", "manual")
 #: the keys each table may hold; anything else is refused (a misspelt ``aproval`` must not mean "auto")
 TLS_KEYS = ("cert", "key", "ca")
 POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_cohort", "approval",
-               "require_signed_tasks", "allowed_owners", "require_secure_aggregation", "require_dp", "min_cohort",
-               "max_epsilon")
+               "require_signed_tasks", "allowed_owners", "signed_task_max_age_days", "require_secure_aggregation",
+               "require_dp", "min_cohort", "max_epsilon")
 DATASET_KEYS = ("path", "format", "text_field", "label_field", "eval_path", "entities_field", "tokenizer_sha256",
                 "question_field", "answer_field", "context_field", "image_field", "privacy_epsilon",
                 "privacy_delta")
@@ -108,11 +109,12 @@ def _protection_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{where} min_cohort must be an integer >= 0 (0: no floor), got {value!r}")
         out["min_cohort"] = value
-    if "max_epsilon" in pol:
-        value = pol["max_epsilon"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"{where} max_epsilon must be a number > 0, e.g. 8.0, got {value!r}")
-        out["max_epsilon"] = float(value)
+    for key, example in (("max_epsilon", "8.0"), ("signed_task_max_age_days", "7")):
+        if key in pol:
+            value = pol[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{where} {key} must be a number > 0, e.g. {example}, got {value!r}")
+            out[key] = float(value)
     return out
 
 
@@ -152,6 +154,9 @@ class SitePolicy:
     require_signed_tasks: bool = True
     #: the task owners (signers' identity names) this site trains for; empty: any owner the CA certified
     allowed_owners: tuple[str, ...] = ()
+    #: do not start (accept for the first time) a task signed longer ago than this; None: no limit. A task already
+    #: running here goes on whatever its age
+    signed_task_max_age_days: float | None = None
     #: decline tasks that do not enable secure aggregation
     require_secure_aggregation: bool = False
     #: decline tasks without sample-level differential privacy (DP-SGD at the site)

@@ -23,6 +23,7 @@ when the budget refuses.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -92,8 +93,9 @@ class SignedTaskGate:
     """Declines, for good, a task that is not the one its owner signed (fedclinic.spec.signed_task), before
     anything is downloaded: the signature must hold against the site's CA, by a ``scientist`` or ``admin``
     certificate, over this spec; round 1 must start from the signed initial model; no round beyond the signed
-    ``num_rounds``; the task id must be the one this signed task first came with (:class:`TaskBindings`); and
-    with ``allowed_owners`` the signer must be one of them. An unsigned task runs only with
+    ``num_rounds``; the task id must be the one this signed task first came with (:class:`TaskBindings`); with
+    ``allowed_owners`` the signer must be one of them; with ``signed_task_max_age_days`` a task not seen here
+    before must have been signed within that many days. An unsigned task runs only with
     ``require_signed_tasks = false`` (and no ``allowed_owners``)."""
 
     def __init__(self, config: AgentConfig, bindings: TaskBindings) -> None:
@@ -132,6 +134,13 @@ class SignedTaskGate:
             return Verdict(DECLINE, f"site policy allowed_owners does not include the task's owner {owner!r}; this "
                                     "site trains only for " + ", ".join(repr(o) for o in policy.allowed_owners),
                            refused="policy", audit="task.refused_by_policy")
+        max_days = policy.signed_task_max_age_days
+        age_days = (time.time() * 1000 - signed.signed_unix_ms) / 86_400_000
+        if (max_days is not None and age_days > max_days
+                and not self.bindings.known(owner=owner, idempotency_key=signed.idempotency_key)):
+            return self._decline(a, f"the task was signed {age_days:.1f} days ago and site policy "
+                                    f"signed_task_max_age_days = {max_days:g} lets this site start only tasks signed "
+                                    "more recently; the owner must submit it again")
         problem = self.bindings.bind(owner=owner, idempotency_key=signed.idempotency_key, task_id=a.task_id,
                                      statement_id=signed.statement_id)
         if problem:

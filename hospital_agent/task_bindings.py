@@ -61,6 +61,12 @@ class TaskBindings:
                                                                int(time.time() * 1000)))
             return None
 
+    def known(self, *, owner: str, idempotency_key: str) -> bool:
+        """Whether this site has accepted the signed task (``owner``, ``idempotency_key``) before."""
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM bindings WHERE owner=? AND idempotency_key=?",
+                                      (owner, idempotency_key)).fetchone() is not None
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()

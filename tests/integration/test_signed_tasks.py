@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from fedclinic.cli import _print_status as print_status
 from fedclinic.client import state_name, submission_stream
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.pki.signed_statement import Signer
-from fedclinic.proto import control_pb2
+from fedclinic.proto import control_pb2, task_pb2
 from fedclinic.spec.signed_task import sign_task
 from fedclinic.transport.wire import manifest_to_proto
 
@@ -122,14 +123,16 @@ class Replayer(Tamper):
 
 
 def test_a_signed_task_replayed_under_a_new_task_id_is_declined_even_after_the_agent_restarts(federation_factory):
-    fed = federation_factory(1, start=False)
+    fed = federation_factory(2, start=False)
     fed.make_pki()
+    fed.sites["site-b"].policy = {"signed_task_max_age_days": 7}
     tamper = Replayer()
     with MaliciousAggregator(fed, tamper) as evil:
         fed.start_agent("site-a")
         with fed.client() as client:
             package = tiny_package()
-            first = client.submit(make_task(name="once", num_rounds=1, min_sites=1), package=package)
+            first = client.submit(make_task(name="once", num_rounds=1, min_sites=1, sites=["site-a"]),
+                                  package=package)
             final = client.wait(first.task_id, timeout=300, progress=False)
             assert state_name(final.state) == "completed", final.error
             fed.signal_agent("site-a")
@@ -142,7 +145,23 @@ def test_a_signed_task_replayed_under_a_new_task_id_is_declined_even_after_the_a
             assert f"already ran at this site as task {first.task_id}" in reason, reason
             assert f"replays it under the new task id {replay}" in reason, reason
             assert not client.status(replay).rounds[0].reports
-    assert replay not in tamper.fetched
+
+            # a site that never saw it: an old signed task (the owner's, from last month) is not started there
+            spec = task_pb2.TaskSpec()
+            spec.CopyFrom(final.spec)
+            spec.sites[:] = ["site-b"]
+            scientist = fed.creds("scientist")
+            old = sign_task(Signer(key_path=scientist["key"], cert_path=scientist["cert"]), spec,
+                            model_hash=package.manifest().model_hash, idempotency_key="last-month", owner="scientist",
+                            signed_unix_ms=int(time.time() * 1000) - 30 * 86_400_000)
+            stale = evil.aggregator.engine.create_task("scientist", "last-month", spec, package.manifest(),
+                                                       old.to_proto().SerializeToString())
+            fed.start_agent("site-b")
+            wait_until(lambda: declines(client, stale), 120, "site-b to decline the stale task")
+            (reason,) = declines(client, stale)
+            assert reason.startswith("site-b: ") and "signed 30.0 days ago" in reason, reason
+            assert "signed_task_max_age_days = 7" in reason, reason
+    assert replay not in tamper.fetched and stale not in tamper.fetched
 
 
 #: site -> its policy and what it says about a task without protection (min_sites 1, no DP, no secagg)

@@ -12,7 +12,8 @@ for purpose ``"task"`` with the owner's certificate key. Its payload (canonical 
                        its datasets, hyper-parameters, rounds, strategy, privacy and secure-aggregation settings
 ``model_hash``         the initial model's manifest hash (every tensor and file of it): what round 1 starts from
 ``name``               the task's name, for people reading the statement
-``signed_unix_ms``     when it was signed (informational: a statement does not expire)
+``signed_unix_ms``     when it was signed: a site may refuse to start a task signed too long ago
+                       (``signed_task_max_age_days``), so an old signed task cannot be replayed to it for ever
 =====================  ===========================================================================================
 
 The aggregator relays the statement as it was submitted, in every ``Assignment``; the sites check it against
@@ -49,12 +50,14 @@ def spec_digest(spec: task_pb2.TaskSpec) -> str:
     return hashlib.sha256(canonical_json(as_dict)).hexdigest()
 
 
-def sign_task(signer: Signer, spec: task_pb2.TaskSpec, *, model_hash: str, idempotency_key: str,
-              owner: str) -> SignedStatement:
-    """The owner's signed statement over ``spec``, the initial model ``model_hash`` and ``idempotency_key``."""
+def sign_task(signer: Signer, spec: task_pb2.TaskSpec, *, model_hash: str, idempotency_key: str, owner: str,
+              signed_unix_ms: int | None = None) -> SignedStatement:
+    """The owner's signed statement over ``spec``, the initial model ``model_hash`` and ``idempotency_key``, made
+    at ``signed_unix_ms`` (default: now)."""
+    when = int(time.time() * 1000) if signed_unix_ms is None else signed_unix_ms
     payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "owner": owner, "idempotency_key": idempotency_key,
                                "spec_sha256": spec_digest(spec), "model_hash": model_hash, "name": spec.name,
-                               "signed_unix_ms": int(time.time() * 1000)}
+                               "signed_unix_ms": when}
     return signer.sign_json(PURPOSE, payload)
 
 

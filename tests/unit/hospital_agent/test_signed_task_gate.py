@@ -48,13 +48,13 @@ def _config(world, tmp_path: Path, **policy) -> AgentConfig:
 
 
 def _assignment(world, *, task_id="t-1", rnd=1, signer="ca/alice", key="key-1", owner=None,
-                signed=True) -> agent_pb2.Assignment:
+                signed=True, signed_unix_ms=None) -> agent_pb2.Assignment:
     a = agent_pb2.Assignment(task_id=task_id, round=rnd, attempt=1, spec=world["spec"],
                              model=manifest_to_proto(world["manifest"]))
     if signed:
         s = world["signers"][signer]
         statement = sign_task(s, world["spec"], model_hash=world["manifest"].model_hash, idempotency_key=key,
-                              owner=owner or signer.split("/")[1])
+                              owner=owner or signer.split("/")[1], signed_unix_ms=signed_unix_ms)
         a.signed_task.CopyFrom(statement.to_proto())
     return a
 
@@ -140,6 +140,19 @@ def test_a_replay_under_another_task_id_is_declined_across_restarts(world, tmp_p
     assert gate.check(a) == GO
 
 
+def test_a_task_signed_too_long_ago_is_not_started_but_one_running_here_goes_on(world, tmp_path):
+    import time
+
+    ten_days_ago = int(time.time() * 1000) - 10 * 86_400_000
+    old = _assignment(world, key="old", signed_unix_ms=ten_days_ago)
+    assert _gate(world, tmp_path / "a").check(old) == GO  # no limit by default
+    _declined(_gate(world, tmp_path / "b", signed_task_max_age_days=7).check(old), "signed 10.0 days ago",
+              "signed_task_max_age_days = 7")
+    assert _gate(world, tmp_path / "c", signed_task_max_age_days=11).check(old) == GO
+    # accepted here before the limit was set (or while young): it goes on
+    assert _gate(world, tmp_path / "a", signed_task_max_age_days=7).check(old) == GO
+
+
 def _spec(**kw):
     """A spec (min_sites 3, no protection) with ``kw`` set on its proto: privacy level, target_epsilon,
     noise_multiplier, secure_aggregation (enabled), min_cohort (secure aggregation's), min_sites."""
@@ -187,6 +200,7 @@ def test_a_task_with_the_protection_the_policy_requires_passes(world, tmp_path, 
     ({"min_cohort": -1}, "min_cohort must be an integer >= 0"),
     ({"max_epsilon": 0}, "max_epsilon must be a number > 0"),
     ({"max_epsilon": True}, "max_epsilon must be a number > 0"),
+    ({"signed_task_max_age_days": -1}, "signed_task_max_age_days must be a number > 0"),
     ({"allowed_owner": ["alice"]}, "allowed_owner"),
 ])
 def test_bad_policy_values_are_refused_at_load(world, tmp_path, policy, expected):
