@@ -5,15 +5,18 @@ A scientist sees and manages only the tasks it submitted; an admin sees and mana
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import grpc
 import structlog
 
 from fedclinic.errors import IntegrityError, Refused
+from fedclinic.pki.common import PkiError
 from fedclinic.pki.model_signatures import aggregator_statement
 from fedclinic.pki.signed_statement import SignedStatement, Signer
 from fedclinic.proto import control_pb2, control_pb2_grpc, tensors_pb2
+from fedclinic.spec.signed_task import verify_signed_task
 from fedclinic.transport.wire import manifest_from_proto
 
 from aggregator_service.audit_trail import NoAudit
@@ -30,10 +33,12 @@ log = structlog.get_logger("fedclinic.aggregator.control")
 
 class ControlApi(control_pb2_grpc.ControlServicer):
     def __init__(self, engine: Engine, audit=None, limits: Limits | None = None,
-                 signer: Signer | None = None) -> None:
+                 signer: Signer | None = None, ca_path: Path | None = None) -> None:
         self.engine = engine
         #: the aggregator's own key and certificate: signs each model a scientist downloads (FetchModel)
         self.signer = signer
+        #: the fedclinic CA the owners' signed tasks are checked against (None: not checked, e.g. unit tests)
+        self.ca_path = ca_path
         self.limits = limits or Limits()  # a submitted model's files: count and total bytes
         self.audit = audit or NoAudit()  # aggregator_service.audit_trail.AuditTrail
 
@@ -61,16 +66,45 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         try:
             manifest = manifest_from_proto(h.model)
             validate_spec(h.spec, manifest)
+            signed = self._signed_task(context, h, manifest.model_hash)
             items = _payload(request_iterator)
             nbytes = receive_model(self.engine.blobs, manifest, items, max_files=self.limits.model_files,
                                    max_file_bytes=self.limits.model_file_bytes)
-            task_id = self.engine.create_task(owner, h.idempotency_key, h.spec, manifest)
+            task_id = self.engine.create_task(owner, h.idempotency_key, h.spec, manifest, signed)
         except IntegrityError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model upload rejected: {exc}")
         except Refused as exc:
             context.abort(exc.code, exc.message)
-        log.info("task submitted", task_id=task_id, owner=owner, model_bytes=nbytes)
+        if not signed:
+            log.warning("task submitted unsigned: sites that require signed tasks (the default) will decline it",
+                        task_id=task_id, owner=owner)
+        log.info("task submitted", task_id=task_id, owner=owner, model_bytes=nbytes, signed=bool(signed))
         return status_of(self.engine.store, task_id)
+
+    def _signed_task(self, context, h: control_pb2.SubmitTaskHeader, model_hash: str) -> bytes:
+        """The header's signed task, serialized, after checking that the submitting identity signed exactly this
+        spec, initial model and idempotency key (fedclinic.spec.signed_task); b"" when the submission is unsigned
+        (allowed: the sites decide whether they run unsigned tasks). Refused INVALID_ARGUMENT otherwise."""
+        if not h.HasField("signed_task"):
+            return b""
+        ident = peer_identity(context)
+        if self.ca_path is not None:
+            try:
+                signed = verify_signed_task(SignedStatement.from_proto(h.signed_task), ca_path=self.ca_path,
+                                            spec=h.spec, model_hash=model_hash)
+            except PkiError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the task's signature does not hold: {exc}; submit it with the fedclinic SDK "
+                              "(Client.submit signs it with your certificate)") from None
+            if (signed.signer.role, signed.signer.name) != (ident.role, ident.name):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the task is signed by the {signed.signer.role} {signed.signer.name!r}, not by the "
+                              f"submitting {ident.role} {ident.name!r}; sign it with the certificate you submit with")
+            if signed.idempotency_key != h.idempotency_key:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              "the task's signature covers another idempotency key than the submission's; sign the "
+                              "submission you send")
+        return h.signed_task.SerializeToString()
 
     def GetTask(self, request, context) -> control_pb2.TaskStatus:
         self._visible(context, request.task_id)

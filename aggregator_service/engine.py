@@ -146,12 +146,13 @@ class Engine:
         return self.ticker.tick()
 
     # tasks ----------------------------------------------------------------------------------------------
-    def create_task(self, owner: str, idempotency_key: str, spec: task_pb2.TaskSpec, manifest: Manifest) -> str:
-        """Record a task whose model blobs are already durable, and open its first round (Refused
-        INVALID_ARGUMENT for a spec that cannot run)."""
+    def create_task(self, owner: str, idempotency_key: str, spec: task_pb2.TaskSpec, manifest: Manifest,
+                    signed_task: bytes = b"") -> str:
+        """Record a task whose model blobs are already durable (with the owner's ``signed_task``, relayed to the
+        sites), and open its first round (Refused INVALID_ARGUMENT for a spec that cannot run)."""
         validate_spec(spec, manifest)
         with self.lock:
-            task_id = self.rounds.create_task(owner, idempotency_key, spec, manifest)
+            task_id = self.rounds.create_task(owner, idempotency_key, spec, manifest, signed_task)
             self.changed.notify_all()
             return task_id
 

@@ -68,9 +68,11 @@ class RoundMachine:
     def task(self, task_id: str) -> TaskRecord:
         return task_of(self.store, task_id)
 
-    def create_task(self, owner: str, idempotency_key: str, spec: task_pb2.TaskSpec, manifest: Manifest) -> str:
-        """Record a task whose model blobs are already durable and open its first round (the same task again
-        for the same owner and key)."""
+    def create_task(self, owner: str, idempotency_key: str, spec: task_pb2.TaskSpec, manifest: Manifest,
+                    signed_task: bytes = b"") -> str:
+        """Record a task whose model blobs are already durable, with the owner's ``signed_task`` (serialized
+        SignedStatement, b"" when unsigned), and open its first round (the same task again for the same owner and
+        key)."""
         existing = self.store.task_by_key(owner, idempotency_key)
         if existing is not None:
             return existing.task_id
@@ -78,6 +80,8 @@ class RoundMachine:
         with self.store.transaction() as tx:
             model_hash = tx.put_model(manifest)
             tx.insert_task(task_id, owner, idempotency_key, spec, S.TASK_STATE_QUEUED, now_ms(), model_hash)
+            if signed_task:  # in the same transaction: no assignment of the task ever goes out without it
+                tx.set_signed_task(task_id, signed_task)
             tx.add_event(task_id, "submitted", f"task {spec.name!r} submitted by {owner}", actor=owner,
                          name=spec.name, family=spec.family, dataset=spec.dataset, model_hash=model_hash,
                          rounds=spec.rounds.num_rounds)

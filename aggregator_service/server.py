@@ -78,7 +78,8 @@ class Aggregator:
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentApi(self.engine, config.heartbeat_s, audit=self.audit), self.server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlApi(self.engine, audit=self.audit, limits=config.limits,
                                                                   signer=Signer(key_path=config.tls.key,
-                                                                                cert_path=config.tls.cert)),
+                                                                                cert_path=config.tls.cert),
+                                                                  ca_path=config.tls.ca),
                                                        self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_secure_port(config.listen, reloading_server_credentials(self.credentials))

@@ -113,11 +113,15 @@ class Sites:
                                  round=rnd.round, attempt=rnd.attempt)
             manifest = self.store.model(rnd.base_model)
             assert manifest is not None
-            items.append(agent_pb2.WorkItem(assignment=agent_pb2.Assignment(
+            assignment = agent_pb2.Assignment(
                 task_id=task.task_id, round=rnd.round, attempt=rnd.attempt, spec=spec,
                 model=manifest_to_proto(manifest), deadline_unix_ms=rnd.deadline_ms,
                 send_tensors=sent_tensors(spec, manifest),
-                downlink_deltas=self.store.model_deltas(rnd.base_model).values())))
+                downlink_deltas=self.store.model_deltas(rnd.base_model).values())
+            signed = self.store.signed_task(task.task_id)
+            if signed:  # the owner's signature, relayed as submitted: the site checks it (hospital_agent.gates)
+                assignment.signed_task.ParseFromString(signed)
+            items.append(agent_pb2.WorkItem(assignment=assignment))
             delivered[(task.task_id, rnd.round, rnd.attempt)] = True
         return items
 

@@ -44,7 +44,7 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
     out = control_pb2.TaskStatus(task_id=t.task_id, spec=t.spec, state=t.state, current_round=t.current_round,
                                  error=t.error, owner=t.owner, created_unix_ms=t.created_ms,
                                  updated_unix_ms=t.updated_ms, initial_model_hash=t.initial_model,
-                                 final_model_hash=t.final_model)
+                                 final_model_hash=t.final_model, signed=bool(store.signed_task(task_id)))
     safl_task = t.spec.update.selection == safl.SAFL
     for r in store.rounds_of(task_id):
         assigned = store.assignments_of(task_id, r.round)

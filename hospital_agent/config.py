@@ -33,6 +33,13 @@ Example::
     allowed_datasets = ["notes"]
     # secure_aggregation_min_cohort = 3   # fewest sites this site masks its update with (>= 3)
     # approval = "manual"                 # a new task waits for `hospital-agent tasks approve ID` (default "auto")
+    # require_signed_tasks = true         # run only tasks their owner signed (default); false also runs unsigned ones
+    # allowed_owners = ["dr-lee"]         # train only for these task owners (signers); default: any owner
+    # signed_task_max_age_days = 7        # do not start a task signed longer ago than this (default: no limit)
+    # require_secure_aggregation = true   # decline tasks that do not enable secure aggregation
+    # require_dp = true                   # decline tasks without sample-level differential privacy
+    # min_cohort = 5                      # decline tasks whose rounds may close with fewer sites than this
+    # max_epsilon = 8.0                   # decline tasks whose target epsilon is larger (or that declare none)
 
 The site policy is enforced here, at the hospital, whatever the aggregator asks.
 """
@@ -49,13 +56,16 @@ from fedclinic.proto import task_pb2
 from fedclinic.transport.rpc import TlsFiles
 from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 from fedclinic.secagg import ClientPolicy
+from fedclinic.secagg.task_config import floor_of
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
 FORMATS = ("jsonl", "csv", "tsv", "conll")
 APPROVAL_MODES = ("auto", "manual")
 #: the keys each table may hold; anything else is refused (a misspelt ``aproval`` must not mean "auto")
 TLS_KEYS = ("cert", "key", "ca")
-POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_cohort", "approval")
+POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_cohort", "approval",
+               "require_signed_tasks", "allowed_owners", "signed_task_max_age_days", "require_secure_aggregation",
+               "require_dp", "min_cohort", "max_epsilon")
 DATASET_KEYS = ("path", "format", "text_field", "label_field", "eval_path", "entities_field", "tokenizer_sha256",
                 "question_field", "answer_field", "context_field", "image_field", "privacy_epsilon",
                 "privacy_delta")
@@ -78,6 +88,34 @@ def _privacy_budget(entry: dict[str, Any], where: str) -> dict[str, float]:
     if not (isinstance(eps, (int, float)) and eps > 0) or not (isinstance(delta, (int, float)) and 0 < delta < 1):
         raise ConfigError(f"{where}: privacy_epsilon must be > 0 and privacy_delta in (0, 1), e.g. 8.0 and 1e-5")
     return {"privacy_epsilon": float(eps), "privacy_delta": float(delta)}
+
+
+def _protection_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
+    """The [policy] keys on signed tasks and required protection, checked (ConfigError says what is wrong)."""
+    out: dict[str, Any] = {}
+    for key in ("require_signed_tasks", "require_secure_aggregation", "require_dp"):
+        if key in pol:
+            if not isinstance(pol[key], bool):
+                raise ConfigError(f"{where} {key} must be true or false, got {pol[key]!r}")
+            out[key] = pol[key]
+    if "allowed_owners" in pol:
+        owners = pol["allowed_owners"]
+        if not isinstance(owners, list) or not all(isinstance(o, str) and o for o in owners):
+            raise ConfigError(f"{where} allowed_owners must be a list of task owners' certificate names, e.g. "
+                              "[\"dr-lee\"]")
+        out["allowed_owners"] = tuple(owners)
+    if "min_cohort" in pol:
+        value = pol["min_cohort"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where} min_cohort must be an integer >= 0 (0: no floor), got {value!r}")
+        out["min_cohort"] = value
+    for key, example in (("max_epsilon", "8.0"), ("signed_task_max_age_days", "7")):
+        if key in pol:
+            value = pol[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{where} {key} must be a number > 0, e.g. {example}, got {value!r}")
+            out[key] = float(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,6 +149,23 @@ class SitePolicy:
     #: "auto": a task the policy allows runs at once; "manual": it waits for ``hospital-agent tasks approve ID``
     #: (hospital_agent.approvals), and nothing is downloaded or trained before that
     approval: str = "auto"
+    #: run only tasks signed by their owner (fedclinic.spec.signed_task, checked by hospital_agent.gates); false
+    #: also runs unsigned ones (an altered or forged signed task is declined either way)
+    require_signed_tasks: bool = True
+    #: the task owners (signers' identity names) this site trains for; empty: any owner the CA certified
+    allowed_owners: tuple[str, ...] = ()
+    #: do not start (accept for the first time) a task signed longer ago than this; None: no limit. A task already
+    #: running here goes on whatever its age
+    signed_task_max_age_days: float | None = None
+    #: decline tasks that do not enable secure aggregation
+    require_secure_aggregation: bool = False
+    #: decline tasks without sample-level differential privacy (DP-SGD at the site)
+    require_dp: bool = False
+    #: decline tasks whose rounds may close with fewer sites than this (rounds.min_sites; under secure
+    #: aggregation the session floor max(3, min_cohort, min_sites)); 0: no floor
+    min_cohort: int = 0
+    #: decline tasks whose target epsilon is larger than this, or that declare none; None: no bound
+    max_epsilon: float | None = None
 
     def secagg_policy(self):
         """The site's fedclinic.secagg.ClientPolicy."""
@@ -132,6 +187,33 @@ class SitePolicy:
                     "tokenizer (change tokenizer_sha256 in [datasets] if the new one was reviewed)")
         if spec.privacy.level not in ("", "sample", "client"):
             return f"the task asks for privacy level {spec.privacy.level!r}, which this agent does not know"
+        return self.protection_refusal(spec)
+
+    def protection_refusal(self, spec: task_pb2.TaskSpec) -> str | None:
+        """Why ``spec`` does not offer the protection this site's policy requires (None when it does); each reason
+        names the policy key and what the task owner must change."""
+        secure = spec.secure_aggregation.enabled
+        if self.require_secure_aggregation and not secure:
+            return ("site policy require_secure_aggregation: this site sends updates only under secure aggregation; "
+                    "the task must set [secure_aggregation] enabled = true")
+        sample_dp = spec.privacy.level == "sample"
+        if self.require_dp and not sample_dp:
+            return ("site policy require_dp: this site trains only with sample-level differential privacy; the "
+                    "task must set [privacy] level = \"sample\" with a target_epsilon")
+        cohort = floor_of(spec) if secure else spec.rounds.min_sites
+        if self.min_cohort and cohort < self.min_cohort:
+            return (f"site policy min_cohort = {self.min_cohort}: the task's rounds may close with {cohort} site(s); "
+                    f"the task must set min_sites (and, under secure aggregation, min_cohort) to at least "
+                    f"{self.min_cohort}")
+        if self.max_epsilon is not None:
+            eps = spec.privacy.target_epsilon if sample_dp else 0.0
+            if eps <= 0:
+                return (f"site policy max_epsilon = {self.max_epsilon:g}: the task declares no target epsilon "
+                        "(sample-level differential privacy with [privacy] target_epsilon), so its privacy loss "
+                        "here has no bound this site can check")
+            if eps > self.max_epsilon:
+                return (f"site policy max_epsilon = {self.max_epsilon:g}: the task's target epsilon is {eps:g}; "
+                        f"the task must set [privacy] target_epsilon to at most {self.max_epsilon:g}")
         return None
 
 
@@ -193,7 +275,8 @@ class AgentConfig:
         if approval not in APPROVAL_MODES:
             raise ConfigError(f"{source}: [policy] approval must be \"auto\" or \"manual\", got {approval!r}")
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
-                            tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval)
+                            tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval,
+                            **_protection_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level", "metrics_address"}
         if unknown:

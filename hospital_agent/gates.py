@@ -6,9 +6,11 @@ reason the task owner sees; *permanent* when the task can never run here). The a
 that is not *proceed* (hospital_agent.worker). Nothing is downloaded, read or trained before the chain passes:
 
 ==========================  ==================================================================================
+:class:`SignedTaskGate`     the task is the one its owner signed (spec, round-1 model, task id bound through the
+                            idempotency key), by a scientist or admin of the site's CA, an allowed owner
 :class:`SpecGate`           the task spec passes the one validator the SDK and the aggregator run
                             (:mod:`fedclinic.spec.validation`), against the model the assignment names
-:class:`PolicyGate`         the site policy (families, datasets, DP floor, secure-aggregation requirement, ...)
+:class:`PolicyGate`         the site policy (families, datasets, required secure aggregation, DP, cohort, epsilon)
 :class:`ApprovalGate`       ``approval = "manual"``: a task waits until IT approves it; a rejected one is declined
 :class:`TokenizerGate`      the model's tokenizer.json is the one the task declares
 :class:`PrivateModulesGate` the private patterns are valid, and the aggregator's send list names no private tensor
@@ -21,13 +23,17 @@ when the budget refuses.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import structlog
 
 from fedclinic.errors import ConfigError, FedclinicError
+from fedclinic.pki.common import PkiError
+from fedclinic.pki.signed_statement import SignedStatement
 from fedclinic.proto import agent_pb2
+from fedclinic.spec.signed_task import verify_signed_task
 from fedclinic.spec.validation import spec_problems
 from fedclinic.training import private_modules
 from fedclinic.transport.wire import manifest_from_proto
@@ -36,6 +42,7 @@ from hospital_agent.approvals import APPROVED, REJECTED, ApprovalStore
 from hospital_agent.config import AgentConfig
 from hospital_agent.privacy_ledger import BudgetExceeded
 from hospital_agent.site_privacy import PrivatePlan, SitePrivacy
+from hospital_agent.task_bindings import TaskBindings
 from hospital_agent.uploader import Audit
 
 log = structlog.get_logger("fedclinic.agent")
@@ -79,6 +86,65 @@ class GateChain:
             verdict = gate.check(a)
             if not verdict.proceed:
                 return verdict
+        return GO
+
+
+class SignedTaskGate:
+    """Declines, for good, a task that is not the one its owner signed (fedclinic.spec.signed_task), before
+    anything is downloaded: the signature must hold against the site's CA, by a ``scientist`` or ``admin``
+    certificate, over this spec; round 1 must start from the signed initial model; no round beyond the signed
+    ``num_rounds``; the task id must be the one this signed task first came with (:class:`TaskBindings`); with
+    ``allowed_owners`` the signer must be one of them; with ``signed_task_max_age_days`` a task not seen here
+    before must have been signed within that many days. An unsigned task runs only with
+    ``require_signed_tasks = false`` (and no ``allowed_owners``)."""
+
+    def __init__(self, config: AgentConfig, bindings: TaskBindings) -> None:
+        self.config = config
+        self.bindings = bindings
+
+    def _decline(self, a: agent_pb2.Assignment, reason: str) -> Verdict:
+        log.error("assignment refused: not the task its owner signed", task_id=a.task_id, round=a.round,
+                  reason=reason)
+        return Verdict(DECLINE, f"{reason}; this site trains only the task as its owner signed it, so it declines "
+                                "it (nothing was downloaded)", refused="signature", audit="task.refused_signature")
+
+    def check(self, a: agent_pb2.Assignment) -> Verdict:
+        policy = self.config.policy
+        if not a.HasField("signed_task"):
+            if policy.require_signed_tasks:
+                return self._decline(a, "the task arrived unsigned and site policy require_signed_tasks is on; the "
+                                        "owner must submit it with the fedclinic SDK, which signs it")
+            if policy.allowed_owners:
+                return self._decline(a, "the task arrived unsigned, so its owner cannot be checked against site "
+                                        "policy allowed_owners")
+            log.warning("running an unsigned task (require_signed_tasks = false)", task_id=a.task_id)
+            return GO
+        try:
+            model_hash = manifest_from_proto(a.model).model_hash if a.round == 1 else None
+            signed = verify_signed_task(SignedStatement.from_proto(a.signed_task), ca_path=self.config.tls.ca,
+                                        spec=a.spec, model_hash=model_hash)
+        except (PkiError, FedclinicError) as exc:
+            return self._decline(a, f"the task's signature does not hold: {exc}")
+        if not 1 <= a.round <= a.spec.rounds.num_rounds:
+            return self._decline(a, f"round {a.round} is outside the {a.spec.rounds.num_rounds} round(s) the owner "
+                                    "signed")
+        owner = signed.signer.name
+        if policy.allowed_owners and owner not in policy.allowed_owners:
+            log.warning("assignment refused by site policy", reason="owner not allowed", owner=owner)
+            return Verdict(DECLINE, f"site policy allowed_owners does not include the task's owner {owner!r}; this "
+                                    "site trains only for " + ", ".join(repr(o) for o in policy.allowed_owners),
+                           refused="policy", audit="task.refused_by_policy")
+        max_days = policy.signed_task_max_age_days
+        age_days = (time.time() * 1000 - signed.signed_unix_ms) / 86_400_000
+        if (max_days is not None and age_days > max_days
+                and not self.bindings.known(owner=owner, idempotency_key=signed.idempotency_key)):
+            return self._decline(a, f"the task was signed {age_days:.1f} days ago and site policy "
+                                    f"signed_task_max_age_days = {max_days:g} lets this site start only tasks signed "
+                                    "more recently; the owner must submit it again")
+        problem = self.bindings.bind(owner=owner, idempotency_key=signed.idempotency_key, task_id=a.task_id,
+                                     statement_id=signed.statement_id)
+        if problem:
+            return self._decline(a, problem)
         return GO
 
 
@@ -228,4 +294,5 @@ class PrivacyBudget:
 
 
 __all__ = ["ApprovalGate", "DECLINE", "GO", "Gate", "GateChain", "HOLD", "HOLD_AWAITING_APPROVAL", "PROCEED",
-           "PolicyGate", "PrivacyBudget", "PrivateModulesGate", "TokenizerGate", "Verdict", "private_names"]
+           "PolicyGate", "PrivacyBudget", "PrivateModulesGate", "SignedTaskGate", "SpecGate", "TokenizerGate",
+           "Verdict", "private_names"]

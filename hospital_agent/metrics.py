@@ -52,7 +52,7 @@ P = "fedclinic_agent_"
 #: task counts as ended once it has been trained (fedclinic.runtime.metrics_endpoint.TaskSeries)
 KEEP_TASKS = 20
 _TRAIN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, float("inf"))
-REFUSAL_REASONS = ("policy", "privacy_budget", "rejected", "data", "error")
+REFUSAL_REASONS = ("policy", "privacy_budget", "rejected", "data", "signature", "error")
 GRPC_MESSAGE_PREFIX = 5  # bytes gRPC puts before each message (compressed flag + length)
 
 

@@ -46,7 +46,8 @@ from hospital_agent.approvals import ApprovalStore
 from hospital_agent.config import AgentConfig
 from hospital_agent.connection import AgentChannel
 from hospital_agent.gates import (DECLINE, HOLD, ApprovalGate, GateChain, PolicyGate, PrivacyBudget, SpecGate,
-                                  PrivateModulesGate, TokenizerGate, Verdict, private_names)
+                                  PrivateModulesGate, SignedTaskGate, TokenizerGate, Verdict, private_names)
+from hospital_agent.task_bindings import TaskBindings
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
@@ -98,7 +99,10 @@ class Agent:
         self._resend_outbox = threading.Event()
         self._watch_call = None
         self.approval = ApprovalGate(config, self.approvals, self.audit, self.site_name)
-        self.admission = GateChain([SpecGate(), PolicyGate(config), self.approval])
+        #: (owner, idempotency key) <-> task id of the signed tasks this site accepted (hospital_agent.task_bindings)
+        self.task_bindings = TaskBindings(config.work_dir / "task-bindings.sqlite")
+        self.admission = GateChain([SignedTaskGate(config, self.task_bindings), SpecGate(), PolicyGate(config),
+                                    self.approval])
         self.model_checks = GateChain([TokenizerGate(), PrivateModulesGate()])
         self.budget = PrivacyBudget(self.privacy)
         #: Prometheus metrics (hospital_agent.metrics), served by the CLI when metrics_address is set

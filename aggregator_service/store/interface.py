@@ -62,6 +62,11 @@ class StoreTransaction(ABC):
         """Record a new task (unique per owner and idempotency key)."""
 
     @abstractmethod
+    def set_signed_task(self, task_id: str, statement: bytes) -> None:
+        """Keep the owner's signed task (a serialized fedclinic.v1.SignedStatement) with the task, to relay it to
+        the sites in every assignment as it was submitted."""
+
+    @abstractmethod
     def open_round(self, task_id: str, rnd: int, attempt: int, sites_target: int, opened_ms: int, deadline_ms: int,
                    base_model: str) -> None:
         """Open round ``rnd`` (replacing a row of the same number) and make it the running task's current one."""
@@ -142,6 +147,10 @@ class Store(ABC):
     # tasks --------------------------------------------------------------------------------------------
     @abstractmethod
     def task(self, task_id: str) -> TaskRecord | None: ...
+
+    @abstractmethod
+    def signed_task(self, task_id: str) -> bytes:
+        """The task's signed task (serialized SignedStatement) as submitted; b"" for a task submitted unsigned."""
 
     @abstractmethod
     def task_by_key(self, owner: str, idempotency_key: str) -> TaskRecord | None:

@@ -124,6 +124,9 @@ class SqliteTransaction(StoreTransaction):
                         (task_id, owner, idempotency_key, spec.SerializeToString(), state, created_ms, created_ms,
                          initial_model))
 
+    def set_signed_task(self, task_id: str, statement: bytes) -> None:
+        self._c.execute("UPDATE tasks SET signed_task=? WHERE task_id=?", (statement, task_id))
+
     def open_round(self, task_id: str, rnd: int, attempt: int, sites_target: int, opened_ms: int, deadline_ms: int,
                    base_model: str) -> None:
         self._c.execute("INSERT OR REPLACE INTO rounds(task_id, round, attempt, state, sites_target, opened_ms, "
@@ -289,6 +292,10 @@ class SqliteStore(Store):
     def task(self, task_id: str) -> TaskRecord | None:
         r = self._row("SELECT * FROM tasks WHERE task_id=?", (task_id,))
         return _task(r) if r is not None else None
+
+    def signed_task(self, task_id: str) -> bytes:
+        r = self._row("SELECT signed_task FROM tasks WHERE task_id=?", (task_id,))
+        return bytes(r[0]) if r is not None and r[0] is not None else b""
 
     def task_by_key(self, owner: str, idempotency_key: str) -> TaskRecord | None:
         r = self._row("SELECT * FROM tasks WHERE owner=? AND idempotency_key=?", (owner, idempotency_key))

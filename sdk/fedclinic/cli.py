@@ -53,7 +53,10 @@ def _print_status(st, as_json: bool) -> None:
         print(json_format.MessageToJson(st, preserving_proto_field_name=True))
         return
     print(f"{st.task_id}  {st.spec.name!r}  {state_name(st.state)}  round {st.current_round}/"
-          f"{st.spec.rounds.num_rounds}  owner {st.owner}")
+          f"{st.spec.rounds.num_rounds}  owner {st.owner}" + ("" if st.signed else "  UNSIGNED"))
+    if not st.signed:
+        print("  unsigned: submitted without the owner's signature; sites that require signed tasks (the default) "
+              "decline it. Submit it with the fedclinic SDK, which signs it")
     if st.error:
         print(f"  error: {st.error}")
     for r in st.rounds:

@@ -22,14 +22,14 @@ from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.pki.common import PkiError
 from fedclinic.pki.model_signatures import check_aggregator_statement, countersign
 from fedclinic.pki.signed_statement import SignedStatement, Signer
-from fedclinic.transport.package import SIGNATURES_FILE, Manifest, ModelPackage
+from fedclinic.transport.package import SIGNATURES_FILE, Manifest, ModelPackage, raw_bytes
 from fedclinic.proto import control_pb2, control_pb2_grpc
 from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
 from fedclinic.spec.task import Task
-from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.resume import receive_resuming
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
-from fedclinic.pki import check_own_certificate
+from fedclinic.pki import check_own_certificate, identity_from_pem
+from fedclinic.spec.signed_task import sign_task
 from fedclinic.spec.model_card import build_card, write_card
 
 _SUBMIT_TENSOR_FIELD = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
@@ -93,6 +93,10 @@ class Client:
 
         ``manifest`` may be passed when the caller already hashed ``package`` (saves one pass over it).
         Retrying with the same ``idempotency_key`` returns the task the first call created.
+
+        The spec, the initial model's hash and the idempotency key are signed with this client's certificate key
+        (:mod:`fedclinic.spec.signed_task`); the sites check that signature before they train, so neither the
+        aggregator nor anyone else can alter the task, swap its model or run it under another task id.
         """
         task.validate()
         if package is None:
@@ -104,19 +108,14 @@ class Client:
 
         tok = package.files.get("tokenizer.json")
         spec = task.to_spec(tokenizer_sha256=hashlib.sha256(tok).hexdigest() if tok else "")
-        header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=idempotency_key or uuid.uuid4().hex,
-                                              model=manifest_to_proto(manifest))
+        key = idempotency_key or uuid.uuid4().hex
+        owner = identity_from_pem(self._tls.cert.read_bytes()).name
+        signed = sign_task(Signer(key_path=self._tls.key, cert_path=self._tls.cert), spec,
+                           model_hash=manifest.model_hash, idempotency_key=key, owner=owner)
+        header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=key, model=manifest_to_proto(manifest),
+                                              signed_task=signed.to_proto())
 
-        def stream() -> Iterator[bytes]:  # pre-serialized: tensor payloads are copied once (see wire.py)
-            yield control_pb2.SubmitTaskChunk(header=header).SerializeToString()
-            for f in manifest.files:
-                for c in file_chunks(f.path, package.files[f.path]):
-                    yield control_pb2.SubmitTaskChunk(file=c).SerializeToString()
-            for t in manifest.tensors:
-                yield from encoded_tensor_chunks(_SUBMIT_TENSOR_FIELD, header_of(t), raw_bytes(package.tensors[t.name]))
-            yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()
-
-        return self._call(self._submit_raw, stream(), timeout=3600)
+        return self._call(self._submit_raw, submission_stream(header, package, manifest), timeout=3600)
 
     def status(self, task_id: str) -> control_pb2.TaskStatus:
         return self._call(self._stub.GetTask, control_pb2.GetTaskRequest(task_id=task_id), timeout=60)
@@ -221,6 +220,19 @@ class Client:
             status = self.status(task_id)
         write_card(folder, build_card(package.meta, model_hash=model_hash, status=status, requested_round=round))
         return folder
+
+
+def submission_stream(header: control_pb2.SubmitTaskHeader, package: ModelPackage,
+                      manifest: Manifest) -> Iterator[bytes]:
+    """The serialized SubmitTask messages: ``header``, every file and tensor of ``package`` (as ``manifest`` lists
+    them), the commit. Pre-serialized: tensor payloads are copied once (see fedclinic.transport.wire)."""
+    yield control_pb2.SubmitTaskChunk(header=header).SerializeToString()
+    for f in manifest.files:
+        for c in file_chunks(f.path, package.files[f.path]):
+            yield control_pb2.SubmitTaskChunk(file=c).SerializeToString()
+    for t in manifest.tensors:
+        yield from encoded_tensor_chunks(_SUBMIT_TENSOR_FIELD, header_of(t), raw_bytes(package.tensors[t.name]))
+    yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()
 
 
 def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,

@@ -59,7 +59,7 @@ class Heartbeat(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("task_id", "round", "attempt", "spec", "model", "deadline_unix_ms", "send_tensors", "downlink_deltas")
+    __slots__ = ("task_id", "round", "attempt", "spec", "model", "deadline_unix_ms", "send_tensors", "downlink_deltas", "signed_task")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class Assignment(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SEND_TENSORS_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_TASK_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     attempt: int
@@ -76,7 +77,8 @@ class Assignment(_message.Message):
     deadline_unix_ms: int
     send_tensors: _containers.RepeatedScalarFieldContainer[str]
     downlink_deltas: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.DownlinkDelta]
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ..., downlink_deltas: _Optional[_Iterable[_Union[_tensors_pb2.DownlinkDelta, _Mapping]]] = ...) -> None: ...
+    signed_task: _task_pb2.SignedStatement
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ..., downlink_deltas: _Optional[_Iterable[_Union[_tensors_pb2.DownlinkDelta, _Mapping]]] = ..., signed_task: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
 
 class CancelWork(_message.Message):
     __slots__ = ("task_id", "reason")

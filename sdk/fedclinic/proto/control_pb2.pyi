@@ -36,14 +36,16 @@ ROUND_STATE_CLOSED: RoundState
 ROUND_STATE_FAILED: RoundState
 
 class SubmitTaskHeader(_message.Message):
-    __slots__ = ("spec", "idempotency_key", "model")
+    __slots__ = ("spec", "idempotency_key", "model", "signed_task")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_TASK_FIELD_NUMBER: _ClassVar[int]
     spec: _task_pb2.TaskSpec
     idempotency_key: str
     model: _tensors_pb2.ModelManifest
-    def __init__(self, spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ...) -> None: ...
+    signed_task: _task_pb2.SignedStatement
+    def __init__(self, spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., signed_task: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
 
 class SubmitTaskCommit(_message.Message):
     __slots__ = ()
@@ -143,7 +145,7 @@ class RoundSummary(_message.Message):
     def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash")
+    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash", "signed")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class TaskStatus(_message.Message):
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     spec: _task_pb2.TaskSpec
     state: TaskState
@@ -166,7 +169,8 @@ class TaskStatus(_message.Message):
     updated_unix_ms: int
     initial_model_hash: str
     final_model_hash: str
-    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ...) -> None: ...
+    signed: bool
+    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., signed: _Optional[bool] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
     __slots__ = ("task_id",)
