@@ -58,13 +58,14 @@ class Attestor(Protocol):
 
 
 def check_attestation(attestor: Attestor, purpose: str, claim: Claim, attestation: bytes, signer: str) -> str | None:
-    """``attestor.check`` as a verdict: None when the attestation holds, else the reason it does not."""
+    """``attestor.check`` as a verdict: None when the attestation holds, else the reason it does not (whatever the
+    relayed bytes make the check raise is a reason to refuse, never an exception that escapes)."""
     if not attestation:
         return f"{signer!r} sent no signature"
     try:
         attestor.check(purpose, claim, attestation, signer)
-    except FedclinicError as exc:
-        return str(exc)
+    except (FedclinicError, ValueError, TypeError) as exc:  # e.g. a certificate the X.509 parser chokes on
+        return str(exc) or type(exc).__name__
     return None
 
 

@@ -13,6 +13,7 @@ import pytest
 from fedclinic import pki
 from fedclinic.pki.attestor import CertificateAttestor
 from fedclinic.pki.signed_statement import Signer
+from fedclinic.proto import task_pb2
 from fedclinic.secagg import (KEYS_PURPOSE, AdvertiseKeys, ClientSession, InProcessNotary, KeyDirectory, Phase,
                               Quantizer, SecAggAbort, SecAggProtocolError, SecAggRefusal, ServerSession, SessionParams,
                               SurvivorsRequest, UnmaskRequest, keys_claim, run_round)
@@ -114,6 +115,19 @@ def test_unsigned_duplicated_and_replayed_entries_are_refused(ca):
         r.clients["site-00"].share_keys(_replace(d, "site-03", attestation=b""))
     with pytest.raises(SecAggRefusal, match="not a signed statement"):
         r.clients["site-01"].share_keys(_replace(d, "site-03", attestation=b"\xff\x00garbage"))
+    genuine = task_pb2.SignedStatement.FromString(next(e for e in d.entries if e.sender == "site-03").attestation)
+    bad_sig = task_pb2.SignedStatement()
+    bad_sig.CopyFrom(genuine)
+    bad_sig.signature = bytes(b ^ 0xFF for b in genuine.signature)  # a forged signature under site-03's certificate
+    with pytest.raises(SecAggRefusal, match="signature does not match the data"):
+        r.clients["site-04"].share_keys(_replace(d, "site-03", attestation=bad_sig.SerializeToString()))
+    bad_cert = task_pb2.SignedStatement()
+    bad_cert.CopyFrom(genuine)
+    bad_cert.certificate_pem = b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+    r2 = Run(ca)
+    d2 = r2.directory()
+    with pytest.raises(SecAggRefusal, match="not a valid PEM X.509 certificate"):
+        r2.clients["site-00"].share_keys(_replace(d2, "site-03", attestation=bad_cert.SerializeToString()))
     twice = KeyDirectory(d.session_id, tuple(sorted(d.entries + (d.entries[3],), key=lambda e: e.sender)))
     with pytest.raises(SecAggRefusal, match="lists a site twice"):
         r.clients["site-02"].share_keys(twice)
