@@ -134,7 +134,7 @@ class SecureRounds:
 
     # capabilities and the work stream ---------------------------------------------------------------------
     def hello(self, site: str, features: list[str], secure_aggregation: bool) -> None:
-        """Remember what ``site`` announced at Hello (it must say ``secagg-v1`` to be given secure tasks)."""
+        """Remember what ``site`` announced at Hello (it must say ``secagg-v2`` to be given secure tasks)."""
         with self.host.lock:
             self._features[site] = frozenset(features) | (frozenset({"secure_aggregation"}) if secure_aggregation
                                                           else frozenset())
@@ -144,7 +144,7 @@ class SecureRounds:
                         hint="upgrade the agent: secure aggregation now signs keys and the survivor set")
 
     def capable(self, site: str) -> bool:
-        """Did ``site`` announce the ``secagg-v1`` feature and ``Capabilities.secure_aggregation``?"""
+        """Did ``site`` announce the ``secagg-v2`` feature and ``Capabilities.secure_aggregation``?"""
         return {FEATURE, "secure_aggregation"} <= self._features.get(site, frozenset())
 
     def pending(self, site: str, cursor: list[int]) -> list[agent_pb2.WorkItem]:
