@@ -16,9 +16,10 @@ from fedclinic.errors import FedclinicError
 from fedclinic.federation.local_federation import LocalFederation, SiteSetup, wait_until
 from fedclinic.pki.attestor import CertificateAttestor
 from fedclinic.pki.signed_statement import Signer
-from fedclinic.proto import agent_pb2, task_pb2
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2
 from fedclinic.secagg import KEYS_PURPOSE, AdvertiseKeys, keys_claim
 from fedclinic.secagg.keys import generate_private_key, public_bytes
+from fedclinic.transport.rpc import TlsFiles, secure_channel
 
 from tests.helpers.malicious_aggregator import MaliciousAggregator, Tamper
 from tests.helpers.tasks import make_task
@@ -75,9 +76,11 @@ def evil(tmp_path_factory):
     fed.make_pki()
     pki.init_ca(root / "evil-ca", common_name="attacker CA")
     fake = pki.issue(root / "evil-ca", role="agent", name="site-d", out_dir=root / "evil-site-d", days=2)
+    pki.issue(fed.ca_dir, role="agent", name="site-old", out_dir=fed.pki_dir / "site-old", days=2)
     tamper = SecAggAttacks()
     aggregator = MaliciousAggregator(fed, tamper)
     aggregator.start()
+    tamper.aggregator = aggregator
     try:
         for site in SITES:
             fed.start_agent(site)
@@ -211,3 +214,21 @@ def test_both_shares_of_one_site_are_refused(evil):
 
     _attacked(evil, attack, {"site-a": "asked to unmask with survivors ['site-a', 'site-b', 'site-c'], but this site "
                                        "attested ['site-a', 'site-b', 'site-c', 'site-d']"})
+
+
+def test_an_agent_without_signed_keys_is_given_no_secure_task(evil):
+    """An agent that announces only the unsigned protocol ("secagg-v1") is not eligible for secure tasks; the
+    aggregator tells every agent it speaks "secagg-v2"."""
+    fed, tamper, _ = evil
+    c = fed.creds("site-old")
+    channel = secure_channel(fed.address, TlsFiles(c["cert"], c["key"], c["ca"]), server_name="localhost")
+    try:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        secagg = tamper.aggregator.aggregator.engine.secagg
+        for features, capable in ((["secagg-v1"], False), (["secagg-v2"], True)):
+            hello = stub.Hello(agent_pb2.HelloRequest(protocol_version=1, capabilities=agent_pb2.Capabilities(
+                secure_aggregation=True, features=features)), timeout=30)
+            assert "secagg-v2" in hello.features and "secagg-v1" not in hello.features
+            assert secagg.capable("site-old") is capable
+    finally:
+        channel.close()
