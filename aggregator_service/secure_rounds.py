@@ -8,11 +8,15 @@ The protocol itself is :mod:`fedclinic.secagg` (transport-free); this module dri
    on. The session starts once ``sites_target`` sites joined, or, with at least ``floor = max(3, min_cohort,
    min_sites)`` joined, when nobody else can join or at the join deadline (half of ``round_timeout_s`` after
    the attempt opened). Its cohort is the joined sites; each gets ``SecAggSetup`` on its work stream.
-1. **advertise keys** -> ``SecAggKeyDirectory`` to those who advertised;
+1. **advertise keys** (each pair signed by the site's certificate key, "secagg-keys") -> ``SecAggKeyDirectory`` to
+   those who advertised, every entry with its site's signed statement (relayed, not re-signed: each site checks
+   every entry against its CA itself);
 2. **share keys** -> ``SecAggMaskedInputRequest`` (alive set + the ciphertexts addressed to the site);
 3. **masked input** (``SubmitUpdate`` with ``secagg_session_id``: one ``uint32`` tensor, no sample count,
-   no metrics) -> ``SecAggUnmaskRequest`` (survivors, dropped);
-4. **unmask** -> :meth:`ServerSession.finish` -> the survivors' sum.
+   no metrics) -> ``SecAggSurvivors`` (U3) to the survivors;
+4. **consistency**: each survivor signs U3 ("secagg-survivors") -> ``SecAggUnmaskRequest`` (survivors, dropped and
+   every signature) to the survivors that signed;
+5. **unmask** -> :meth:`ServerSession.finish` -> the survivors' sum.
 
 Each phase closes when every expected site answered or at its deadline (a tenth of ``round_timeout_s``,
 at least 1 s, after the phase opened); the library's ``close_*`` / ``finish`` then carry on without the
@@ -47,7 +51,7 @@ from fedclinic.runtime.failpoints import failpoint
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase, SecAggAbort, SecAggConfigError,
                               SecAggError, SecAggIntegrityError, SecAggProtocolError, ServerSession, ShareKeys,
-                              UnmaskResponse)
+                              SurvivorsSignature, UnmaskResponse)
 from fedclinic.secagg.task_config import floor_of, session_params
 from fedclinic.spec.selection import select_names
 
@@ -57,8 +61,9 @@ from aggregator_service.store import RoundRecord, Store, now_ms
 log = structlog.get_logger("fedclinic.aggregator.secagg")
 S = control_pb2
 
-FEATURE = "secagg-v1"
-"""The Hello feature of agents (and aggregators) that speak these phases."""
+FEATURE = "secagg-v2"
+"""The Hello feature of agents (and aggregators) that speak these phases: signed keys and the consistency round.
+An agent that announces only ``secagg-v1`` is not given secure tasks (logged at Hello)."""
 MASKED_TENSOR = "secagg.masked_input"
 """Name of the one tensor of a masked-input upload (uint32, [vector_length])."""
 MAX_SESSIONS_PER_ATTEMPT = 3
@@ -129,13 +134,17 @@ class SecureRounds:
 
     # capabilities and the work stream ---------------------------------------------------------------------
     def hello(self, site: str, features: list[str], secure_aggregation: bool) -> None:
-        """Remember what ``site`` announced at Hello (it must say ``secagg-v1`` to be given secure tasks)."""
+        """Remember what ``site`` announced at Hello (it must say ``secagg-v2`` to be given secure tasks)."""
         with self.host.lock:
             self._features[site] = frozenset(features) | (frozenset({"secure_aggregation"}) if secure_aggregation
                                                           else frozenset())
+        if secure_aggregation and FEATURE not in features:
+            log.warning("agent speaks an older secure-aggregation protocol; it is given no secure task", site=site,
+                        features=sorted(features), needs=FEATURE,
+                        hint="upgrade the agent: secure aggregation now signs keys and the survivor set")
 
     def capable(self, site: str) -> bool:
-        """Did ``site`` announce the ``secagg-v1`` feature and ``Capabilities.secure_aggregation``?"""
+        """Did ``site`` announce the ``secagg-v2`` feature and ``Capabilities.secure_aggregation``?"""
         return {FEATURE, "secure_aggregation"} <= self._features.get(site, frozenset())
 
     def pending(self, site: str, cursor: list[int]) -> list[agent_pb2.WorkItem]:
@@ -242,11 +251,12 @@ class SecureRounds:
             st.uplink += msg.ByteSize()
             if kind == "join":
                 self._join(st, rnd, spec, site, msg.join)
-            elif kind in ("advertise_keys", "share_keys", "unmask_response"):
+            elif kind in ("advertise_keys", "share_keys", "survivors_signature", "unmask_response"):
                 self._phase_message(st, site, msg, kind)
             else:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"SecAggRespond takes join, advertise_keys, share_keys or "
-                                                  f"unmask_response, not {kind or 'an empty body'}")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"SecAggRespond takes join, advertise_keys, share_keys, "
+                                                  f"survivors_signature or unmask_response, not "
+                                                  f"{kind or 'an empty body'}")
             self._advance(st, rnd, spec)
             self.host.changed.notify_all()
 
@@ -273,7 +283,7 @@ class SecureRounds:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation session {msg.session_id[:16]} of round "
                                                  f"{st.round} is over (aborted, finished or re-keyed)")
         phase = {"advertise_keys": Phase.ADVERTISE, "share_keys": Phase.SHARE_KEYS,
-                 "unmask_response": Phase.UNMASK}[kind]
+                 "survivors_signature": Phase.CONSISTENCY, "unmask_response": Phase.UNMASK}[kind]
         if s.phase is not phase:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"{kind} from {site} arrived in phase {s.phase.value} of session "
                                                  f"{st.session_hex[:16]}: that phase closed at its deadline")
@@ -281,9 +291,16 @@ class SecureRounds:
         try:
             if kind == "advertise_keys":
                 k = msg.advertise_keys
-                s.receive_advertise(AdvertiseKeys(sid, site, k.mask_public_key, k.encryption_public_key))
+                if not k.HasField("keys_statement"):
+                    raise SecAggProtocolError(f"the keys are not signed; this aggregator speaks {FEATURE} (signed "
+                                              "keys): upgrade the agent")
+                s.receive_advertise(AdvertiseKeys(sid, site, k.mask_public_key, k.encryption_public_key,
+                                                  k.keys_statement.SerializeToString()))
             elif kind == "share_keys":
                 s.receive_share_keys(ShareKeys(sid, site, dict(msg.share_keys.ciphertexts)))
+            elif kind == "survivors_signature":
+                s.receive_survivors_signature(SurvivorsSignature(
+                    sid, site, msg.survivors_signature.statement.SerializeToString()))
             else:
                 r = msg.unmask_response
                 s.receive_unmask(UnmaskResponse(sid, site, dict(r.self_mask_shares), dict(r.mask_key_shares)))
@@ -446,7 +463,8 @@ class SecureRounds:
                 failpoint("aggregator.secagg.advertised")  # kill campaign: between secure-aggregation phases
                 directory = s.close_advertise()
                 entries = [agent_pb2.SecAggKeyEntry(site_id=e.sender, mask_public_key=e.mask_public_key,
-                                                    encryption_public_key=e.encryption_public_key)
+                                                    encryption_public_key=e.encryption_public_key,
+                                                    keys_statement=task_pb2.SignedStatement.FromString(e.attestation))
                            for e in directory.entries]
                 for site in directory.members:
                     self._send(st, site, key_directory=agent_pb2.SecAggKeyDirectory(entries=entries))
@@ -460,12 +478,20 @@ class SecureRounds:
                 st.expected = set(requests)
                 done = f"{len(requests)} site(s) shared keys"
             elif s.phase is Phase.MASKED_INPUT:
-                req = s.close_masked_input()
-                for site in req.survivors:
+                surv = s.close_masked_input()
+                for site in surv.survivors:
+                    self._send(st, site, survivors_request=agent_pb2.SecAggSurvivors(survivors=list(surv.survivors)))
+                st.expected = set(surv.survivors)
+                done = f"{len(surv.survivors)} masked input(s) arrived"
+            elif s.phase is Phase.CONSISTENCY:
+                req = s.close_consistency()
+                signatures = {u: task_pb2.SignedStatement.FromString(a) for u, a in req.signatures.items()}
+                for site in req.signatures:
                     self._send(st, site, unmask_request=agent_pb2.SecAggUnmaskRequest(
-                        survivors=list(req.survivors), dropped=list(req.dropped), model_hash=st.base_model))
-                st.expected = set(req.survivors)
-                done = (f"{len(req.survivors)} masked input(s) arrived"
+                        survivors=list(req.survivors), dropped=list(req.dropped), model_hash=st.base_model,
+                        survivor_signatures=signatures))
+                st.expected = set(req.signatures)
+                done = (f"{len(req.signatures)} of {len(req.survivors)} survivor(s) signed the survivor set"
                         + (f"; dropped after sharing keys: {', '.join(req.dropped)}" if req.dropped else ""))
             else:
                 self._finish(st, s.finish())

@@ -71,7 +71,7 @@ class Sites:
         if spec.sites and site not in spec.sites:
             return False
         if spec.secure_aggregation.enabled and not self._secagg_capable(site):
-            return False  # the agent did not announce "secagg-v1" at Hello
+            return False  # the agent did not announce "secagg-v2" (signed secure-aggregation keys) at Hello
         if not self.supports_codec(site, spec.update.codec):
             return False  # the agent did not announce every codec the task's updates use
         return not self.store.declined_for_good(task_id, site)

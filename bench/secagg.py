@@ -58,7 +58,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from fedclinic.secagg import ClientSession, Quantizer, ServerSession, SessionParams
+from fedclinic.secagg import ClientSession, InProcessNotary, Quantizer, ServerSession, SessionParams
 from fedclinic.secagg.masks import MASK_WORKERS
 
 P = 10_000_000
@@ -84,8 +84,9 @@ def session(drop_after_share: set[str], mask_workers: int = MASK_WORKERS) -> dic
         return out
 
     server = timed("server", lambda: ServerSession(params, mask_workers=mask_workers))
+    notary = InProcessNotary()  # in-process attestations; the services' signatures: docs/results/secagg-keys.md
     clients = {c: timed("client", lambda c=c: ClientSession(c, params, committed_model_hash=model_hash,
-                                                            mask_workers=mask_workers))
+                                                            mask_workers=mask_workers, attestor=notary.for_site(c)))
                for c in cohort}
     for c, s in clients.items():
         adv = timed("client", s.advertise)
@@ -114,7 +115,13 @@ def session(drop_after_share: set[str], mask_workers: int = MASK_WORKERS) -> dic
         t["fold"] += time.perf_counter() - t0
         np.add(exact, np.clip(x, -0.5, 0.5), out=exact)  # float64 reference (untimed)
         del x, masked
-    unmask = timed("server", server.close_masked_input)
+    consistency = timed("server", server.close_masked_input)
+    for c in survivors:
+        t["down_secure"] += consistency.payload_bytes()
+        signed = timed("client", clients[c].sign_survivors, consistency)
+        t["up_secure"] += signed.payload_bytes()
+        timed("server", server.receive_survivors_signature, signed)
+    unmask = timed("server", server.close_consistency)
     for c in survivors:
         t["down_secure"] += unmask.payload_bytes()
         resp = timed("client", clients[c].unmask, unmask)

@@ -8,14 +8,19 @@ are answered on one thread, one :class:`~fedclinic.secagg.ClientSession` per ses
 
 ============================  ====================================================================
 ``SecAggSetup``               rebuild and check the session parameters (they must hash to the session
-                              id, name the model trained on, the agreed tensor order and length); create
-                              the ClientSession (site policy: ``secure_aggregation_min_cohort``);
-                              answer ``advertise_keys``
-``SecAggKeyDirectory``        answer ``share_keys``
+                              id, name the model trained on, the agreed tensor order and length, and only
+                              sites the task's allow-list admits); create the ClientSession (site policy:
+                              ``secure_aggregation_min_cohort``); answer ``advertise_keys`` with the keys
+                              signed ("secagg-keys") by this agent's certificate key
+``SecAggKeyDirectory``        check every peer's signed keys against the site's CA (role agent, the
+                              certificate named as the entry's site, this session); answer ``share_keys``
 ``SecAggMaskedInputRequest``  quantize + mask the vector; write it to the outbox and upload it through
                               ``SubmitUpdate`` with an idempotency key (``secagg_session_id`` set; no sample
                               count, metrics or DP report beside it)
-``SecAggUnmaskRequest``       answer ``unmask_response``; the round's vector is then forgotten
+``SecAggSurvivors``           sign the survivor set ("secagg-survivors"; once per session)
+``SecAggUnmaskRequest``       check the survivors' signatures (a quorum, over exactly the set this site
+                              signed, its own among them); answer ``unmask_response``; the round's vector is
+                              then forgotten
 ``SecAggAbort``               drop the session; join again (``rejoin``) unless this site already revealed
                               shares for the round: a second sum over another cohort would let the aggregator
                               subtract one from the other
@@ -39,19 +44,22 @@ import grpc
 import numpy as np
 import structlog
 
+from fedclinic.pki.attestor import CertificateAttestor
+from fedclinic.pki.signed_statement import Signer
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.transport.package import tensor_sha256
-from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
+from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.transport.rpc import explain_rpc_error
 from fedclinic.secagg import (AdvertiseKeys, ClientPolicy, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer,
-                              SecAggError, SessionParams, UnmaskRequest)
+                              SecAggError, SessionParams, SurvivorsRequest, UnmaskRequest)
 
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
 
 log = structlog.get_logger("fedclinic.agent.secagg")
 
-FEATURE = "secagg-v1"
+FEATURE = "secagg-v2"
+"""Signed keys and the consistency round; an aggregator without it sends unsigned directories, which are refused."""
 MASKED_TENSOR = "secagg.masked_input"
 
 
@@ -65,6 +73,7 @@ class _Job:
     model_hash: str                    # hex: the global model this site trained on (its commitment)
     names: tuple[str, ...]
     vector: np.ndarray | None          # float32, the flattened delta; None once revealed
+    admitted: tuple[str, ...] = ()     # the task's site allow-list (TaskSpec.sites); empty = any enrolled site
     session: ClientSession | None = None
     session_id: str = ""
     answers: dict[str, agent_pb2.SecAggPhase] = field(default_factory=dict)  # incoming body kind -> our answer
@@ -130,7 +139,7 @@ class SiteSecAgg:
         if peak > clip:
             log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6), clip=clip,
                         hint="raise [secure_aggregation] clip or lower the learning rate")
-        job = _Job(a.task_id, a.round, a.attempt, model_hash, tuple(names), vector)
+        job = _Job(a.task_id, a.round, a.attempt, model_hash, tuple(names), vector, tuple(a.spec.sites))
         with self._lock:
             self._jobs[a.task_id] = job
         log.info("update ready for secure aggregation", values=int(vector.size))
@@ -189,6 +198,8 @@ class SiteSecAgg:
                 answer = self._share_keys(job, msg)
             elif kind == "masked_input_request":
                 answer = self._masked_input(job, msg)
+            elif kind == "survivors_request":
+                answer = self._sign_survivors(job, msg)
             elif kind == "unmask_request":
                 answer = self._unmask(job, msg)
             else:
@@ -219,19 +230,28 @@ class SiteSecAgg:
         if params.session_id.hex() != msg.session_id:
             raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
         job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),
-                                    policy=self.agent.secagg_policy())
+                                    policy=self.agent.secagg_policy(), attestor=self._attestor(),
+                                    admitted=job.admitted or None)
         adv = job.session.advertise()
         log.info("secure-aggregation session joined", session=msg.session_id[:16], cohort=len(params.cohort),
                  threshold=params.threshold)
         return self._reply(job, advertise_keys=agent_pb2.SecAggPublicKeys(
-            mask_public_key=adv.mask_public_key, encryption_public_key=adv.encryption_public_key))
+            mask_public_key=adv.mask_public_key, encryption_public_key=adv.encryption_public_key,
+            keys_statement=task_pb2.SignedStatement.FromString(adv.attestation)))
+
+    def _attestor(self) -> CertificateAttestor:
+        """Signs with this agent's certificate key, checks peers against its CA (role agent)."""
+        tls = self.agent.config.tls
+        return CertificateAttestor(ca_path=tls.ca, role="agent", signer=Signer(key_path=tls.key, cert_path=tls.cert))
 
     def _share_keys(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
         failpoint("agent.secagg.share-keys")  # kill campaign
         assert job.session is not None
         sid = job.session.params.session_id
-        directory = KeyDirectory(sid, tuple(AdvertiseKeys(sid, e.site_id, e.mask_public_key, e.encryption_public_key)
-                                            for e in msg.key_directory.entries))
+        directory = KeyDirectory(sid, tuple(
+            AdvertiseKeys(sid, e.site_id, e.mask_public_key, e.encryption_public_key,
+                          e.keys_statement.SerializeToString() if e.HasField("keys_statement") else b"")
+            for e in msg.key_directory.entries))
         shares = job.session.share_keys(directory)
         return self._reply(job, share_keys=agent_pb2.SecAggShareKeys(ciphertexts=dict(shares.ciphertexts)))
 
@@ -254,13 +274,22 @@ class SiteSecAgg:
         self.agent.upload_with_retries(entry)
         return self._reply(job)  # the answer went through SubmitUpdate
 
+    def _sign_survivors(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
+        assert job.session is not None
+        signed = job.session.sign_survivors(SurvivorsRequest(job.session.params.session_id,
+                                                             tuple(msg.survivors_request.survivors)))
+        log.info("survivor set signed", survivors=len(msg.survivors_request.survivors))
+        return self._reply(job, survivors_signature=agent_pb2.SecAggSurvivorsSignature(
+            statement=task_pb2.SignedStatement.FromString(signed.attestation)))
+
     def _unmask(self, job: _Job, msg: agent_pb2.SecAggPhase) -> agent_pb2.SecAggPhase:
         failpoint("agent.secagg.unmask")  # kill campaign
         assert job.session is not None
         r = msg.unmask_request
         job.revealed = True  # from here on, never join another session for this round
+        signatures = {site: st.SerializeToString() for site, st in r.survivor_signatures.items()}
         response = job.session.unmask(UnmaskRequest(job.session.params.session_id, bytes.fromhex(r.model_hash),
-                                                    tuple(r.survivors), tuple(r.dropped)))
+                                                    tuple(r.survivors), tuple(r.dropped), signatures))
         job.vector = None
         self.agent.mark_sent(job.task_id, job.round)
         log.info("unmask shares revealed", survivors=len(r.survivors), dropped=list(r.dropped))

@@ -115,22 +115,26 @@ class SecAggSetup(_message.Message):
     def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class SecAggPublicKeys(_message.Message):
-    __slots__ = ("mask_public_key", "encryption_public_key")
+    __slots__ = ("mask_public_key", "encryption_public_key", "keys_statement")
     MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTION_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_STATEMENT_FIELD_NUMBER: _ClassVar[int]
     mask_public_key: bytes
     encryption_public_key: bytes
-    def __init__(self, mask_public_key: _Optional[bytes] = ..., encryption_public_key: _Optional[bytes] = ...) -> None: ...
+    keys_statement: _task_pb2.SignedStatement
+    def __init__(self, mask_public_key: _Optional[bytes] = ..., encryption_public_key: _Optional[bytes] = ..., keys_statement: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
 
 class SecAggKeyEntry(_message.Message):
-    __slots__ = ("site_id", "mask_public_key", "encryption_public_key")
+    __slots__ = ("site_id", "mask_public_key", "encryption_public_key", "keys_statement")
     SITE_ID_FIELD_NUMBER: _ClassVar[int]
     MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTION_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_STATEMENT_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     mask_public_key: bytes
     encryption_public_key: bytes
-    def __init__(self, site_id: _Optional[str] = ..., mask_public_key: _Optional[bytes] = ..., encryption_public_key: _Optional[bytes] = ...) -> None: ...
+    keys_statement: _task_pb2.SignedStatement
+    def __init__(self, site_id: _Optional[str] = ..., mask_public_key: _Optional[bytes] = ..., encryption_public_key: _Optional[bytes] = ..., keys_statement: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
 
 class SecAggKeyDirectory(_message.Message):
     __slots__ = ("entries",)
@@ -166,15 +170,36 @@ class SecAggMaskedInputRequest(_message.Message):
     ciphertexts: _containers.ScalarMap[str, bytes]
     def __init__(self, alive: _Optional[_Iterable[str]] = ..., ciphertexts: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
+class SecAggSurvivors(_message.Message):
+    __slots__ = ("survivors",)
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggSurvivorsSignature(_message.Message):
+    __slots__ = ("statement",)
+    STATEMENT_FIELD_NUMBER: _ClassVar[int]
+    statement: _task_pb2.SignedStatement
+    def __init__(self, statement: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
+
 class SecAggUnmaskRequest(_message.Message):
-    __slots__ = ("survivors", "dropped", "model_hash")
+    __slots__ = ("survivors", "dropped", "model_hash", "survivor_signatures")
+    class SurvivorSignaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _task_pb2.SignedStatement
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
     SURVIVORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    SURVIVOR_SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     survivors: _containers.RepeatedScalarFieldContainer[str]
     dropped: _containers.RepeatedScalarFieldContainer[str]
     model_hash: str
-    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ...) -> None: ...
+    survivor_signatures: _containers.MessageMap[str, _task_pb2.SignedStatement]
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., survivor_signatures: _Optional[_Mapping[str, _task_pb2.SignedStatement]] = ...) -> None: ...
 
 class SecAggUnmaskResponse(_message.Message):
     __slots__ = ("self_mask_shares", "mask_key_shares")
@@ -217,7 +242,7 @@ class SecAggJoin(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., model_hash: _Optional[str] = ..., vector_length: _Optional[int] = ...) -> None: ...
 
 class SecAggPhase(_message.Message):
-    __slots__ = ("task_id", "round", "session_id", "setup", "key_directory", "masked_input_request", "unmask_request", "abort", "join", "advertise_keys", "share_keys", "unmask_response")
+    __slots__ = ("task_id", "round", "session_id", "setup", "key_directory", "masked_input_request", "unmask_request", "abort", "join", "advertise_keys", "share_keys", "unmask_response", "survivors_request", "survivors_signature")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +255,8 @@ class SecAggPhase(_message.Message):
     ADVERTISE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SHARE_KEYS_FIELD_NUMBER: _ClassVar[int]
     UNMASK_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     session_id: str
@@ -242,7 +269,9 @@ class SecAggPhase(_message.Message):
     advertise_keys: SecAggPublicKeys
     share_keys: SecAggShareKeys
     unmask_response: SecAggUnmaskResponse
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., session_id: _Optional[str] = ..., setup: _Optional[_Union[SecAggSetup, _Mapping]] = ..., key_directory: _Optional[_Union[SecAggKeyDirectory, _Mapping]] = ..., masked_input_request: _Optional[_Union[SecAggMaskedInputRequest, _Mapping]] = ..., unmask_request: _Optional[_Union[SecAggUnmaskRequest, _Mapping]] = ..., abort: _Optional[_Union[SecAggAbort, _Mapping]] = ..., join: _Optional[_Union[SecAggJoin, _Mapping]] = ..., advertise_keys: _Optional[_Union[SecAggPublicKeys, _Mapping]] = ..., share_keys: _Optional[_Union[SecAggShareKeys, _Mapping]] = ..., unmask_response: _Optional[_Union[SecAggUnmaskResponse, _Mapping]] = ...) -> None: ...
+    survivors_request: SecAggSurvivors
+    survivors_signature: SecAggSurvivorsSignature
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., session_id: _Optional[str] = ..., setup: _Optional[_Union[SecAggSetup, _Mapping]] = ..., key_directory: _Optional[_Union[SecAggKeyDirectory, _Mapping]] = ..., masked_input_request: _Optional[_Union[SecAggMaskedInputRequest, _Mapping]] = ..., unmask_request: _Optional[_Union[SecAggUnmaskRequest, _Mapping]] = ..., abort: _Optional[_Union[SecAggAbort, _Mapping]] = ..., join: _Optional[_Union[SecAggJoin, _Mapping]] = ..., advertise_keys: _Optional[_Union[SecAggPublicKeys, _Mapping]] = ..., share_keys: _Optional[_Union[SecAggShareKeys, _Mapping]] = ..., unmask_response: _Optional[_Union[SecAggUnmaskResponse, _Mapping]] = ..., survivors_request: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., survivors_signature: _Optional[_Union[SecAggSurvivorsSignature, _Mapping]] = ...) -> None: ...
 
 class SecAggAck(_message.Message):
     __slots__ = ()

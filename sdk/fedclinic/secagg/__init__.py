@@ -2,8 +2,8 @@
 complete-graph case. A transport-free library: the gRPC layer carries the messages.
 
 The aggregator learns ``sum_{u in survivors} q(x_u) mod 2^32`` and nothing else about the individual
-quantized updates ``q(x_u)`` (honest-but-curious server; see SECURITY.md for what a malicious server
-can still do). Modules, one job each:
+quantized updates ``q(x_u)`` (and, with signed keys and the consistency round, an active server cannot
+substitute keys, add sybils or show sites different survivor sets; see SECURITY.md for what it can still do). Modules, one job each:
 
 =================  =====================================================================================
 ``config``         :class:`SessionParams` (cohort, threshold, graph degree, quantizer, model hash, nonce)
@@ -15,12 +15,15 @@ can still do). Modules, one job each:
 ``masks``          AES-256-CTR mask expansion into uint32 vectors, applied in place
 ``graph``          complete graph or seeded random k-regular Harary graph
 ``messages``       the phase messages
+``attestation``    what sites attest (keys, survivor set) and the :class:`Attestor` interface that signs/checks
 ``client``         :class:`ClientSession`: one site, one round, with the refusing checks
 ``server``         :class:`ServerSession`: routing, streaming fold, dropout recovery, unmasking
 ``inprocess``      :func:`run_round`: every phase in one process (simulator, tests, benchmarks)
 =================  =====================================================================================
 """
 
+from fedclinic.secagg.attestation import (KEYS_PURPOSE, SURVIVORS_PURPOSE, Attestor, InProcessNotary, keys_claim,
+                                          survivors_claim)
 from fedclinic.secagg.client import ClientSession
 from fedclinic.secagg.config import ClientPolicy, SessionParams, default_threshold
 from fedclinic.secagg.errors import (SecAggAbort, SecAggConfigError, SecAggError, SecAggInputError,
@@ -28,11 +31,14 @@ from fedclinic.secagg.errors import (SecAggAbort, SecAggConfigError, SecAggError
 from fedclinic.secagg.graph import NeighbourGraph, suggested_degree
 from fedclinic.secagg.inprocess import run_round
 from fedclinic.secagg.messages import (AdvertiseKeys, AggregateResult, KeyDirectory, MaskedInput,
-                                       MaskedInputRequest, Phase, ShareKeys, UnmaskRequest, UnmaskResponse)
+                                       MaskedInputRequest, Phase, ShareKeys, SurvivorsRequest, SurvivorsSignature,
+                                       UnmaskRequest, UnmaskResponse)
 from fedclinic.secagg.quantize import Quantizer
 from fedclinic.secagg.server import ServerSession
 
 __all__ = [
+    "KEYS_PURPOSE", "SURVIVORS_PURPOSE", "Attestor", "InProcessNotary", "SurvivorsRequest", "SurvivorsSignature",
+    "keys_claim", "survivors_claim",
     "AdvertiseKeys", "AggregateResult", "ClientPolicy", "ClientSession", "KeyDirectory", "MaskedInput",
     "MaskedInputRequest", "NeighbourGraph", "Phase", "Quantizer", "SecAggAbort", "SecAggConfigError",
     "SecAggError", "SecAggInputError", "SecAggIntegrityError", "SecAggProtocolError", "SecAggRefusal",

@@ -2,11 +2,13 @@
 
 Usage, one :class:`ClientSession` per round (the gRPC layer carries the messages)::
 
-    s = ClientSession("site-a", params, committed_model_hash=sha256_of_the_model_we_trained_on)
-    adv = s.advertise()                              # -> server
+    s = ClientSession("site-a", params, committed_model_hash=sha256_of_the_model_we_trained_on,
+                      attestor=site_attestor)        # signs this site's claims, checks its peers'
+    adv = s.advertise()                              # -> server (keys + this site's attestation of them)
     shares = s.share_keys(directory)                 # KeyDirectory from the server -> ShareKeys
     masked = s.masked_input(request, update_vector)  # MaskedInputRequest -> MaskedInput
-    reveal = s.unmask(unmask_request)                # UnmaskRequest -> UnmaskResponse
+    signed = s.sign_survivors(survivors_request)     # SurvivorsRequest -> SurvivorsSignature (consistency)
+    reveal = s.unmask(unmask_request)                # UnmaskRequest (+ the survivors' attestations) -> UnmaskResponse
 
 What a client computes (u = this site, v over its neighbours that completed share-keys)::
 
@@ -17,19 +19,26 @@ the server later learns u's pairwise masks (u declared dropped, its masked input
 
 Refusals (:class:`SecAggRefusal`, after which every call raises again):
 
-- at creation: the site is not in the cohort; the cohort is smaller than ``policy.min_cohort``; the
+- at creation: the site is not in the cohort; the cohort names a site the task does not admit (``admitted``,
+  the task's site allow-list); the cohort is smaller than ``policy.min_cohort``; the
   threshold is not above ``policy.min_threshold_fraction`` of the holders; the graph degree is below
   ``policy.min_degree``; the session's model hash is not the one this site committed to (trained on);
-- at share-keys: the key directory drops or replaces this site's keys, names sites outside the cohort,
-  carries invalid keys, or has fewer members than ``max(threshold, min_cohort)``;
+- at share-keys: the key directory drops or replaces this site's keys, names sites outside the cohort or
+  one site twice, carries invalid keys, carries keys that their site did not attest for this session
+  (unsigned, signed by a foreign CA or another certificate, or substituted: the attestor's check), or has
+  fewer members than ``max(threshold, min_cohort)``;
 - at masked-input: the alive set is not a subset of the advertised set, omits this site, is too small,
   or the ciphertexts do not come from exactly this site's alive neighbours; a ciphertext fails
   authentication (:class:`SecAggIntegrityError`);
+- at consistency (Bonawitz et al.'s round 4): the survivor set is not a sorted subset of the alive set, omits
+  this site or is too small; or a second, different survivor set arrives (a site attests one set per session);
 - at unmask: the request names another model hash; survivors and dropped sets overlap (*the classic
   attack: asking for both the self-mask share and the mask-key share of one client*); they are not
   subsets of the cohort or do not partition the alive set; this site is listed as dropped; fewer
   survivors than ``max(threshold, min_cohort)``; or a second unmask request differs from the first
-  (an identical retry gets the identical answer).
+  (an identical retry gets the identical answer); the survivors are not exactly the set this site attested;
+  the attestations carried are fewer than ``params.consistency_quorum``, omit this site's own, come from
+  sites outside the survivor set, or any one of them does not hold (no share is released before all pass).
 
 State lives in memory only (private keys, self-mask seed, received shares) and is never persisted: a
 restarted agent cannot resume a session and simply counts as dropped.
@@ -38,12 +47,15 @@ restarted agent cannot resume a session and simply counts as dropped.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import numpy as np
 
+from fedclinic.errors import FedclinicError
 from fedclinic.secagg import shamir
+from fedclinic.secagg.attestation import (KEYS_PURPOSE, SURVIVORS_PURPOSE, Attestor, check_attestation, keys_claim,
+                                          survivors_claim)
 from fedclinic.secagg.config import ClientPolicy, SessionParams
 from fedclinic.secagg.errors import (SecAggConfigError, SecAggError, SecAggInputError, SecAggProtocolError,
                                      SecAggRefusal)
@@ -52,7 +64,7 @@ from fedclinic.secagg.keys import (PAIRWISE_MASK, SHARE_ENCRYPTION, agree, gener
                                    is_valid_public_key, private_bytes, public_bytes, self_mask_key)
 from fedclinic.secagg.masks import MASK_WORKERS, apply_masks
 from fedclinic.secagg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, MaskedInputRequest, Phase,
-                                       ShareKeys, UnmaskRequest, UnmaskResponse)
+                                       ShareKeys, SurvivorsRequest, SurvivorsSignature, UnmaskRequest, UnmaskResponse)
 from fedclinic.secagg.share_crypto import SharePayload, decrypt_share, encrypt_share
 
 
@@ -60,10 +72,15 @@ _T = TypeVar("_T")
 
 
 class ClientSession:
-    """One site's state for one session. Create a new one per round; never reuse or persist it."""
+    """One site's state for one session. Create a new one per round; never reuse or persist it.
 
-    def __init__(self, site_id: str, params: SessionParams, *, committed_model_hash: bytes,
-                 policy: ClientPolicy | None = None, mask_workers: int = MASK_WORKERS) -> None:
+    ``attestor`` attests this site's keys and survivor set and checks its peers' (the services: signed statements
+    under the fedclinic CA). ``admitted``, when given, is every site the task admits (its allow-list): a cohort
+    naming another is refused."""
+
+    def __init__(self, site_id: str, params: SessionParams, *, committed_model_hash: bytes, attestor: Attestor,
+                 policy: ClientPolicy | None = None, mask_workers: int = MASK_WORKERS,
+                 admitted: Collection[str] | None = None) -> None:
         if not isinstance(mask_workers, int) or isinstance(mask_workers, bool) or mask_workers < 1:
             raise SecAggConfigError(f"mask_workers must be a positive integer, got {mask_workers!r}")
         #: threads that expand this site's masks over disjoint parts of its vector (the result does not depend on it)
@@ -72,18 +89,22 @@ class ClientSession:
         self.params = params
         self.policy = policy or ClientPolicy()
         self._committed = committed_model_hash
+        self._attestor = attestor
+        self._admitted = None if admitted is None else frozenset(admitted)
         self._dead: str | None = None
         self._phase = Phase.ADVERTISE
         self._check_params()
         self._mask_sk = generate_private_key()
         self._enc_sk = generate_private_key()
-        self._advert = AdvertiseKeys(params.session_id, site_id, public_bytes(self._mask_sk),
-                                     public_bytes(self._enc_sk))
+        keys = AdvertiseKeys(params.session_id, site_id, public_bytes(self._mask_sk), public_bytes(self._enc_sk))
+        self._advert = AdvertiseKeys(keys.session_id, site_id, keys.mask_public_key, keys.encryption_public_key,
+                                     self._attest(KEYS_PURPOSE, keys_claim(keys)))
         self._directory: dict[str, AdvertiseKeys] = {}
         self._graph: NeighbourGraph | None = None
         self._seed: bytes | None = None
         self._held: dict[str, SharePayload] = {}   # owner -> shares of owner's secrets held by this site
         self._alive: tuple[str, ...] = ()
+        self._signed: tuple[SurvivorsRequest, SurvivorsSignature] | None = None
         self._answer: tuple[UnmaskRequest, UnmaskResponse] | None = None
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -115,6 +136,13 @@ class ClientSession:
             self._dead = self._dead or str(e)
             raise
 
+    def _attest(self, purpose: str, claim: dict[str, object]) -> bytes:
+        try:
+            return self._attestor.attest(purpose, claim)
+        except FedclinicError as exc:
+            self._dead = f"cannot attest its {purpose} claim"
+            raise SecAggConfigError(f"site {self.site_id!r} cannot sign its {purpose} statement: {exc}") from None
+
     def _check_session(self, session_id: bytes) -> None:
         if session_id != self.params.session_id:
             raise self._refuse("message carries another session id (replayed or misrouted)")
@@ -123,6 +151,10 @@ class ClientSession:
         p, pol = self.params, self.policy
         if self.site_id not in p.cohort:
             raise self._refuse("this site is not in the session's cohort")
+        foreign = sorted(set(p.cohort) - self._admitted) if self._admitted is not None else []
+        if foreign:
+            raise self._refuse(f"the cohort names sites the task does not admit: {foreign} (the task's sites are "
+                               f"{sorted(self._admitted or ())}); possible sybil sites")
         if not isinstance(self._committed, bytes) or len(self._committed) != 32:
             raise self._refuse("committed_model_hash must be the 32-byte SHA-256 of the model trained on")
         if p.model_hash != self._committed:
@@ -163,6 +195,8 @@ class ClientSession:
         if outside:
             raise self._refuse(f"key directory names sites outside the cohort: {outside}")
         entries = {e.sender: e for e in directory.entries}
+        if len(entries) != len(directory.entries):
+            raise self._refuse("key directory lists a site twice")
         if entries.get(me) != self._advert:
             raise self._refuse("key directory omits or replaces this site's own keys")
         need = max(p.threshold, self.policy.min_cohort)
@@ -174,6 +208,11 @@ class ClientSession:
                 raise self._refuse(f"keys of {e.sender!r} belong to another session")
             if not (is_valid_public_key(e.mask_public_key) and is_valid_public_key(e.encryption_public_key)):
                 raise self._refuse(f"site {e.sender!r} advertised an invalid X25519 public key")
+            if e.sender != me:
+                failed = check_attestation(self._attestor, KEYS_PURPOSE, keys_claim(e), e.attestation, e.sender)
+                if failed is not None:
+                    raise self._refuse(f"the keys listed for {e.sender!r} are not signed by {e.sender!r} for this "
+                                       f"session ({failed}): possible key substitution or sybil entry")
         graph = NeighbourGraph.build(members, p.degree, directory.graph_seed())
         holders = sorted(graph.holders(me))
         if len(holders) < p.threshold:
@@ -248,8 +287,44 @@ class ClientSession:
             (add if me > v else sub).append(k)
         apply_masks(q, add=add, subtract=sub, workers=self.mask_workers)
         self._alive = alive
-        self._phase = Phase.UNMASK
+        self._phase = Phase.CONSISTENCY
         return MaskedInput(p.session_id, me, q)
+
+    # phase 4: consistency ---------------------------------------------------------------------------
+
+    def sign_survivors(self, request: SurvivorsRequest) -> SurvivorsSignature:
+        """Phase 4 (consistency): attest the survivor set U3. A site attests one set per session: an identical
+        retry gets the identical answer, a different set is refused."""
+        if self._signed is not None and not self._dead:
+            first, answer = self._signed
+            if request == first:
+                return answer
+            raise self._refuse(
+                f"a second, different survivor set {list(request.survivors)} after attesting "
+                f"{list(first.survivors)}: the aggregator may be showing sites different survivor sets")
+        self._enter(Phase.CONSISTENCY)
+        return self._guarded(self._sign_survivors, request)
+
+    def _sign_survivors(self, request: SurvivorsRequest) -> SurvivorsSignature:
+        p, me = self.params, self.site_id
+        self._check_session(request.session_id)
+        surv = tuple(request.survivors)
+        if list(surv) != sorted(set(surv)):
+            raise self._refuse("survivor set is not sorted or lists a site twice")
+        extra = sorted(set(surv) - set(self._alive))
+        if extra:
+            raise self._refuse(f"survivor set names sites that did not share keys: {extra}")
+        if me not in surv:
+            raise self._refuse("the survivor set omits this site although it sent its masked input")
+        need = max(p.threshold, self.policy.min_cohort)
+        if len(surv) < need:
+            raise self._refuse(f"only {len(surv)} survivors; revealing their sum needs at least {need} "
+                               "(threshold and minimum cohort)")
+        answer = SurvivorsSignature(p.session_id, me, self._attest(SURVIVORS_PURPOSE, survivors_claim(p.session_id,
+                                                                                                      surv)))
+        self._signed = (request, answer)
+        self._phase = Phase.UNMASK
+        return answer
 
     # -- phase 4 -------------------------------------------------------------------------------------
 
@@ -295,6 +370,7 @@ class ClientSession:
         if len(surv) < need:
             raise self._refuse(f"only {len(surv)} survivors; revealing their sum needs at least {need} "
                                "(threshold and minimum cohort)")
+        self._check_consistency(request)
         held = self._held
         self_shares = {o: shamir.encode_share(held[o].self_mask_share) for o in surv if o in held}
         key_shares = {o: shamir.encode_share(held[o].mask_key_share) for o in drop if o in held}
@@ -305,3 +381,30 @@ class ClientSession:
         self._seed = None
         self._held = {}
         return response
+
+    def _check_consistency(self, request: UnmaskRequest) -> None:
+        """The unmask request's survivors are the set this site attested, and a quorum of survivors attested it."""
+        p, me = self.params, self.site_id
+        assert self._signed is not None
+        mine = self._signed[0].survivors
+        if tuple(request.survivors) != tuple(mine):
+            raise self._refuse(f"asked to unmask with survivors {list(request.survivors)}, but this site attested "
+                               f"{list(mine)}: the aggregator is showing sites different survivor sets")
+        sigs = dict(request.signatures)
+        outside = sorted(set(sigs) - set(mine))
+        if outside:
+            raise self._refuse(f"survivor-set signatures from sites outside the survivor set: {outside}")
+        if sigs.get(me) != self._signed[1].attestation:
+            raise self._refuse("the survivor-set signatures omit or replace this site's own")
+        claim = survivors_claim(p.session_id, mine)
+        for signer in sorted(sigs):
+            if signer == me:
+                continue
+            failed = check_attestation(self._attestor, SURVIVORS_PURPOSE, claim, sigs[signer], signer)
+            if failed is not None:
+                raise self._refuse(f"the survivor-set signature of {signer!r} does not hold for the survivors "
+                                   f"{list(mine)} ({failed}): the aggregator may be showing sites different "
+                                   "survivor sets")
+        if len(sigs) < p.consistency_quorum:
+            raise self._refuse(f"only {len(sigs)} survivor(s) signed the survivor set; this site releases no share "
+                               f"before {p.consistency_quorum} have (consistency round)")

@@ -93,6 +93,14 @@ class SessionParams:
         return effective_degree(len(self.cohort), self.degree) + 1
 
     @property
+    def consistency_quorum(self) -> int:
+        """Survivor attestations a site needs before it releases any share: ``max(threshold, n // 2 + 1)``
+        of the ``n``-site cohort. Each site attests one survivor set per session, so two different survivor
+        sets can never both gather a quorum of honest signers (for the complete graph, ``2t > n`` already
+        makes this ``t``; for SecAgg+ the majority term adds it)."""
+        return max(self.threshold, len(self.cohort) // 2 + 1)
+
+    @property
     def tolerated_dropouts(self) -> int:
         """Dropouts per neighbourhood the round survives: ``holders - threshold``."""
         return self.holders - self.threshold

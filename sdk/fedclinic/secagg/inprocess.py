@@ -2,8 +2,11 @@
 
 ``drop`` maps a phase to the clients that go silent *in* that phase and stay silent afterwards:
 ``Phase.ADVERTISE`` (never advertise), ``Phase.SHARE_KEYS`` (advertised, never share keys),
-``Phase.MASKED_INPUT`` (shared keys, never send the masked input) and ``Phase.UNMASK`` (sent the masked
-input, never reveal shares).
+``Phase.MASKED_INPUT`` (shared keys, never send the masked input), ``Phase.CONSISTENCY`` (sent the masked
+input, never attest the survivor set) and ``Phase.UNMASK`` (attested it, never reveal shares).
+
+The clients attest through an :class:`~fedclinic.secagg.attestation.InProcessNotary` (every client is in this
+process; no signatures): the services use signed statements instead.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from fedclinic.secagg.attestation import InProcessNotary
 from fedclinic.secagg.client import ClientSession
 from fedclinic.secagg.config import MIN_COHORT_FLOOR, ClientPolicy, SessionParams
 from fedclinic.secagg.messages import AggregateResult, Phase
@@ -20,7 +24,7 @@ from fedclinic.secagg.server import ServerSession
 
 def run_round(params: SessionParams, updates: Mapping[str, np.ndarray], *,
               drop: Mapping[Phase, Iterable[str]] | None = None, policy: ClientPolicy | None = None,
-              min_cohort: int = MIN_COHORT_FLOOR) -> AggregateResult:
+              min_cohort: int = MIN_COHORT_FLOOR, notary: InProcessNotary | None = None) -> AggregateResult:
     """Drive every phase of one session and return the server's :class:`AggregateResult`.
 
     ``updates`` must hold a vector for every cohort member that reaches the masked-input phase.
@@ -28,8 +32,10 @@ def run_round(params: SessionParams, updates: Mapping[str, np.ndarray], *,
     """
     gone: dict[Phase, set[str]] = {ph: set(ids) for ph, ids in (drop or {}).items()}
     silent: set[str] = set()
+    notary = notary or InProcessNotary()
     server = ServerSession(params, min_cohort=min_cohort)
-    clients = {c: ClientSession(c, params, committed_model_hash=params.model_hash, policy=policy)
+    clients = {c: ClientSession(c, params, committed_model_hash=params.model_hash, policy=policy,
+                                attestor=notary.for_site(c))
                for c in params.cohort}
 
     def live(phase: Phase) -> list[str]:
@@ -44,7 +50,10 @@ def run_round(params: SessionParams, updates: Mapping[str, np.ndarray], *,
     requests = server.close_share_keys()
     for c in live(Phase.MASKED_INPUT):
         server.receive_masked_input(clients[c].masked_input(requests[c], updates[c]))
-    unmask = server.close_masked_input()
+    survivors = server.close_masked_input()
+    for c in live(Phase.CONSISTENCY):
+        server.receive_survivors_signature(clients[c].sign_survivors(survivors))
+    unmask = server.close_consistency()
     for c in live(Phase.UNMASK):
         server.receive_unmask(clients[c].unmask(unmask))
     return server.finish()

@@ -8,12 +8,15 @@ Phases and sets (Bonawitz et al. 2017 notation; U1 >= U2 >= U3 >= U4)::
     2 share keys   client -> server  ShareKeys             (U2 = clients that sent encrypted shares)
                    server -> u in U2 MaskedInputRequest    (the ciphertexts addressed to u, and U2)
     3 masked input client -> server  MaskedInput           (U3 = clients whose masked vector arrived)
-                   server -> U3      UnmaskRequest         (survivors = U3, dropped = U2 \\ U3)
-    4 unmask       client -> server  UnmaskResponse        (U4 = clients that revealed shares)
+                   server -> U3      SurvivorsRequest      (U3)
+    4 consistency  client -> server  SurvivorsSignature    (U4 = clients that attested U3)
+                   server -> U4      UnmaskRequest         (survivors = U3, dropped = U2 \\ U3, the U4 attestations)
+    5 unmask       client -> server  UnmaskResponse        (U5 = clients that revealed shares)
                    server            AggregateResult
 
 ``payload_bytes()`` counts the bytes of the fields (ids as UTF-8, keys, ciphertexts, vectors), i.e. what
-the messages cost on the wire before protobuf framing.
+the messages cost on the wire before protobuf framing. ``attestation`` fields are opaque bytes made and checked by
+the site's :class:`~fedclinic.secagg.attestation.Attestor` (signed statements in the services).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Phase(str, Enum):
     ADVERTISE = "advertise"
     SHARE_KEYS = "share-keys"
     MASKED_INPUT = "masked-input"
+    CONSISTENCY = "consistency"
     UNMASK = "unmask"
     DONE = "done"
     ABORTED = "aborted"
@@ -45,15 +49,17 @@ def _ids(ids: Iterable[str]) -> int:
 
 @dataclass(frozen=True)
 class AdvertiseKeys:
-    """Phase 1, client -> server: the two fresh X25519 public keys of ``sender``."""
+    """Phase 1, client -> server: the two fresh X25519 public keys of ``sender``, and ``sender``'s attestation of
+    them (:func:`~fedclinic.secagg.attestation.keys_claim`). Equality compares the keys, not the attestation."""
 
     session_id: bytes
     sender: str
     mask_public_key: bytes
     encryption_public_key: bytes
+    attestation: bytes = field(default=b"", repr=False, compare=False)
 
     def payload_bytes(self) -> int:
-        return len(self.session_id) + len(self.sender.encode()) + 64
+        return len(self.session_id) + len(self.sender.encode()) + 64 + len(self.attestation)
 
 
 @dataclass(frozen=True)
@@ -120,22 +126,49 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class SurvivorsRequest:
+    """Phase 3 -> 4, server -> U3: the survivor set U3 (sorted), for each survivor to attest."""
+
+    session_id: bytes
+    survivors: tuple[str, ...]
+
+    def payload_bytes(self) -> int:
+        return len(self.session_id) + _ids(self.survivors)
+
+
+@dataclass(frozen=True)
+class SurvivorsSignature:
+    """Phase 4 (consistency), client -> server: ``sender``'s attestation of
+    :func:`~fedclinic.secagg.attestation.survivors_claim` (session id, U3)."""
+
+    session_id: bytes
+    sender: str
+    attestation: bytes = field(repr=False)
+
+    def payload_bytes(self) -> int:
+        return len(self.session_id) + len(self.sender.encode()) + len(self.attestation)
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
-    """Phase 3 -> 4, server -> U3: who survived (reveal their self-mask shares) and who dropped after
-    sharing keys (reveal their mask-key shares), and the model hash the round committed to."""
+    """Phase 4 -> 5, server -> U4: who survived (reveal their self-mask shares) and who dropped after
+    sharing keys (reveal their mask-key shares), the model hash the round committed to, and the survivors'
+    attestations of exactly ``survivors`` (signer -> attestation) from the consistency round."""
 
     session_id: bytes
     model_hash: bytes
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
+    signatures: Mapping[str, bytes] = field(default_factory=dict, repr=False)
 
     def payload_bytes(self) -> int:
-        return len(self.session_id) + len(self.model_hash) + _ids(self.survivors) + _ids(self.dropped)
+        return (len(self.session_id) + len(self.model_hash) + _ids(self.survivors) + _ids(self.dropped)
+                + _ids(self.signatures) + sum(len(a) for a in self.signatures.values()))
 
 
 @dataclass(frozen=True)
 class UnmaskResponse:
-    """Phase 4, client -> server: for each peer exactly one kind of share, keyed by the share's owner."""
+    """Phase 5, client -> server: for each peer exactly one kind of share, keyed by the share's owner."""
 
     session_id: bytes
     sender: str

@@ -13,7 +13,13 @@ one mask expansion per survivor and per (dropped client, surviving neighbour) pa
 dequantization run as one pass over cache-sized chunks on ``mask_workers`` threads
 (:func:`~fedclinic.secagg.masks.apply_masks`).
 
-Dropouts. A client that misses a phase is simply not in the next set (U1 >= U2 >= U3 >= U4). After every
+Consistency (Bonawitz et al.'s malicious-server round 4). After the masked inputs the server sends U3 to every
+survivor; each attests it (:class:`~fedclinic.secagg.messages.SurvivorsSignature`); the unmask request carries
+every attestation and goes to those that attested (U4), at least ``params.consistency_quorum`` of them. Each
+site checks them itself before releasing a share; given an ``attestor``, the server checks them too and refuses a
+bad one early (it may not: nothing depends on the server checking).
+
+Dropouts. A client that misses a phase is simply not in the next set (U1 >= U2 >= U3 >= U4 >= U5). After every
 phase the server checks that the round can still finish: at least ``max(threshold, min_cohort)``
 clients remain, and every client whose secret will be needed still has ``threshold`` live holders.
 Otherwise the session aborts with :class:`SecAggAbort` naming the client and the counts.
@@ -32,6 +38,8 @@ from collections.abc import Collection, Iterable
 import numpy as np
 
 from fedclinic.secagg import shamir
+from fedclinic.secagg.attestation import (KEYS_PURPOSE, SURVIVORS_PURPOSE, Attestor, check_attestation, keys_claim,
+                                          survivors_claim)
 from fedclinic.secagg.config import MIN_COHORT_FLOOR, SessionParams
 from fedclinic.secagg.errors import SecAggAbort, SecAggConfigError, SecAggIntegrityError, SecAggProtocolError
 from fedclinic.secagg.graph import NeighbourGraph
@@ -39,14 +47,15 @@ from fedclinic.secagg.keys import (PAIRWISE_MASK, agree, is_valid_public_key, pr
                                    self_mask_key)
 from fedclinic.secagg.masks import MASK_WORKERS, apply_masks
 from fedclinic.secagg.messages import (AdvertiseKeys, AggregateResult, KeyDirectory, MaskedInput,
-                                       MaskedInputRequest, Phase, ShareKeys, UnmaskRequest, UnmaskResponse)
+                                       MaskedInputRequest, Phase, ShareKeys, SurvivorsRequest, SurvivorsSignature,
+                                       UnmaskRequest, UnmaskResponse)
 
 
 class ServerSession:
     """The aggregator's state for one session (one round). In memory only; see the module docstring."""
 
     def __init__(self, params: SessionParams, *, min_cohort: int = MIN_COHORT_FLOOR,
-                 mask_workers: int = MASK_WORKERS) -> None:
+                 mask_workers: int = MASK_WORKERS, attestor: Attestor | None = None) -> None:
         if not isinstance(min_cohort, int) or min_cohort < MIN_COHORT_FLOOR:
             raise SecAggConfigError(f"min_cohort must be >= {MIN_COHORT_FLOOR}")
         if not isinstance(mask_workers, int) or mask_workers < 1:
@@ -56,6 +65,8 @@ class ServerSession:
         self.params = params
         self.min_cohort = min_cohort
         self.mask_workers = mask_workers
+        #: when given, attestations are checked as they arrive (an early refusal; every site checks them anyway)
+        self.attestor = attestor
         self._phase = Phase.ADVERTISE
         self._abort_reason = ""
         self._adverts: dict[str, AdvertiseKeys] = {}
@@ -64,6 +75,8 @@ class ServerSession:
         self._u2: tuple[str, ...] = ()
         self._acc: np.ndarray | None = None
         self._u3: set[str] = set()
+        self._survivors: SurvivorsRequest | None = None
+        self._signatures: dict[str, bytes] = {}
         self._request: UnmaskRequest | None = None
         self._reveals: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
 
@@ -119,6 +132,10 @@ class ServerSession:
         self._check(msg.session_id, msg.sender, self.params.cohort, "advertise")
         if not (is_valid_public_key(msg.mask_public_key) and is_valid_public_key(msg.encryption_public_key)):
             raise SecAggProtocolError(f"site {msg.sender!r} advertised an invalid X25519 public key")
+        if self.attestor is not None:
+            failed = check_attestation(self.attestor, KEYS_PURPOSE, keys_claim(msg), msg.attestation, msg.sender)
+            if failed is not None:
+                raise SecAggProtocolError(f"the keys of {msg.sender!r} are not signed for this session: {failed}")
         old = self._adverts.get(msg.sender)
         if old is not None and old != msg:
             raise SecAggProtocolError(f"site {msg.sender!r} advertised two different key pairs")
@@ -187,26 +204,61 @@ class ServerSession:
         np.add(self._acc, y, out=self._acc)
         self._u3.add(msg.sender)
 
-    def close_masked_input(self) -> UnmaskRequest:
-        """End phase 3: U3 = clients whose masked input arrived. Returns the request to send to U3."""
+    def close_masked_input(self) -> SurvivorsRequest:
+        """End phase 3: U3 = clients whose masked input arrived. Returns the survivor set to send to U3."""
         self._enter(Phase.MASKED_INPUT)
         u3 = tuple(sorted(self._u3))
         if len(u3) < self.need:
             raise self._fail(f"only {len(u3)} sites sent masked input; need {self.need}")
         self._holders_left(self._u2, set(u3), "still alive after masked input")
+        self._survivors = SurvivorsRequest(self.params.session_id, u3)
+        self._phase = Phase.CONSISTENCY
+        return self._survivors
+
+    # -- phase 4: consistency ------------------------------------------------------------------------
+
+    def receive_survivors_signature(self, msg: SurvivorsSignature) -> None:
+        """Record a survivor's attestation of U3 (an identical retry is ignored)."""
+        self._enter(Phase.CONSISTENCY)
+        assert self._survivors is not None
+        self._check(msg.session_id, msg.sender, self._u3, "survivor-set signature")
+        if not msg.attestation:
+            raise SecAggProtocolError(f"the survivor-set signature of {msg.sender!r} is empty")
+        if self.attestor is not None:
+            failed = check_attestation(self.attestor, SURVIVORS_PURPOSE,
+                                       survivors_claim(self.params.session_id, self._survivors.survivors),
+                                       msg.attestation, msg.sender)
+            if failed is not None:
+                raise SecAggProtocolError(f"the survivor-set signature of {msg.sender!r} does not hold: {failed}")
+        old = self._signatures.get(msg.sender)
+        if old is not None and old != msg.attestation:
+            raise SecAggProtocolError(f"site {msg.sender!r} signed the survivor set twice, differently")
+        self._signatures[msg.sender] = bytes(msg.attestation)
+
+    def close_consistency(self) -> UnmaskRequest:
+        """End phase 4: U4 = survivors that attested U3. Returns the unmask request (with every attestation) to
+        send to U4; aborts below ``params.consistency_quorum`` attestations."""
+        self._enter(Phase.CONSISTENCY)
+        assert self._survivors is not None
+        u3, u4 = self._survivors.survivors, set(self._signatures)
+        need = max(self.params.consistency_quorum, self.need)
+        if len(u4) < need:
+            raise self._fail(f"only {len(u4)} of {len(u3)} survivors signed the survivor set; need {need}")
+        self._holders_left(self._u2, u4, "still alive after the consistency round")
         dropped = tuple(u for u in self._u2 if u not in self._u3)
-        self._request = UnmaskRequest(self.params.session_id, self.params.model_hash, u3, dropped)
+        self._request = UnmaskRequest(self.params.session_id, self.params.model_hash, u3, dropped,
+                                      {s: self._signatures[s] for s in sorted(u4)})
         self._phase = Phase.UNMASK
         return self._request
 
-    # -- phase 4 -------------------------------------------------------------------------------------
+    # -- phase 5: unmask -----------------------------------------------------------------------------
 
     def receive_unmask(self, msg: UnmaskResponse) -> None:
         """Record a survivor's revealed shares; they must be exactly the ones the request asked of it."""
         self._enter(Phase.UNMASK)
         g, req = self._graph, self._request
         assert g is not None and req is not None
-        self._check(msg.session_id, msg.sender, self._u3, "unmask response")
+        self._check(msg.session_id, msg.sender, req.signatures, "unmask response")
         want_self = set(req.survivors) & g.holders(msg.sender)
         want_key = set(req.dropped) & g.neighbours(msg.sender)
         if set(msg.self_mask_shares) != want_self or set(msg.mask_key_shares) != want_key:
@@ -232,7 +284,7 @@ class ServerSession:
             raise SecAggIntegrityError(f"{what} of {owner!r}: {e}") from e
 
     def finish(self) -> AggregateResult:
-        """End phase 4 (deadline or all in): rebuild secrets, remove masks, return the survivors' sum."""
+        """End phase 5 (deadline or all in): rebuild secrets, remove masks, return the survivors' sum."""
         self._enter(Phase.UNMASK)
         p, g, req, acc = self.params, self._graph, self._request, self._acc
         assert g is not None and req is not None and acc is not None

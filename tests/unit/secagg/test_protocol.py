@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fedclinic.secagg import (ClientPolicy, ClientSession, MaskedInput, NeighbourGraph, Phase, Quantizer,
+from fedclinic.secagg import (ClientPolicy, ClientSession, InProcessNotary, MaskedInput, NeighbourGraph, Phase, Quantizer,
                               SecAggAbort, SecAggConfigError, SecAggInputError, SecAggIntegrityError,
                               SecAggProtocolError, SecAggRefusal, ServerSession, SessionParams, UnmaskRequest,
                               run_round, suggested_degree)
@@ -19,6 +19,13 @@ from fedclinic.secagg.messages import AdvertiseKeys, KeyDirectory
 
 MODEL = hashlib.sha256(b"global model round 3").digest()
 NEAREST = Quantizer(clip=1.0, bits=20, rounding="nearest")
+NOTARY = InProcessNotary()
+
+
+def session(site, params, **kw):
+    """A ClientSession attesting through the module's in-process notary."""
+    kw.setdefault("committed_model_hash", MODEL)
+    return ClientSession(site, params, attestor=NOTARY.for_site(site), **kw)
 
 
 def make_params(n=7, *, length=64, degree=None, threshold=0, quantizer=NEAREST, cohort=None):
@@ -45,7 +52,7 @@ class Run:
     def __init__(self, params, policy=None):
         self.p = params
         self.server = ServerSession(params)
-        self.clients = {c: ClientSession(c, params, committed_model_hash=MODEL, policy=policy) for c in params.cohort}
+        self.clients = {c: session(c, params, policy=policy) for c in params.cohort}
         self.updates = make_updates(params)
 
     def to_share_keys(self):
@@ -61,12 +68,19 @@ class Run:
         self.requests = self.server.close_share_keys()
         return self.requests
 
+    def consistency(self, signers=None):
+        """Close the masked-input phase, let ``signers`` (default: every survivor) attest U3; the unmask request."""
+        self.survivors_request = self.server.close_masked_input()
+        for c in signers or self.survivors_request.survivors:
+            self.server.receive_survivors_signature(self.clients[c].sign_survivors(self.survivors_request))
+        self.unmask_request = self.server.close_consistency()
+        return self.unmask_request
+
     def to_unmask(self):
         reqs = self.to_masked_input()
         for c, s in self.clients.items():
             self.server.receive_masked_input(s.masked_input(reqs[c], self.updates[c]))
-        self.unmask_request = self.server.close_masked_input()
-        return self.unmask_request
+        return self.consistency()
 
 
 # -- exactness ----------------------------------------------------------------------------------------
@@ -92,7 +106,7 @@ def test_masks_cancel_exactly(n, degree):
         assert np.mean(masked[c].masked == plain[c]) < 0.01
     for m in masked.values():
         r.server.receive_masked_input(m)
-    req = r.server.close_masked_input()
+    req = r.consistency()
     for c, s in r.clients.items():
         r.server.receive_unmask(s.unmask(req))
     res = r.server.finish()
@@ -105,7 +119,8 @@ def _drop_strategy(n, t):
 
 
 @settings(max_examples=12, deadline=None)
-@given(phase=st.sampled_from([Phase.ADVERTISE, Phase.SHARE_KEYS, Phase.MASKED_INPUT, Phase.UNMASK]),
+@given(phase=st.sampled_from([Phase.ADVERTISE, Phase.SHARE_KEYS, Phase.MASKED_INPUT, Phase.CONSISTENCY,
+                              Phase.UNMASK]),
        data=st.data())
 def test_dropout_of_up_to_n_minus_t_at_any_phase_gives_exact_sum(phase, data):
     p = make_params(8, length=257)  # complete graph, t = ceil(16/3) = 6: up to 2 dropouts
@@ -113,7 +128,7 @@ def test_dropout_of_up_to_n_minus_t_at_any_phase_gives_exact_sum(phase, data):
     idx = data.draw(_drop_strategy(8, p.threshold))
     gone = [p.cohort[i] for i in idx]
     res = run_round(p, up, drop={phase: gone})
-    survivors = [c for c in p.cohort if phase is Phase.UNMASK or c not in gone]
+    survivors = [c for c in p.cohort if phase in (Phase.CONSISTENCY, Phase.UNMASK) or c not in gone]
     assert res.survivors == tuple(survivors)
     assert np.array_equal(res.quantized_sum, expected_ring_sum(p, up, survivors))
 
@@ -124,12 +139,12 @@ def test_dropouts_spread_over_all_phases(data):
     p = make_params(10, length=100)  # t = 7: 3 dropouts in total
     up = make_updates(p, seed=1)
     order = data.draw(st.permutations(p.cohort))
-    cuts = data.draw(st.lists(st.sampled_from(list(Phase)[:4]), min_size=3, max_size=3))
+    cuts = data.draw(st.lists(st.sampled_from(list(Phase)[:5]), min_size=3, max_size=3))
     drop = {}
     for c, ph in zip(order[:3], cuts):
         drop.setdefault(ph, []).append(c)
     res = run_round(p, up, drop=drop)
-    masked_gone = {c for ph, cs in drop.items() if ph is not Phase.UNMASK for c in cs}
+    masked_gone = {c for ph, cs in drop.items() if ph not in (Phase.CONSISTENCY, Phase.UNMASK) for c in cs}
     survivors = [c for c in p.cohort if c not in masked_gone]
     assert np.array_equal(res.quantized_sum, expected_ring_sum(p, up, survivors))
 
@@ -176,7 +191,8 @@ def test_complete_graph_succeeds_exactly_when_enough_clients_remain(n, data):
 
 @pytest.mark.parametrize("phase,match", [
     (Phase.ADVERTISE, "advertised keys"), (Phase.SHARE_KEYS, "shared keys"),
-    (Phase.MASKED_INPUT, "sent masked input"), (Phase.UNMASK, "revealed the self-mask seed")])
+    (Phase.MASKED_INPUT, "sent masked input"), (Phase.CONSISTENCY, "signed the survivor set"),
+    (Phase.UNMASK, "revealed the self-mask seed")])
 def test_too_many_dropouts_abort_with_a_clear_error(phase, match):
     p = make_params(7)  # t = 5
     gone = list(p.cohort[:3])
@@ -233,7 +249,7 @@ def test_threaded_masking_and_unmasking_give_the_exact_sum(mask_workers):
     survivors = [c for c in p.cohort if c != "site-02"]
     for c in survivors:
         r.server.receive_masked_input(r.clients[c].masked_input(reqs[c], r.updates[c]))
-    unmask = r.server.close_masked_input()
+    unmask = r.consistency()
     for c in survivors:
         r.server.receive_unmask(r.clients[c].unmask(unmask))
     res = r.server.finish()
@@ -246,7 +262,7 @@ def test_threaded_masking_and_unmasking_give_the_exact_sum(mask_workers):
 def test_mask_workers_must_be_a_positive_integer(workers):
     p = make_params(3)
     with pytest.raises(SecAggConfigError, match="mask_workers must be a positive integer"):
-        ClientSession(p.cohort[0], p, committed_model_hash=MODEL, mask_workers=workers)
+        session(p.cohort[0], p, mask_workers=workers)
 
 
 def test_server_never_holds_both_shares_of_one_client():
@@ -257,7 +273,7 @@ def test_server_never_holds_both_shares_of_one_client():
     for c, s in r.clients.items():
         if c not in gone:
             r.server.receive_masked_input(s.masked_input(r.requests[c], r.updates[c]))
-    req = r.server.close_masked_input()
+    req = r.consistency()
     self_owners, key_owners = set(), set()
     for c, s in r.clients.items():
         if c not in gone:
@@ -309,7 +325,7 @@ def test_refuses_inconsistent_survivor_and_dropped_sets(survivors, dropped, matc
 def test_refuses_a_model_hash_other_than_the_committed_one():
     p = make_params(5)
     with pytest.raises(SecAggRefusal, match="model-inconsistency"):
-        ClientSession("site-00", p, committed_model_hash=hashlib.sha256(b"other").digest())
+        session("site-00", p, committed_model_hash=hashlib.sha256(b"other").digest())
     r = Run(p)
     req = r.to_unmask()
     with pytest.raises(SecAggRefusal, match="unmask request names model"):
@@ -319,15 +335,14 @@ def test_refuses_a_model_hash_other_than_the_committed_one():
 def test_refuses_cohorts_below_the_site_minimum_and_weak_thresholds():
     p = make_params(4)
     with pytest.raises(SecAggRefusal, match="below this site's minimum of 5"):
-        ClientSession("site-00", p, committed_model_hash=MODEL, policy=ClientPolicy(min_cohort=5))
+        session("site-00", p, policy=ClientPolicy(min_cohort=5))
     with pytest.raises(SecAggRefusal, match="not in the session's cohort"):
-        ClientSession("site-77", p, committed_model_hash=MODEL)
+        session("site-77", p)
     weak = make_params(9, threshold=5)  # 5 of 9 is a majority, but not above 2/3
     with pytest.raises(SecAggRefusal, match="minimum fraction 0.666"):
-        ClientSession("site-00", weak, committed_model_hash=MODEL, policy=ClientPolicy(min_threshold_fraction=2 / 3))
+        session("site-00", weak, policy=ClientPolicy(min_threshold_fraction=2 / 3))
     with pytest.raises(SecAggRefusal, match="mask with only 4 neighbours"):
-        ClientSession("site-00", make_params(20, degree=4, threshold=4), committed_model_hash=MODEL,
-                      policy=ClientPolicy(min_degree=6))
+        session("site-00", make_params(20, degree=4, threshold=4), policy=ClientPolicy(min_degree=6))
 
 
 def test_refuses_survivor_sets_below_the_site_minimum():

@@ -1,0 +1,45 @@
+"""What signed secure-aggregation keys and the consistency round add per site and session (issue 17).
+
+A site signs its keys ("secagg-keys"), checks the N-1 other entries of the key directory against the CA, signs
+the survivor set ("secagg-survivors") and checks N-1 survivor signatures: real certificates of a fresh fedclinic
+CA (P-256), fedclinic.pki.attestor.CertificateAttestor as the agents use it. Prints the times and the sizes of
+one statement. Usage: python bench/secagg_keys.py [N] (default 50). Figures: docs/results/secagg-keys.md.
+"""
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fedclinic import pki
+from fedclinic.pki.attestor import CertificateAttestor
+from fedclinic.pki.signed_statement import Signer
+from fedclinic.secagg import AdvertiseKeys, KEYS_PURPOSE, SURVIVORS_PURPOSE, keys_claim, survivors_claim
+from fedclinic.secagg.keys import generate_private_key, public_bytes
+
+root = Path(tempfile.mkdtemp())
+pki.init_ca(root / "ca")
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+sites = [f"site-{i:03d}" for i in range(N)]
+att = {}
+for s in sites:
+    c = pki.issue(root / "ca", role="agent", name=s, out_dir=root / s, days=2)
+    att[s] = CertificateAttestor(ca_path=root / "ca" / "ca.crt", signer=Signer(key_path=c.key_path, cert_path=c.cert_path))
+sid = bytes(32)
+adverts = [AdvertiseKeys(sid, s, public_bytes(generate_private_key()), public_bytes(generate_private_key())) for s in sites]
+t0 = time.perf_counter()
+sigs = {a.sender: att[a.sender].attest(KEYS_PURPOSE, keys_claim(a)) for a in adverts}
+t1 = time.perf_counter()
+me = att[sites[0]]
+for a in adverts[1:]:
+    me.check(KEYS_PURPOSE, keys_claim(a), sigs[a.sender], a.sender)
+t2 = time.perf_counter()
+claim = survivors_claim(sid, sites)
+ssigs = {s: att[s].attest(SURVIVORS_PURPOSE, claim) for s in sites}
+t3 = time.perf_counter()
+for s in sites[1:]:
+    me.check(SURVIVORS_PURPOSE, claim, ssigs[s], s)
+t4 = time.perf_counter()
+print(f"N={N}: sign keys {1e3*(t1-t0)/N:.2f} ms/site; verify {N-1} key entries {1e3*(t2-t1):.1f} ms "
+      f"({1e3*(t2-t1)/(N-1):.2f} ms each); sign survivors {1e3*(t3-t2)/N:.2f} ms/site; verify {N-1} survivor signatures "
+      f"{1e3*(t4-t3):.1f} ms; per site per session total ~{1e3*((t1-t0)/N + (t2-t1) + (t3-t2)/N + (t4-t3)):.1f} ms; "
+      f"statement size {len(sigs[sites[0]])} B, survivors statement {len(ssigs[sites[0]])} B")
