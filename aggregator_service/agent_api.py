@@ -150,6 +150,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                 log.info("duplicate masked input acknowledged", site=site, task_id=h.task_id, round=h.round)
                 return agent_pb2.UpdateReceipt(update_id=prior, duplicate=True, round=h.round)
             length = self.engine.secagg.check_masked_header(site, h)
+            self.engine.admission.check_statement(site, h)
         except Refused as exc:
             abort(context, exc)
         sink = _ArraySink(np.empty(length, dtype=np.uint32))
@@ -159,6 +160,9 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except IntegrityError as exc:
             log.warning("masked input rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"masked input rejected: {exc}")
+        if h.HasField("statement"):  # kept before the input is used: the round may close soon after
+            with self.engine.store.transaction() as tx:
+                tx.record_statement(h.task_id, h.round, h.attempt, site, self.engine.admission.statement_bytes(h))
         try:
             update_id = self.engine.secagg.accept_masked(site, h, sink.array, assembler.nbytes)
         except Refused as exc:

@@ -1,6 +1,9 @@
 """Control: what data scientists (role ``scientist``) and administrators (role ``admin``) call.
 
-A scientist sees and manages only the tasks it submitted; an admin sees and manages all of them.
+A scientist sees and manages only the tasks it submitted; an admin sees and manages all of them. The public
+records of a task's rounds (``GetTaskRecords``: the sites' signed statements, each round's base and result model,
+a secure round's sum and survivors) and the blobs they name (``FetchTaskBlob``: a secure round's sum; the
+committed updates only when the task publishes them) are what ``fedclinic task verify`` checks.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from aggregator_service.limits import Limits
 from aggregator_service.rounds import validate_spec
 from aggregator_service.status import TERMINAL, latest_model_hash, status_of
 from aggregator_service.model_streams import stream_task_model
+from aggregator_service.task_records import readable_blobs, task_records
 from aggregator_service.transfer import receive_model
 
 log = structlog.get_logger("fedclinic.aggregator.control")
@@ -134,6 +138,21 @@ class ControlApi(control_pb2_grpc.ControlServicer):
             self.engine.metrics.control_download.inc(counter[0])
             self.audit.record("model.downloaded", actor=who, task_id=request.task_id, model_hash=model_hash,
                               bytes=counter[0], complete=complete)
+
+    def GetTaskRecords(self, request, context) -> control_pb2.TaskRecords:
+        self._visible(context, request.task_id)
+        return task_records(self.engine.store, request.task_id)
+
+    def FetchTaskBlob(self, request, context) -> Iterator[control_pb2.BlobChunk]:
+        self._visible(context, request.task_id)
+        if request.sha256 not in readable_blobs(self.engine.store, request.task_id) or not \
+                self.engine.blobs.has(request.sha256):
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"task {request.task_id} publishes no blob {request.sha256[:64]!r}: only a secure round's sum "
+                          "and, when the task sets [verification] publish_updates, the updates its sites committed")
+        with open(self.engine.blobs.path(request.sha256), "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                yield control_pb2.BlobChunk(data=chunk)
 
 
 def _payload(request_iterator) -> Iterator[tensors_pb2.FileChunk | tensors_pb2.TensorChunk]:
