@@ -43,6 +43,12 @@ def _verify(fed, task_id: str, capsys, *extra: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+def _publishing(fed, *sites: str) -> None:
+    """Let ``sites`` (default all) take part in tasks that publish their updates (site policy)."""
+    for site in sites or list(fed.sites):
+        fed.sites[site].policy = {"publish_updates_allowed": True}
+
+
 def _run(fed, task) -> str:
     with fed.client() as client:
         st = client.submit(task, package=tiny_package("logreg"))
@@ -54,6 +60,7 @@ def _run(fed, task) -> str:
 def test_an_honest_plain_task_with_published_updates_verifies(federation_factory, capsys):
     fed = federation_factory(2, start=False)
     fed.make_pki()
+    _publishing(fed)
     fed.start_aggregator()
     for site in fed.sites:
         fed.start_agent(site)
@@ -99,6 +106,23 @@ def test_an_honest_secure_aggregation_task_verifies_from_its_unmasked_sum(federa
     assert [r["sites"] for r in doc["rounds"]] == [["site-a", "site-b", "site-c"]] * 2
 
 
+def test_a_site_whose_policy_does_not_publish_updates_allowed_declines_such_a_task(federation_factory):
+    fed = federation_factory(2, start=False)
+    fed.make_pki()
+    _publishing(fed, "site-a")
+    fed.start_aggregator()
+    for site in fed.sites:
+        fed.start_agent(site)
+    with fed.client() as client:
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=600,
+                                     verification={"publish_updates": True}), package=tiny_package("logreg"))
+        declined = next(e.message for e in client.watch(st.task_id) if e.kind == "declined")
+        client.cancel(st.task_id)
+    assert declined.startswith("site-b declined round 1: the task publishes each site's update to its owner "
+                               "([verification] publish_updates = true), which this site's policy does not allow"), \
+        declined
+
+
 class _SplitView(Tamper):
     """Round 2: site-b is told to train from the task's initial model instead of round 1's result, and its upload
     is relabelled to the round's model (an aggregator that skips its own checks, see the test)."""
@@ -132,6 +156,7 @@ def test_verify_names_a_split_view_where_one_site_got_another_model(federation_f
 
     fed = federation_factory(2, start=False)
     fed.make_pki()
+    _publishing(fed)
     tamper = _SplitView()
     # the operator runs an aggregator that does not check the statements it relays (else site-b's would be refused:
     # it names the model site-b really trained from, not the one its header was relabelled to)
@@ -181,6 +206,7 @@ def _forge_final_model(evil, task_id: str) -> str:
 def test_verify_names_a_forged_global_model_that_is_not_the_aggregate(federation_factory, capsys):
     fed = federation_factory(2, start=False)
     fed.make_pki()
+    _publishing(fed)
     with MaliciousAggregator(fed, Tamper()) as evil:
         for site in fed.sites:
             fed.start_agent(site)
