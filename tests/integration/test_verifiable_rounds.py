@@ -106,7 +106,7 @@ def test_an_honest_secure_aggregation_task_verifies_from_its_unmasked_sum(federa
     assert [r["sites"] for r in doc["rounds"]] == [["site-a", "site-b", "site-c"]] * 2
 
 
-def test_a_site_whose_policy_does_not_publish_updates_allowed_declines_such_a_task(federation_factory):
+def test_a_site_whose_policy_does_not_allow_published_updates_declines_such_a_task(federation_factory):
     fed = federation_factory(2, start=False)
     fed.make_pki()
     _publishing(fed, "site-a")

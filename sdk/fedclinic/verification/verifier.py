@@ -17,6 +17,7 @@ Any failure makes the verdict FAILED (the CLI exits 1); a round not recomputed i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,11 +153,12 @@ def _check_aggregate(source: RecordSource, task_id: str, spec, view: RoundView, 
             return "not recomputed: the round's base is not the previous round's result (see above)"
         if rec.secure:
             survivors = set(rec.survivors)
-            session = {s.site for s in view.statements if s.secagg_session}
-            missing = sorted(survivors - session)
+            session = json.loads(rec.secure_params_json).get("session", "")
+            signed = {s.site for s in view.statements if s.secagg_session and s.secagg_session == session}
+            missing = sorted(survivors - signed)
             if missing:
                 result.failures.append(f"round {rec.round}: the secure sum counts {', '.join(missing)}, who signed no "
-                                       "masked input for the round")
+                                       f"masked input for its session {session[:16]}")
             blob = checked_blob(source, task_id, rec.secure_sum_sha256, f"round {rec.round}'s secure sum")
             recomputed = secure_round(spec, base, rec, blob)
             result.sites = sorted(survivors)
@@ -165,7 +167,7 @@ def _check_aggregate(source: RecordSource, task_id: str, spec, view: RoundView, 
                                                                              f"round {rec.round}: {what}")))
                        for st in sorted(view.statements, key=lambda s: s.site)]
             recomputed = plain_round(spec, base, updates)
-    except (IntegrityError, FedclinicError, ValueError) as exc:
+    except (IntegrityError, FedclinicError, ValueError, KeyError, TypeError) as exc:
         result.failures.append(f"round {rec.round}: could not recompute its model: {exc}")
         return "recomputed: FAILED"
     diff = differences(recomputed, published)
