@@ -141,7 +141,7 @@ class ControlApi(control_pb2_grpc.ControlServicer):
 
     def GetTaskRecords(self, request, context) -> control_pb2.TaskRecords:
         self._visible(context, request.task_id)
-        return task_records(self.engine.store, request.task_id)
+        return task_records(self.engine.store, request.task_id, max(1, request.first_round))
 
     def FetchTaskBlob(self, request, context) -> Iterator[control_pb2.BlobChunk]:
         self._visible(context, request.task_id)

@@ -17,13 +17,24 @@ from aggregator_service.status import task_of
 from aggregator_service.store import Store
 
 
-def task_records(store: Store, task_id: str) -> control_pb2.TaskRecords:
-    """The records of ``task_id`` (which must exist)."""
+#: an answer stops adding rounds past this many bytes (gRPC clients take 4 MiB by default); the caller asks again
+#: from ``next_round``
+ANSWER_BYTES = 2 << 20
+
+
+def task_records(store: Store, task_id: str, first_round: int = 1) -> control_pb2.TaskRecords:
+    """The records of ``task_id`` (which must exist) from round ``first_round`` on: as many rounds as fit in
+    :data:`ANSWER_BYTES` (at least one), ``next_round`` naming where the rest starts (0: nothing left)."""
     task = task_of(store, task_id)
     publish = task.spec.verification.publish_updates
     out = control_pb2.TaskRecords(task_id=task_id, spec=task.spec, initial_model_hash=task.initial_model,
                                   final_model_hash=task.final_model, state=task.state)
     for r in store.rounds_of(task_id):
+        if r.round < first_round:
+            continue
+        if out.rounds and out.ByteSize() > ANSWER_BYTES:
+            out.next_round = r.round
+            break
         rec = out.rounds.add(round=r.round, attempt=r.attempt, base_model_hash=r.base_model, model_hash=r.model_hash,
                              state=r.state)
         rec.statements.extend(task_pb2.SignedStatement.FromString(b) for b in store.statements_of(task_id, r.round))

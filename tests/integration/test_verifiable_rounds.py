@@ -203,7 +203,10 @@ def _forge_final_model(evil, task_id: str) -> str:
     return forged_hash
 
 
-def test_verify_names_a_forged_global_model_that_is_not_the_aggregate(federation_factory, capsys):
+def test_verify_names_a_forged_global_model_that_is_not_the_aggregate(federation_factory, capsys, monkeypatch):
+    import aggregator_service.task_records
+
+    monkeypatch.setattr(aggregator_service.task_records, "ANSWER_BYTES", 1)  # one round per answer: the client pages
     fed = federation_factory(2, start=False)
     fed.make_pki()
     _publishing(fed)
@@ -212,7 +215,7 @@ def test_verify_names_a_forged_global_model_that_is_not_the_aggregate(federation
             fed.start_agent(site)
         task_id = _run(fed, make_task(num_rounds=2, min_sites=2, verification={"publish_updates": True}))
         code, out = _verify(fed, task_id, capsys)
-        assert code == 0, out  # honest so far
+        assert code == 0 and out.count("recomputed: matches") == 2, out  # honest so far
         forged = _forge_final_model(evil, task_id)
         with fed.client() as client:
             assert client.fetch_model(task_id, 0)[1] == forged  # what the scientist downloads verifies by its hash

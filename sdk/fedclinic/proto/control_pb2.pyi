@@ -231,10 +231,12 @@ class ControlFetchModelRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., have_sha256: _Optional[_Iterable[str]] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class GetTaskRecordsRequest(_message.Message):
-    __slots__ = ("task_id",)
+    __slots__ = ("task_id", "first_round")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
     task_id: str
-    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+    first_round: int
+    def __init__(self, task_id: _Optional[str] = ..., first_round: _Optional[int] = ...) -> None: ...
 
 class RoundRecords(_message.Message):
     __slots__ = ("round", "attempt", "base_model_hash", "model_hash", "state", "statements", "secure", "survivors", "secure_sum_sha256", "secure_params_json", "updates_published")
@@ -263,20 +265,22 @@ class RoundRecords(_message.Message):
     def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., base_model_hash: _Optional[str] = ..., model_hash: _Optional[str] = ..., state: _Optional[int] = ..., statements: _Optional[_Iterable[_Union[_task_pb2.SignedStatement, _Mapping]]] = ..., secure: _Optional[bool] = ..., survivors: _Optional[_Iterable[str]] = ..., secure_sum_sha256: _Optional[str] = ..., secure_params_json: _Optional[str] = ..., updates_published: _Optional[bool] = ...) -> None: ...
 
 class TaskRecords(_message.Message):
-    __slots__ = ("task_id", "spec", "initial_model_hash", "final_model_hash", "state", "rounds")
+    __slots__ = ("task_id", "spec", "initial_model_hash", "final_model_hash", "state", "rounds", "next_round")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INITIAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     spec: _task_pb2.TaskSpec
     initial_model_hash: str
     final_model_hash: str
     state: int
     rounds: _containers.RepeatedCompositeFieldContainer[RoundRecords]
-    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., state: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundRecords, _Mapping]]] = ...) -> None: ...
+    next_round: int
+    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., state: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundRecords, _Mapping]]] = ..., next_round: _Optional[int] = ...) -> None: ...
 
 class FetchTaskBlobRequest(_message.Message):
     __slots__ = ("task_id", "sha256")
