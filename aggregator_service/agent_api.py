@@ -21,6 +21,7 @@ from aggregator_service.engine import Engine
 from aggregator_service.model_streams import stream_task_model
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
 from aggregator_service.status import latest_model_hash
+from aggregator_service.task_records import task_records
 from aggregator_service.update_admission import GRPC_MESSAGE_PREFIX, read_update_stream
 
 log = structlog.get_logger("fedclinic.aggregator.agents")
@@ -170,6 +171,16 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         self.engine.metrics.masked_input_stored(h.task_id, site)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=assembler.nbytes,
                                        round=h.round)
+
+    def GetTaskRecords(self, request, context):
+        """A task's public round records for a site that was assigned to it (aggregator_service.task_records; no
+        update is readable by a site)."""
+        site = peer_identity(context).name
+        if not self.engine.store.is_assigned(request.task_id, site):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"site {site} was never assigned task "
+                                                             f"{request.task_id[:64]!r}; a site reads the records of "
+                                                             "its own tasks only")
+        return task_records(self.engine.store, request.task_id, max(1, request.first_round), updates_readable=False)
 
     def QueryUpload(self, request: agent_pb2.QueryUploadRequest, context) -> agent_pb2.QueryUploadResponse:
         """Where the caller's resumable upload continues (aggregator_service.upload_partials)."""

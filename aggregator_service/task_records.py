@@ -1,4 +1,5 @@
-"""A task's public records, as ``Control.GetTaskRecords`` answers them, and the blobs they let a reader fetch.
+"""A task's public records, as ``Control.GetTaskRecords`` answers them (and ``AgentService.GetTaskRecords`` to the
+task's sites), and the blobs they let a reader fetch.
 
 Per round: the model it was opened with and the one it published, the sites' signed round statements as they
 arrived (fedclinic.verification.round_statement), and for a secure round the unmasked ring sum (a blob), its
@@ -22,11 +23,13 @@ from aggregator_service.store import Store
 ANSWER_BYTES = 2 << 20
 
 
-def task_records(store: Store, task_id: str, first_round: int = 1) -> control_pb2.TaskRecords:
+def task_records(store: Store, task_id: str, first_round: int = 1, *, updates_readable: bool = True
+                 ) -> control_pb2.TaskRecords:
     """The records of ``task_id`` (which must exist) from round ``first_round`` on: as many rounds as fit in
-    :data:`ANSWER_BYTES` (at least one), ``next_round`` naming where the rest starts (0: nothing left)."""
+    :data:`ANSWER_BYTES` (at least one), ``next_round`` naming where the rest starts (0: nothing left).
+    ``updates_readable`` False (a site's view): no round says its updates are published to the reader."""
     task = task_of(store, task_id)
-    publish = task.spec.verification.publish_updates
+    publish = task.spec.verification.publish_updates and updates_readable
     out = control_pb2.TaskRecords(task_id=task_id, spec=task.spec, initial_model_hash=task.initial_model,
                                   final_model_hash=task.final_model, state=task.state)
     for r in store.rounds_of(task_id):

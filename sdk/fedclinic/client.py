@@ -186,13 +186,10 @@ class Client:
     def task_records(self, task_id: str) -> control_pb2.TaskRecords:
         """The task's public round records: statements, models, secure sums (``Control.GetTaskRecords``, asked
         again from ``next_round`` until every round is in)."""
-        out = self._call(self._stub.GetTaskRecords, control_pb2.GetTaskRecordsRequest(task_id=task_id))
-        while out.next_round > (out.rounds[-1].round if out.rounds else 0):
-            more = self._call(self._stub.GetTaskRecords, control_pb2.GetTaskRecordsRequest(
-                task_id=task_id, first_round=out.next_round))
-            out.rounds.extend(more.rounds)
-            out.next_round = more.next_round
-        return out
+        from fedclinic.verification.records import all_rounds  # only `task verify` needs it
+
+        return all_rounds(lambda first: self._call(self._stub.GetTaskRecords, control_pb2.GetTaskRecordsRequest(
+            task_id=task_id, first_round=first)))
 
     def fetch_task_blob(self, task_id: str, sha256: str) -> bytes:
         """A blob the task's records name (a published update tensor, a secure sum); the caller checks its hash."""

@@ -23,6 +23,8 @@ from fedclinic.transport.package import Manifest, TensorEntry, raw_bytes, tensor
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 from fedclinic.transport.wire import manifest_to_proto
 from fedclinic.verification.round_statement import sign_header
+from fedclinic.verification.site_records import SiteRecords
+from fedclinic.verification.verifier import verify_task
 
 from tests.helpers.federation import watch_assignments
 from tests.helpers.malicious_aggregator import MaliciousAggregator, Tamper
@@ -41,6 +43,13 @@ def _verify(fed, task_id: str, capsys, *extra: str) -> tuple[int, str]:
     code = fedclinic_main(["task", "verify", task_id, "--address", fed.address, "--cert", c["cert"], "--key",
                            c["key"], "--ca", c["ca"], *extra])
     return code, capsys.readouterr().out
+
+
+def _site_verdict(fed, site: str, task_id: str):
+    """verify_task as ``site`` runs it, with its agent certificate (AgentService.GetTaskRecords)."""
+    c = fed.creds(site)
+    with SiteRecords(fed.address, TlsFiles(c["cert"], c["key"], c["ca"]), server_name="localhost") as records:
+        return verify_task(records, task_id, c["ca"], recompute=False)
 
 
 def _publishing(fed, *sites: str) -> None:
@@ -71,6 +80,10 @@ def test_an_honest_plain_task_with_published_updates_verifies(federation_factory
     code, out = _verify(fed, task_id, capsys, "--json")
     doc = json.loads(out)
     assert doc["ok"] and [r["sites"] for r in doc["rounds"]] == [["site-a", "site-b"]] * 2
+    site_view = _site_verdict(fed, "site-b", task_id)
+    assert site_view.ok, site_view.text()
+    assert [r.aggregate for r in site_view.rounds] == ["not recomputed: read by a site (statements, models given "
+                                                        "and chain checked)"] * 2
 
 
 def test_a_task_that_does_not_publish_updates_says_which_rounds_it_could_not_recompute(federation_factory, capsys):
@@ -173,11 +186,15 @@ def test_verify_names_a_split_view_where_one_site_got_another_model(federation_f
         assert state_name(final.state) == "completed", final.error
         rounds = evil.store.rounds_of(st.task_id)
         code, out = _verify(fed, st.task_id, capsys)
+        site_view = _site_verdict(fed, "site-a", st.task_id)
     assert code == 1, out
     got = {rounds[1].base_model[:12]: "site-a", initial[:12]: "site-b"}
     assert ("FAILED: round 2: split view: the sites were given different models ("
             + "; ".join(f"{site} trained from {h}" for h, site in sorted(got.items())) + ")") in out
     assert "verdict: FAILED" in out
+    assert not site_view.ok and site_view.failures == [  # a site sees it too, from the records alone
+        "round 2: split view: the sites were given different models ("
+        + "; ".join(f"{site} trained from {h}" for h, site in sorted(got.items())) + ")"]
 
 
 def _forge_final_model(evil, task_id: str) -> str:

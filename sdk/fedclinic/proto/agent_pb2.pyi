@@ -1,3 +1,4 @@
+from fedclinic.proto import control_pb2 as _control_pb2
 from fedclinic.proto import task_pb2 as _task_pb2
 from fedclinic.proto import tensors_pb2 as _tensors_pb2
 from google.protobuf.internal import containers as _containers

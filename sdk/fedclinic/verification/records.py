@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from fedclinic.errors import IntegrityError
 from fedclinic.pki.common import PkiError
@@ -27,6 +27,17 @@ class RecordSource(Protocol):
         """The model after ``round`` (the initial one for -1) and the model hash it verified to."""
 
     def fetch_task_blob(self, task_id: str, sha256: str) -> bytes: ...
+
+
+def all_rounds(ask: Callable[[int], control_pb2.TaskRecords]) -> control_pb2.TaskRecords:
+    """Every round of a task's records: ``ask(first_round)`` is one GetTaskRecords call (either service), asked
+    again from its ``next_round`` until nothing is left."""
+    out = ask(0)
+    while out.next_round > (out.rounds[-1].round if out.rounds else 0):
+        more = ask(out.next_round)
+        out.rounds.extend(more.rounds)
+        out.next_round = more.next_round
+    return out
 
 
 def checked_blob(source: RecordSource, task_id: str, sha256: str, what: str) -> bytes:
@@ -71,4 +82,4 @@ def read_statements(task_id: str, rec: control_pb2.RoundRecords, ca_path: str) -
     return view
 
 
-__all__ = ["RecordSource", "RoundView", "checked_blob", "read_statements"]
+__all__ = ["RecordSource", "RoundView", "all_rounds", "checked_blob", "read_statements"]

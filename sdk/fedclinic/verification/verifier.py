@@ -77,8 +77,9 @@ def _short(h: str) -> str:
     return h[:12] if h else "(none)"
 
 
-def verify_task(source: RecordSource, task_id: str, ca_path: str) -> Verdict:
-    """Run every check of the module docstring on ``task_id``'s records from ``source``."""
+def verify_task(source: RecordSource, task_id: str, ca_path: str, *, recompute: bool = True) -> Verdict:
+    """Run every check of the module docstring on ``task_id``'s records from ``source``; ``recompute`` False (a
+    site's reading, fedclinic.verification.site_records) skips step 4 and says so for each round."""
     records = source.task_records(task_id)
     verdict = Verdict(task_id)
     spec = records.spec
@@ -102,7 +103,8 @@ def verify_task(source: RecordSource, task_id: str, ca_path: str) -> Verdict:
             verdict.rounds.append(result)
             continue
         _check_bases(view, previous, records.initial_model_hash, result)
-        result.aggregate = _check_aggregate(source, task_id, spec, view, model, result)
+        result.aggregate = (_check_aggregate(source, task_id, spec, view, model, result) if recompute else
+                            "not recomputed: read by a site (statements, models given and chain checked)")
         verdict.rounds.append(result)
         if result.aggregate.startswith("not recomputed"):
             verdict.notes.append(f"round {rec.round}: {result.aggregate}")
