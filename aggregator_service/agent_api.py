@@ -21,6 +21,7 @@ from aggregator_service.engine import Engine
 from aggregator_service.model_streams import stream_task_model
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
 from aggregator_service.status import latest_model_hash
+from aggregator_service.task_records import task_records
 from aggregator_service.update_admission import GRPC_MESSAGE_PREFIX, read_update_stream
 
 log = structlog.get_logger("fedclinic.aggregator.agents")
@@ -150,6 +151,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                 log.info("duplicate masked input acknowledged", site=site, task_id=h.task_id, round=h.round)
                 return agent_pb2.UpdateReceipt(update_id=prior, duplicate=True, round=h.round)
             length = self.engine.secagg.check_masked_header(site, h)
+            self.engine.admission.check_statement(site, h)
         except Refused as exc:
             abort(context, exc)
         sink = _ArraySink(np.empty(length, dtype=np.uint32))
@@ -159,6 +161,9 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except IntegrityError as exc:
             log.warning("masked input rejected", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"masked input rejected: {exc}")
+        if h.HasField("statement"):  # kept before the input is used: the round may close soon after
+            with self.engine.store.transaction() as tx:
+                tx.record_statement(h.task_id, h.round, h.attempt, site, self.engine.admission.statement_bytes(h))
         try:
             update_id = self.engine.secagg.accept_masked(site, h, sink.array, assembler.nbytes)
         except Refused as exc:
@@ -166,6 +171,16 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         self.engine.metrics.masked_input_stored(h.task_id, site)
         return agent_pb2.UpdateReceipt(update_id=update_id, duplicate=False, stored_nbytes=assembler.nbytes,
                                        round=h.round)
+
+    def GetTaskRecords(self, request, context):
+        """A task's public round records for a site that was assigned to it (aggregator_service.task_records; no
+        update is readable by a site)."""
+        site = peer_identity(context).name
+        if not self.engine.store.is_assigned(request.task_id, site):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"site {site} was never assigned task "
+                                                             f"{request.task_id[:64]!r}; a site reads the records of "
+                                                             "its own tasks only")
+        return task_records(self.engine.store, request.task_id, max(1, request.first_round), updates_readable=False)
 
     def QueryUpload(self, request: agent_pb2.QueryUploadRequest, context) -> agent_pb2.QueryUploadResponse:
         """Where the caller's resumable upload continues (aggregator_service.upload_partials)."""

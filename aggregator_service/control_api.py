@@ -1,9 +1,14 @@
 """Control: what data scientists (role ``scientist``) and administrators (role ``admin``) call.
 
-A scientist sees and manages only the tasks it submitted; an admin sees and manages all of them.
+A scientist sees and manages only the tasks it submitted; an admin sees and manages all of them. The public
+records of a task's rounds (``GetTaskRecords``: the sites' signed statements, each round's base and result model,
+a secure round's sum and survivors) and the blobs they name (``FetchTaskBlob``: a secure round's sum; the
+committed updates only when the task publishes them) are what ``fedclinic task verify`` checks.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +31,7 @@ from aggregator_service.limits import Limits
 from aggregator_service.rounds import validate_spec
 from aggregator_service.status import TERMINAL, latest_model_hash, status_of
 from aggregator_service.model_streams import stream_task_model
+from aggregator_service.task_records import readable_blobs, task_records
 from aggregator_service.transfer import receive_model
 
 log = structlog.get_logger("fedclinic.aggregator.control")
@@ -183,6 +189,33 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         rounds = [r.round for r in self.engine.store.rounds_of(task.task_id) if r.model_hash == model_hash]
         return aggregator_statement(self.signer, task_id=task.task_id, round=max(rounds, default=0),
                                     model_hash=model_hash, final=model_hash == task.final_model)
+
+    def GetTaskRecords(self, request, context) -> control_pb2.TaskRecords:
+        self._visible(context, request.task_id)
+        return task_records(self.engine.store, request.task_id, max(1, request.first_round))
+
+    def FetchTaskBlob(self, request, context) -> Iterator[control_pb2.BlobChunk]:
+        self._visible(context, request.task_id)
+        if request.sha256 not in readable_blobs(self.engine.store, request.task_id) or not \
+                self.engine.blobs.has(request.sha256):
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"task {request.task_id} publishes no blob {request.sha256[:64]!r}: only a secure round's sum "
+                          "and, when the task sets [verification] publish_updates, the updates its sites committed")
+        # read back from disk: hashed as it streams, the last chunk held until the whole blob matches its name
+        digest, held = hashlib.sha256(), None
+        with open(self.engine.blobs.path(request.sha256), "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+                if held is not None:
+                    yield control_pb2.BlobChunk(data=held)
+                held = chunk
+        if digest.hexdigest() != request.sha256:
+            log.error("stored copy damaged", blob=request.sha256, path=str(self.engine.blobs.path(request.sha256)))
+            context.abort(grpc.StatusCode.DATA_LOSS, f"stored copy damaged: blob {request.sha256[:16]}... of task "
+                          f"{request.task_id} no longer matches its hash; the aggregator's operator must restore it "
+                          "from backup")
+        if held is not None:
+            yield control_pb2.BlobChunk(data=held)
 
 
 def _payload(request_iterator) -> Iterator[tensors_pb2.FileChunk | tensors_pb2.TensorChunk]:

@@ -167,6 +167,7 @@ class Engine:
         (aggregator_service.secure_rounds) and update codecs."""
         with self.lock:
             self.secagg.hello(site, list(features), secure_aggregation)
+            self.admission.hello(site, features)
             self.sites.hello_codecs(site, codecs)
             self.changed.notify_all()
 

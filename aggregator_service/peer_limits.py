@@ -46,6 +46,7 @@ METHOD_CLASS: dict[str, str] = {
     "/fedclinic.v1.Control/SubmitTask": UPLOAD,
     "/fedclinic.v1.AgentService/FetchModel": DOWNLOAD,
     "/fedclinic.v1.Control/FetchModel": DOWNLOAD,
+    "/fedclinic.v1.Control/FetchTaskBlob": DOWNLOAD,
 }
 _WHAT_TO_DO = {WORK: "close one (an agent needs one work stream) before opening another",
                UPLOAD: "wait for one to finish, then retry",

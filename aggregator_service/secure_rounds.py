@@ -38,6 +38,7 @@ knows the engine only through :class:`SecureRoundHost` (lock, store, eligibility
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 import threading
 from typing import Iterable, Protocol
@@ -47,6 +48,7 @@ import numpy as np
 import structlog
 
 from fedclinic.errors import Refused
+from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase, SecAggAbort, SecAggConfigError,
@@ -111,6 +113,7 @@ class SecureRoundHost(Protocol):
 
     lock: threading.RLock
     changed: threading.Condition
+    blobs: BlobStore
 
     @property
     def store(self) -> Store: ...
@@ -521,6 +524,11 @@ class SecureRounds:
         metrics = {"secagg_survivors": float(m), "secagg_cohort": float(len(st.cohort)),
                    "secagg_sessions": float(st.sessions),
                    "secagg_error_bound": result.error_bound / m}  # per coordinate, on the mean
+        with self.host.store.transaction() as tx:  # published for `fedclinic task verify`: the sum and who is in it
+            tx.record_secure_sum(st.task_id, st.round, list(result.survivors),
+                                 self.host.blobs.put(np.ascontiguousarray(result.quantized_sum, "<u4").tobytes()),
+                                 json.dumps({"session": st.session_hex, "names": list(st.names),
+                                             "shapes": [list(x) for x in st.shapes]}))
         self._rounds.pop(st.task_id, None)
         self._clear_outbox(st.task_id)
         self.host.add_uplink(st.task_id, st.round, st.uplink)

@@ -54,6 +54,7 @@ class Aggregator:
         self.store.on_commit = self._committed
         self.blobs = BlobStore(config.state_dir / "blobs")
         self.engine = Engine(self.store, self.blobs, metrics=self.metrics)
+        self.engine.admission.ca_path = config.tls.ca  # the sites' round statements are checked against it
         self.metrics_server: MetricsServer | None = None
         #: the CRL, re-read when the file changes (every call checks it; open streams before each message); never
         #: replaced by an older one, nor started from one older than the newest this state folder has used

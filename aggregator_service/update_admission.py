@@ -4,12 +4,16 @@
 
 1. a retried upload (same task and idempotency key) is acknowledged with the stored update, nothing read;
 2. the header is checked before any byte is read (:meth:`UpdateAdmission.check_header`: task running, round
-   open, site assigned and not yet reported, base model, tensor names/shapes/dtypes/codec, SAFL layers);
-3. the tensor chunks are verified (hash, size, finite values) and spilled to one fsync'd file;
+   open, site assigned and not yet reported, base model, tensor names/shapes/dtypes/codec, SAFL layers), and so
+   is the site's signed round statement (:meth:`UpdateAdmission.check_statement`);
+3. the tensor chunks are verified (hash, size, finite values) and spilled to one fsync'd file; a task that
+   publishes its updates (``TaskSpec.verification.publish_updates``) keeps each tensor's bytes as received as a
+   blob named by its sha256 (which the statement signs), for ``fedclinic task verify``;
 4. encoded payloads are checked completely, then kept encoded for a linear strategy or decoded into a float32
    spill file for a strategy that looks at each update;
 5. under the engine's lock the header is checked again (the round may have closed meanwhile), the update is
-   folded into the round's accumulator, and only then recorded in the store (with its event) and acknowledged.
+   folded into the round's accumulator, and only then recorded in the store (with its event and its statement)
+   and acknowledged.
 
 A resumable upload (``upload_id`` set) that breaks keeps its verified prefix for a resumed stream
 (:mod:`aggregator_service.upload_partials`: bounded per site, expired, cleaned with the round); a resumed
@@ -44,6 +48,9 @@ from fedclinic.codecs import open_payload
 from fedclinic.runtime.durable_file import DurableFile
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.errors import IntegrityError, Refused
+from fedclinic.pki.common import PkiError
+from fedclinic.pki.signed_statement import SignedStatement
+from fedclinic.verification.round_statement import FEATURE as STATEMENT_FEATURE, check_against_header
 from fedclinic.transport.package import Manifest, TensorEntry
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.spec.selection import select_names
@@ -149,6 +156,38 @@ class UpdateAdmission:
         self._on_damaged = on_damaged
         #: verified prefixes of interrupted resumable uploads (QueryUpload reads them)
         self.partials = UploadPartials(spill_root, self.round_open)
+        #: the CA that issued the sites' certificates: round statements are checked against it (None: their
+        #: content is checked, not their signature; an engine without a server, in unit tests)
+        self.ca_path: Path | None = None
+        self._signs_statements: set[str] = set()  # sites that announced the round-statements feature at Hello
+
+    def hello(self, site: str, features: Iterable[str]) -> None:
+        """Remember whether ``site`` signs round statements (then its updates without one are refused)."""
+        if STATEMENT_FEATURE in set(features):
+            self._signs_statements.add(site)
+        else:
+            self._signs_statements.discard(site)
+
+    def check_statement(self, site: str, h: agent_pb2.UpdateHeader) -> None:
+        """The update's signed round statement (fedclinic.verification.round_statement) states what ``h`` declares
+        and is signed by ``site``'s agent certificate; required from a site that announced it signs them. Refused
+        INVALID_ARGUMENT saying what is wrong."""
+        if not h.HasField("statement"):
+            if site in self._signs_statements:
+                raise Refused(INVALID, "update rejected: it carries no signed round statement (UpdateHeader."
+                                       "statement), which this site's agent announced it signs; nothing was stored")
+            return
+        try:
+            check_against_header(SignedStatement.from_proto(h.statement), h, site, self.ca_path)
+        except PkiError as exc:
+            log.warning("round statement refused", site=site, task_id=h.task_id, round=h.round, reason=str(exc))
+            raise Refused(INVALID, f"update rejected: its round statement is not valid: {exc}; nothing was "
+                                   "stored") from None
+
+    @staticmethod
+    def statement_bytes(h: agent_pb2.UpdateHeader) -> bytes:
+        """The header's statement as stored (b"" when it has none)."""
+        return h.statement.SerializeToString() if h.HasField("statement") else b""
 
     def admit(self, site: str, h: agent_pb2.UpdateHeader, messages: Iterator, header_wire_bytes: int = 0
               ) -> agent_pb2.UpdateReceipt:
@@ -163,6 +202,7 @@ class UpdateAdmission:
             return agent_pb2.UpdateReceipt(update_id=prior.update_id, duplicate=True, stored_nbytes=prior.nbytes,
                                            round=prior.round)
         self.check_header(site, h)
+        self.check_statement(site, h)
         check_resume_fields(h)
         kept = self.partials.take(site, h)  # the verified prefix a resumed stream continues (None: from byte 0)
         spill = SpillWriter(self._spill_path(h.task_id, h.round))
@@ -173,6 +213,7 @@ class UpdateAdmission:
             wire_bytes = header_wire_bytes + read_update_stream(messages, assembler, "the update stream",
                                                                 "nothing was stored")
             nbytes = spill.finish()
+            self._publish(h, spill.path, spill.layout)
             path, layout, sha = self._decode(h, spill.path, spill.layout, spill.sha256)  # codec payloads checked
         except StreamEnded as exc:
             if not (h.upload_id and self._keep_prefix(site, h, assembler, spill)):
@@ -281,6 +322,18 @@ class UpdateAdmission:
                     raise Refused(INVALID, str(exc)) from None
             return {n: by_name[n] for n in seen}
 
+    def _publish(self, h: agent_pb2.UpdateHeader, spill: Path, layout: UpdateLayout) -> None:
+        """A task that publishes its updates keeps each received tensor's bytes (as sent, encoded) as a blob named by
+        the sha256 its header and the site's statement give (Control.FetchTaskBlob serves them to the owner)."""
+        task = self.store.task(h.task_id)
+        if task is None or not task.spec.verification.publish_updates:
+            return
+        by_name = {t.name: t for t in h.tensors}
+        with open(spill, "rb") as fh:
+            for name, _, _, offset, nbytes in layout.tensors:
+                fh.seek(offset)
+                self.folding.blobs.put(fh.read(nbytes), by_name[name].sha256)
+
     def _spill_path(self, task_id: str, rnd: int) -> Path:
         d = self.spill_root / task_id / str(rnd)
         d.mkdir(parents=True, exist_ok=True)
@@ -373,6 +426,8 @@ class UpdateAdmission:
                                      f"({nbytes} bytes, {h.num_samples} samples)", actor=site, round=h.round,
                                      update_id=update_id, size=nbytes, sha256=update_digest(h.tensors),
                                      num_samples=h.num_samples)
+                        if h.HasField("statement"):
+                            tx.record_statement(h.task_id, h.round, h.attempt, site, self.statement_bytes(h))
                 except BaseException:
                     self.folding.drop(h.task_id)  # it holds an update the store does not: rebuild from disk
                     raise

@@ -17,6 +17,7 @@ from fedclinic.pki import check_own_certificate
 from hospital_agent.privacy_ledger import PrivacyLedger
 from fedclinic.runtime.audit_log import AuditLog
 from hospital_agent.tasks_cli import add_commands as add_task_commands
+from hospital_agent.verify_cli import add_verify_command, run_verify
 from hospital_agent.worker import Agent
 from fedclinic.runtime.metrics_endpoint import MetricsServer
 from hospital_agent.install import install_service
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     mexp.add_argument("--config", required=True)
 
     add_task_commands(sub)
+    add_verify_command(sub)
     ins = sub.add_parser("install-service", help="lay out the systemd service: user, directories, permissions, unit")
     ins.add_argument("--root", default="/", help="install under this prefix instead of / (staging, tests)")
     ins.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
@@ -172,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "tasks":
         return run_tasks(args)
+
+    if args.command == "verify":
+        return run_verify(args)
 
     if args.command == "check-config":
         problems = check_config(args.config)

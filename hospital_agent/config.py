@@ -40,6 +40,7 @@ Example::
     # require_dp = true                   # decline tasks without sample-level differential privacy
     # min_cohort = 5                      # decline tasks whose rounds may close with fewer sites than this
     # max_epsilon = 8.0                   # decline tasks whose target epsilon is larger (or that declare none)
+    # publish_updates_allowed = true      # take part in tasks that show each site's update to their owner
 
 The site policy is enforced here, at the hospital, whatever the aggregator asks.
 """
@@ -65,7 +66,7 @@ APPROVAL_MODES = ("auto", "manual")
 TLS_KEYS = ("cert", "key", "ca")
 POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_cohort", "approval",
                "require_signed_tasks", "allowed_owners", "signed_task_max_age_days", "require_secure_aggregation",
-               "require_dp", "min_cohort", "max_epsilon")
+               "require_dp", "min_cohort", "max_epsilon", "publish_updates_allowed")
 DATASET_KEYS = ("path", "format", "text_field", "label_field", "eval_path", "entities_field", "tokenizer_sha256",
                 "question_field", "answer_field", "context_field", "image_field", "privacy_epsilon",
                 "privacy_delta")
@@ -166,6 +167,9 @@ class SitePolicy:
     min_cohort: int = 0
     #: decline tasks whose target epsilon is larger than this, or that declare none; None: no bound
     max_epsilon: float | None = None
+    #: take part in tasks that publish each site's committed update to the task's owner (``[verification]
+    #: publish_updates``, for `fedclinic task verify`); off by default: the owner otherwise sees only aggregates
+    publish_updates_allowed: bool = False
 
     def secagg_policy(self):
         """The site's fedclinic.secagg.ClientPolicy."""
@@ -185,6 +189,10 @@ class SitePolicy:
             return (f"dataset {spec.dataset!r} is pinned to tokenizer {pinned[:12]}... but the task uses "
                     f"{(spec.tokenizer_sha256 or 'none')[:12]}...; the site's data contract allows only the pinned "
                     "tokenizer (change tokenizer_sha256 in [datasets] if the new one was reviewed)")
+        if spec.verification.publish_updates and not self.publish_updates_allowed:
+            return ("the task publishes each site's update to its owner ([verification] publish_updates = true), which "
+                    "this site's policy does not allow; submit it without publish_updates, or the site sets [policy] "
+                    "publish_updates_allowed = true")
         if spec.privacy.level not in ("", "sample", "client"):
             return f"the task asks for privacy level {spec.privacy.level!r}, which this agent does not know"
         return self.protection_refusal(spec)
@@ -274,9 +282,12 @@ class AgentConfig:
         approval = pol.get("approval", "auto")
         if approval not in APPROVAL_MODES:
             raise ConfigError(f"{source}: [policy] approval must be \"auto\" or \"manual\", got {approval!r}")
+        published = pol.get("publish_updates_allowed", False)
+        if not isinstance(published, bool):
+            raise ConfigError(f"{source}: [policy] publish_updates_allowed must be true or false, got {published!r}")
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval,
-                            **_protection_policy(pol, f"{source}: [policy]"))
+                            publish_updates_allowed=published, **_protection_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level", "metrics_address"}
         if unknown:

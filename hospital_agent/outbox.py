@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -32,15 +32,21 @@ class OutboxEntry:
 
 
 class Outbox:
-    def __init__(self, root: Path) -> None:
+    """``seal(header)``, when given, completes a header before it is written (the site's signed round statement,
+    hospital_agent.uploader.StatementSeal): every resend of the entry then carries the same bytes."""
+
+    def __init__(self, root: Path, seal: Callable[[agent_pb2.UpdateHeader], None] | None = None) -> None:
         self.root = root
+        self.seal = seal
         self.root.mkdir(parents=True, exist_ok=True)
         for partial in self.root.glob("*.tmp"):
             shutil.rmtree(partial, ignore_errors=True)
 
     def put(self, header: agent_pb2.UpdateHeader, tensors: dict[str, np.ndarray | bytes]) -> OutboxEntry:
         """Persist an update (header tensors must be in the same order as ``tensors``): raw arrays, or the
-        encoded payloads of an update codec (bytes, written as they will be sent)."""
+        encoded payloads of an update codec (bytes, written as they will be sent). The header is sealed first."""
+        if self.seal is not None:
+            self.seal(header)
         final = self.root / f"{header.task_id}.{header.round}"
         tmp = self.root / f"{header.task_id}.{header.round}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,6 +14,10 @@ sends only the rest (``resume_offset``), up to fedclinic.transport.resume.MAX_RE
 aggregator that does not know QueryUpload (UNIMPLEMENTED) gets the whole update again. A resumed stream the
 aggregator refuses (its kept bytes did not verify, or it holds none) is sent once more from its first byte
 before the refusal counts.
+
+Round statements: every update header is sealed with the site's signed round statement
+(:class:`StatementSeal`, fedclinic.verification.round_statement) when it is written to the outbox; an entry left
+by an older agent without one is sealed (and rewritten) before it is sent.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ import structlog
 from fedclinic.runtime.audit_log import update_digest
 from fedclinic.codecs import ErrorFeedback
 from fedclinic.runtime.failpoints import failpoint
+from fedclinic.pki.signed_statement import Signer
 from fedclinic.proto import agent_pb2
 from fedclinic.transport import resume
+from fedclinic.transport.rpc import TlsFiles
+from fedclinic.verification.round_statement import sign_header
 from fedclinic.transport.wire import CHUNK_BYTES, encode_tensor_chunk_in
 
 from hospital_agent.metrics import AgentMetrics, count_wire_bytes
@@ -49,6 +56,20 @@ class Audit(Protocol):
 def feedback_path(work_dir: Path, task_id: str) -> Path:
     """Where a task's error-feedback residuals (top-k codecs) are kept at the site."""
     return work_dir / "codec-state" / f"{task_id}{_FEEDBACK_SUFFIX}"
+
+
+class StatementSeal:
+    """Signs the site's round statement into an update header (hospital_agent.outbox.Outbox's ``seal``) with the
+    site's own key and certificate (read at each call, so a renewed certificate signs from then on). A header that
+    already carries a statement is left as it is (a resend states what the first send stated)."""
+
+    def __init__(self, tls: TlsFiles, site: Callable[[], str]) -> None:
+        self._signer = Signer(key_path=tls.key, cert_path=tls.cert)
+        self._site = site
+
+    def __call__(self, header: agent_pb2.UpdateHeader) -> None:
+        if not header.HasField("statement"):
+            sign_header(header, self._site(), self._signer)
 
 
 class Uploader:
@@ -145,6 +166,8 @@ class Uploader:
     def _send_resuming(self, entry: OutboxEntry, wire_bytes: list[int]) -> agent_pb2.UpdateReceipt:
         """Send ``entry`` and return its receipt; a cut stream continues from what the aggregator holds (module
         docstring). Raises the last RpcError when it gives up."""
+        if not entry.header.HasField("statement") and self.outbox.seal is not None:  # left by an older agent
+            entry = self.outbox.put(entry.header, self._payloads(entry))
         h = agent_pb2.UpdateHeader()
         h.CopyFrom(entry.header)
         if not h.secagg_session_id:
@@ -175,6 +198,16 @@ class Uploader:
                 raise
             finally:
                 self._call = None
+
+    @staticmethod
+    def _payloads(entry: OutboxEntry) -> dict[str, bytes]:
+        """The entry's tensors as written (to rewrite it with a sealed header; an older agent's entries only)."""
+        data = entry.tensors_path.read_bytes()
+        out, start = {}, 0
+        for t in entry.header.tensors:
+            out[t.name] = data[start:start + int(t.encoded_nbytes)]
+            start += int(t.encoded_nbytes)
+        return out
 
     def _held(self, h: agent_pb2.UpdateHeader) -> int:
         """The verified bytes of upload ``h`` the aggregator holds (QueryUpload); 0 when it holds none, does not

@@ -53,11 +53,12 @@ from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
 from hospital_agent.outgoing import outgoing_reason
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
+from fedclinic.verification.round_statement import FEATURE as STATEMENT_FEATURE
 from hospital_agent.site_model import private_store_folder
 from hospital_agent.site_privacy import SitePrivacy
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.training_step import TrainingStep
-from hospital_agent.uploader import Uploader
+from hospital_agent.uploader import StatementSeal, Uploader
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -78,7 +79,7 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         config.work_dir.mkdir(parents=True, exist_ok=True)
-        self.outbox = Outbox(config.work_dir / "outbox")
+        self.outbox = Outbox(config.work_dir / "outbox", seal=StatementSeal(config.tls, lambda: self.site_name()))
         self.privacy = SitePrivacy(config.work_dir / "privacy-ledger.sqlite", config.datasets)
         #: each task's private tensors (FedNER private modules), kept here between rounds and restarts
         self.private_store = PrivateStore(private_store_folder(config.work_dir))
@@ -166,7 +167,7 @@ class Agent:
 
         device = select_device(self.config.device)
         caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw", *available_codecs()], secure_aggregation=True,
-                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE])
+                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE, STATEMENT_FEATURE])
         resp = self.stub().Hello(agent_pb2.HelloRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
                                                        agent_version=fedclinic.__version__, capabilities=caps),
                                 timeout=30)

@@ -112,6 +112,15 @@ class StoreTransaction(ABC):
         of the same site and round, or with the same idempotency key)."""
 
     @abstractmethod
+    def record_statement(self, task_id: str, rnd: int, attempt: int, site: str, statement: bytes) -> None:
+        """Keep ``site``'s signed round statement (a serialized fedclinic.v1.SignedStatement) with the round; a
+        later one of the same site, round and attempt (a re-keyed secure session) replaces it."""
+
+    @abstractmethod
+    def record_secure_sum(self, task_id: str, rnd: int, survivors: list[str], sum_sha256: str, params: str) -> None:
+        """Keep a secure round's unmasked ring sum (blob ``sum_sha256``), its survivors and its layout (JSON)."""
+
+    @abstractmethod
     def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
         """Add bytes received outside plain updates to the round's uplink."""
 
@@ -244,6 +253,14 @@ class Store(ABC):
 
     @abstractmethod
     def update_count(self, task_id: str, rnd: int) -> int: ...
+
+    @abstractmethod
+    def statements_of(self, task_id: str, rnd: int) -> list[bytes]:
+        """The round's signed site statements (serialized SignedStatement), by site and attempt."""
+
+    @abstractmethod
+    def secure_sum(self, task_id: str, rnd: int) -> tuple[list[str], str, str] | None:
+        """A secure round's (survivors, sum blob sha256, layout JSON), or None."""
 
     @abstractmethod
     def spill_paths(self) -> set[str]:

@@ -116,6 +116,14 @@ def _to_v8(c: sqlite3.Connection, state_dir: Path) -> None:
               " statement BLOB NOT NULL, PRIMARY KEY (task_id, round, attempt, site_id))")
 
 
+def _to_v9(c: sqlite3.Connection, state_dir: Path) -> None:
+    # a secure round's published result: the unmasked ring sum (a blob), the survivors whose masked inputs are in it
+    # and the session's layout, so that `fedclinic task verify` can recompute the round's model from them
+    c.execute("CREATE TABLE IF NOT EXISTS secure_sums ("
+              " task_id TEXT NOT NULL, round INTEGER NOT NULL, survivors TEXT NOT NULL, sum_sha256 TEXT NOT NULL,"
+              " params TEXT NOT NULL, PRIMARY KEY (task_id, round))")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -136,6 +144,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "updates.spill_sha256: the spill file's hash at acknowledgement, checked at recovery", _to_v7),
     Migration(8, "tasks.signed_task (the scientist's signature) and site_statements (the sites' signed rounds)",
               _to_v8),
+    Migration(9, "secure_sums: a secure round's unmasked sum and survivors, for `fedclinic task verify`", _to_v9),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 

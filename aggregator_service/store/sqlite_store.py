@@ -182,6 +182,14 @@ class SqliteTransaction(StoreTransaction):
                          u.fp32_bytes, u.wire_bytes, u.spill_sha256))
         self.add_uplink(u.task_id, u.round, u.nbytes)
 
+    def record_statement(self, task_id: str, rnd: int, attempt: int, site: str, statement: bytes) -> None:
+        self._c.execute("INSERT OR REPLACE INTO site_statements(task_id, round, attempt, site_id, statement) "
+                        "VALUES (?, ?, ?, ?, ?)", (task_id, rnd, attempt, site, statement))
+
+    def record_secure_sum(self, task_id: str, rnd: int, survivors: list[str], sum_sha256: str, params: str) -> None:
+        self._c.execute("INSERT OR REPLACE INTO secure_sums(task_id, round, survivors, sum_sha256, params) "
+                        "VALUES (?, ?, ?, ?, ?)", (task_id, rnd, json.dumps(survivors), sum_sha256, params))
+
     def add_uplink(self, task_id: str, rnd: int, nbytes: int) -> None:
         self._c.execute("UPDATE rounds SET uplink_bytes = uplink_bytes + ? WHERE task_id=? AND round=?",
                         (nbytes, task_id, rnd))
@@ -404,6 +412,14 @@ class SqliteStore(Store):
 
     def update_count(self, task_id: str, rnd: int) -> int:
         return self._count("SELECT COUNT(*) FROM updates WHERE task_id=? AND round=?", (task_id, rnd))
+
+    def statements_of(self, task_id: str, rnd: int) -> list[bytes]:
+        return [bytes(r["statement"]) for r in self._rows("SELECT statement FROM site_statements WHERE task_id=? AND "
+                                                          "round=? ORDER BY site_id, attempt", (task_id, rnd))]
+
+    def secure_sum(self, task_id: str, rnd: int) -> tuple[list[str], str, str] | None:
+        r = self._row("SELECT * FROM secure_sums WHERE task_id=? AND round=?", (task_id, rnd))
+        return (json.loads(r["survivors"]), r["sum_sha256"], r["params"]) if r is not None else None
 
     def spill_paths(self) -> set[str]:
         return {r["spill_path"] for r in self._rows("SELECT spill_path FROM updates")}

@@ -1,7 +1,7 @@
 """``fedclinic``: the data scientist's and administrator's command line.
 
     fedclinic pki init-ca | issue | request | renew | install | revoke | refresh-crl | list
-    fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT
+    fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT | verify ID [--json]
     fedclinic demo [--report report.json]
     fedclinic audit verify FILE [--expect-head SEQ:HASH]
 
@@ -106,6 +106,18 @@ def _task_command(args) -> int:
     return 0
 
 
+def _verify_command(args) -> int:
+    """``fedclinic task verify``: exit 0 when every check passes, 1 when one fails (fedclinic.verification)."""
+    import json
+
+    from fedclinic.verification.verifier import verify_task
+
+    with _client(args) as client:
+        verdict = verify_task(client, args.task_id, args.ca)
+    print(json.dumps(verdict.to_json(), indent=2) if args.json else verdict.text())
+    return 0 if verdict.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedclinic", description="fedclinic: federated learning for hospitals")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_args(p)
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)
+    p = tsub.add_parser("verify", help="check a task's rounds against the sites' signed statements")
+    p.add_argument("task_id")
+    p.add_argument("--json", action="store_true", help="the verdict as JSON")
+    _connection_args(p)
+    p.set_defaults(func=_verify_command)
 
     add_experiment_commands(sub)
     add_export_commands(sub)

@@ -193,6 +193,27 @@ class Client:
             raise IntegrityError(f"download of task {task_id} refused: {exc}") from None
         return got.package, got.model_hash, statement
 
+    def fetch_model(self, task_id: str, round: int = 0) -> tuple[ModelPackage, str]:
+        """The model of :meth:`fetch_package` and the model hash its tensors and files verified to."""
+        return self._fetch(task_id, round)
+
+    # verifiable rounds (fedclinic.verification) -------------------------------------------------------------
+    def task_records(self, task_id: str) -> control_pb2.TaskRecords:
+        """The task's public round records: statements, models, secure sums (``Control.GetTaskRecords``, asked
+        again from ``next_round`` until every round is in)."""
+        from fedclinic.verification.records import all_rounds  # only `task verify` needs it
+
+        return all_rounds(lambda first: self._call(self._stub.GetTaskRecords, control_pb2.GetTaskRecordsRequest(
+            task_id=task_id, first_round=first)))
+
+    def fetch_task_blob(self, task_id: str, sha256: str) -> bytes:
+        """A blob the task's records name (a published update tensor, a secure sum); the caller checks its hash."""
+        try:
+            return b"".join(c.data for c in self._stub.FetchTaskBlob(
+                control_pb2.FetchTaskBlobRequest(task_id=task_id, sha256=sha256)))
+        except grpc.RpcError as exc:
+            raise explain_rpc_error(exc, self.address) from None
+
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
                  status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False) -> Path:
         """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card

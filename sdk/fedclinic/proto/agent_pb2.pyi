@@ -1,3 +1,4 @@
+from fedclinic.proto import control_pb2 as _control_pb2
 from fedclinic.proto import task_pb2 as _task_pb2
 from fedclinic.proto import tensors_pb2 as _tensors_pb2
 from google.protobuf.internal import containers as _containers
@@ -324,7 +325,7 @@ class DpReport(_message.Message):
     def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., accountant: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics", "secagg_session_id", "upload_id", "resume_offset")
+    __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics", "secagg_session_id", "upload_id", "resume_offset", "statement")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +354,7 @@ class UpdateHeader(_message.Message):
     SECAGG_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STATEMENT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     attempt: int
@@ -367,7 +369,8 @@ class UpdateHeader(_message.Message):
     secagg_session_id: str
     upload_id: str
     resume_offset: int
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., base_model_hash: _Optional[str] = ..., kind: _Optional[_Union[_task_pb2.UpdateKind, str]] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tensors: _Optional[_Iterable[_Union[_tensors_pb2.TensorHeader, _Mapping]]] = ..., dp: _Optional[_Union[DpReport, _Mapping]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., secagg_session_id: _Optional[str] = ..., upload_id: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    statement: _task_pb2.SignedStatement
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., base_model_hash: _Optional[str] = ..., kind: _Optional[_Union[_task_pb2.UpdateKind, str]] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tensors: _Optional[_Iterable[_Union[_tensors_pb2.TensorHeader, _Mapping]]] = ..., dp: _Optional[_Union[DpReport, _Mapping]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., secagg_session_id: _Optional[str] = ..., upload_id: _Optional[str] = ..., resume_offset: _Optional[int] = ..., statement: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
 
 class UpdateCommit(_message.Message):
     __slots__ = ("total_encoded_nbytes",)

@@ -5,6 +5,7 @@ import grpc
 import warnings
 
 from fedclinic.proto import agent_pb2 as fedclinic_dot_v1_dot_agent__pb2
+from fedclinic.proto import control_pb2 as fedclinic_dot_v1_dot_control__pb2
 from fedclinic.proto import tensors_pb2 as fedclinic_dot_v1_dot_tensors__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -76,6 +77,11 @@ class AgentServiceStub:
                 request_serializer=fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.SerializeToString,
                 response_deserializer=fedclinic_dot_v1_dot_agent__pb2.SecAggAck.FromString,
                 _registered_method=True)
+        self.GetTaskRecords = channel.unary_unary(
+                '/fedclinic.v1.AgentService/GetTaskRecords',
+                request_serializer=fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_control__pb2.TaskRecords.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -142,6 +148,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTaskRecords(self, request, context):
+        """The public round records of a task this site was assigned to (as Control.GetTaskRecords answers its owner;
+        no update is readable here), so that a site can check them (fedclinic.verification.site_records).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +198,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.SecAggRespond,
                     request_deserializer=fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.FromString,
                     response_serializer=fedclinic_dot_v1_dot_agent__pb2.SecAggAck.SerializeToString,
+            ),
+            'GetTaskRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTaskRecords,
+                    request_deserializer=fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_control__pb2.TaskRecords.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +421,33 @@ class AgentService:
             '/fedclinic.v1.AgentService/SecAggRespond',
             fedclinic_dot_v1_dot_agent__pb2.SecAggPhase.SerializeToString,
             fedclinic_dot_v1_dot_agent__pb2.SecAggAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTaskRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedclinic.v1.AgentService/GetTaskRecords',
+            fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.SerializeToString,
+            fedclinic_dot_v1_dot_control__pb2.TaskRecords.FromString,
             options,
             channel_credentials,
             insecure,

@@ -233,3 +233,69 @@ class ControlFetchModelRequest(_message.Message):
     resume_tensor: str
     resume_offset: int
     def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., have_sha256: _Optional[_Iterable[str]] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+
+class GetTaskRecordsRequest(_message.Message):
+    __slots__ = ("task_id", "first_round")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    first_round: int
+    def __init__(self, task_id: _Optional[str] = ..., first_round: _Optional[int] = ...) -> None: ...
+
+class RoundRecords(_message.Message):
+    __slots__ = ("round", "attempt", "base_model_hash", "model_hash", "state", "statements", "secure", "survivors", "secure_sum_sha256", "secure_params_json", "updates_published")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_SUM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SECURE_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    base_model_hash: str
+    model_hash: str
+    state: int
+    statements: _containers.RepeatedCompositeFieldContainer[_task_pb2.SignedStatement]
+    secure: bool
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    secure_sum_sha256: str
+    secure_params_json: str
+    updates_published: bool
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., base_model_hash: _Optional[str] = ..., model_hash: _Optional[str] = ..., state: _Optional[int] = ..., statements: _Optional[_Iterable[_Union[_task_pb2.SignedStatement, _Mapping]]] = ..., secure: _Optional[bool] = ..., survivors: _Optional[_Iterable[str]] = ..., secure_sum_sha256: _Optional[str] = ..., secure_params_json: _Optional[str] = ..., updates_published: _Optional[bool] = ...) -> None: ...
+
+class TaskRecords(_message.Message):
+    __slots__ = ("task_id", "spec", "initial_model_hash", "final_model_hash", "state", "rounds", "next_round")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    spec: _task_pb2.TaskSpec
+    initial_model_hash: str
+    final_model_hash: str
+    state: int
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundRecords]
+    next_round: int
+    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., state: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundRecords, _Mapping]]] = ..., next_round: _Optional[int] = ...) -> None: ...
+
+class FetchTaskBlobRequest(_message.Message):
+    __slots__ = ("task_id", "sha256")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    sha256: str
+    def __init__(self, task_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

@@ -66,6 +66,16 @@ class ControlStub:
                 request_serializer=fedclinic_dot_v1_dot_control__pb2.ControlFetchModelRequest.SerializeToString,
                 response_deserializer=fedclinic_dot_v1_dot_tensors__pb2.ModelChunk.FromString,
                 _registered_method=True)
+        self.GetTaskRecords = channel.unary_unary(
+                '/fedclinic.v1.Control/GetTaskRecords',
+                request_serializer=fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_control__pb2.TaskRecords.FromString,
+                _registered_method=True)
+        self.FetchTaskBlob = channel.unary_stream(
+                '/fedclinic.v1.Control/FetchTaskBlob',
+                request_serializer=fedclinic_dot_v1_dot_control__pb2.FetchTaskBlobRequest.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_control__pb2.BlobChunk.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -110,6 +120,21 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTaskRecords(self, request, context):
+        """The public records of a task's rounds (the sites' signed statements, base and result models, a secure round's
+        sum and survivors) for `fedclinic task verify`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchTaskBlob(self, request, context):
+        """One blob the task's records name and the caller may read (a published update tensor, a secure round's sum).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +167,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.FetchModel,
                     request_deserializer=fedclinic_dot_v1_dot_control__pb2.ControlFetchModelRequest.FromString,
                     response_serializer=fedclinic_dot_v1_dot_tensors__pb2.ModelChunk.SerializeToString,
+            ),
+            'GetTaskRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTaskRecords,
+                    request_deserializer=fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_control__pb2.TaskRecords.SerializeToString,
+            ),
+            'FetchTaskBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchTaskBlob,
+                    request_deserializer=fedclinic_dot_v1_dot_control__pb2.FetchTaskBlobRequest.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_control__pb2.BlobChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +341,60 @@ class Control:
             '/fedclinic.v1.Control/FetchModel',
             fedclinic_dot_v1_dot_control__pb2.ControlFetchModelRequest.SerializeToString,
             fedclinic_dot_v1_dot_tensors__pb2.ModelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTaskRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedclinic.v1.Control/GetTaskRecords',
+            fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.SerializeToString,
+            fedclinic_dot_v1_dot_control__pb2.TaskRecords.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchTaskBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedclinic.v1.Control/FetchTaskBlob',
+            fedclinic_dot_v1_dot_control__pb2.FetchTaskBlobRequest.SerializeToString,
+            fedclinic_dot_v1_dot_control__pb2.BlobChunk.FromString,
             options,
             channel_credentials,
             insecure,

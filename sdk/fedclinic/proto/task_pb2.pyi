@@ -128,7 +128,7 @@ class SecureAggregationConfig(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., threshold: _Optional[int] = ..., min_cohort: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., degree: _Optional[int] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
-    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options")
+    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options", "verification")
     class StrategyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class TaskSpec(_message.Message):
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     architecture: str
@@ -177,7 +178,14 @@ class TaskSpec(_message.Message):
     tokenizer_sha256: str
     description: str
     strategy_options: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    verification: VerificationConfig
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ..., verification: _Optional[_Union[VerificationConfig, _Mapping]] = ...) -> None: ...
+
+class VerificationConfig(_message.Message):
+    __slots__ = ("publish_updates",)
+    PUBLISH_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    publish_updates: bool
+    def __init__(self, publish_updates: _Optional[bool] = ...) -> None: ...
 
 class SignedStatement(_message.Message):
     __slots__ = ("purpose", "payload", "signature", "certificate_pem")

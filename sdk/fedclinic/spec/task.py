@@ -147,6 +147,10 @@ class Task:
     #: min_cohort (>= 3), threshold (0 = ceil(2h/3)), clip (|delta| range, default 1.0), bits (default 20),
     #: rounding ("stochastic" | "nearest"), degree (0 = complete graph). See fedclinic.secagg.task_config.
     secure_aggregation: dict[str, Any] = field(default_factory=dict)
+    #: ``[verification]``: publish_updates = true keeps every site's committed update and lets the task's owner
+    #: fetch it, so that `fedclinic task verify` recomputes each plain round's model from them (a new exposure:
+    #: the owner then sees each site's update, not only aggregates; sites may refuse such tasks). Default off.
+    verification: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError listing every problem (and how to fix it): first the checks of this Python/TOML
@@ -184,6 +188,7 @@ class Task:
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
         p.extend(privacy_input_problems(self.privacy))
         p.extend(secure_aggregation_input_problems(self.secure_aggregation))
+        p.extend(verification_input_problems(self.verification))
         p.extend(problem for _, problem in self._number_problems())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 63):
             p.append(f"seed must be a whole number (64-bit), got {self.seed!r}")
@@ -261,6 +266,9 @@ class Task:
             privacy=privacy_config(self.privacy) if sound_privacy else task_pb2.PrivacyConfig(),
             secure_aggregation=(_secure_aggregation_config(self.secure_aggregation) if sound_secagg
                                 else task_pb2.SecureAggregationConfig()),
+            verification=task_pb2.VerificationConfig(
+                publish_updates=self.verification.get("publish_updates") is True
+                if isinstance(self.verification, dict) else False),
             tokenizer_sha256=tokenizer_sha256)
 
     @classmethod
@@ -330,6 +338,16 @@ def privacy_problems(privacy: dict[str, Any], family: str, architecture: str, st
         return p
     return spec_privacy_problems(task_pb2.TaskSpec(family=family, architecture=architecture, strategy=strategy,
                                                    privacy=privacy_config(privacy)))
+
+
+def verification_input_problems(doc: Any) -> list[str]:
+    """What a ``[verification]`` table holds that a VerificationConfig cannot."""
+    if not isinstance(doc, dict):
+        return ["verification must be a table (e.g. [verification] publish_updates = true)"]
+    p = [f"verification: unknown setting {k!r} (known: publish_updates)" for k in doc if k != "publish_updates"]
+    if "publish_updates" in doc and not isinstance(doc["publish_updates"], bool):
+        p.append(f"verification: publish_updates must be true or false, got {doc['publish_updates']!r}")
+    return p
 
 
 def secure_aggregation_input_problems(doc: dict[str, Any]) -> list[str]:
