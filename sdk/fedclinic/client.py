@@ -194,8 +194,10 @@ class Client:
         return got.package, got.model_hash, statement
 
     def fetch_model(self, task_id: str, round: int = 0) -> tuple[ModelPackage, str]:
-        """The model of :meth:`fetch_package` and the model hash its tensors and files verified to."""
-        return self._fetch(task_id, round)
+        """The model of :meth:`fetch_package` and the model hash its tensors and files verified to (the
+        aggregator's signature on it checked as for a download)."""
+        package, model_hash, _ = self._fetch(task_id, round, allow_unsigned=False)
+        return package, model_hash
 
     # verifiable rounds (fedclinic.verification) -------------------------------------------------------------
     def task_records(self, task_id: str) -> control_pb2.TaskRecords:
