@@ -52,6 +52,9 @@ def _demo_setup(root: Path, sites: int, rows: int, seed: int):
 
     labels, train, _ = condition_classification(top_k=5, seed=seed)
     n_eval = max(1, rows // 5)
+    if sites * (rows + n_eval) > len(train):
+        raise SystemExit(f"{sites} sites x {rows + n_eval} reviews need more than the {len(train)} training reviews; "
+                         "lower --rows")
     setups = []
     for i in range(sites):
         part = train[i * (rows + n_eval):(i + 1) * (rows + n_eval)]
@@ -126,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=None, help="plain/secure task pairs (default 2; smoke 1)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per task (default 2; smoke 2)")
     ap.add_argument("--sites", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=None, help="training rows per site (default 160; smoke 24)")
+    ap.add_argument("--rows", type=int, default=None, help="training rows per site (default 72; smoke 24)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     pairs = args.pairs or (1 if args.smoke else 2)
     rounds = args.rounds or 2
-    rows = args.rows or (24 if args.smoke else 160)
+    rows = args.rows or (24 if args.smoke else 72)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     load0 = os.getloadavg()[0]

@@ -8,7 +8,9 @@ A site's input is one vector over the session's ring Z_{2^r} (``Quantizer.ring_b
     [ w or 0 for each metric (0 when this site has no finite value for it)  (k values)    ]
 
 ``q`` is the delta's :class:`~fedclinic.secagg.Quantizer` (``[-clip, clip]``, ``bits``), ``qm`` the metrics'
-(``[-metric_clip, metric_clip]``, :data:`METRIC_BITS`), both with the same ring and weight cap. ``w`` is the
+(``[-metric_clip, metric_clip]``, ``metric_bits``: as many as the ring holds for the cohort, at most
+:data:`METRIC_BITS`; :func:`metric_bits_for`), both with the same ring and weight cap. The delta decides the
+ring (:func:`fedclinic.secagg.quantize.ring_for`), so a few metric slots never widen the whole vector. ``w`` is the
 site's weight: its training-sample count capped at ``weight_cap`` (1 for uniform weights). A tensor the site
 did not send (SAFL: a layer it did not select) is all zeros *and* its count slot is 0. Every slot is an
 integer in ``[0, W * L]``, so the survivors' sum cannot wrap when ``Quantizer.check_cohort`` holds.
@@ -37,7 +39,7 @@ from fedclinic.secagg.errors import SecAggConfigError, SecAggInputError
 from fedclinic.secagg.quantize import MAX_BITS, Quantizer
 
 METRIC_BITS = MAX_BITS
-"""Precision of the metric slots: 2^24 - 1 levels over ``[-metric_clip, metric_clip]``."""
+"""Highest precision of the metric slots: 2^24 - 1 levels over ``[-metric_clip, metric_clip]``."""
 MAX_METRICS = 32
 """Most metric names one session sums (each costs two slots)."""
 
@@ -63,6 +65,7 @@ class VectorLayout:
     metric_names: tuple[str, ...] = ()
     metric_clip: float = 100.0
     per_tensor_counts: bool = False
+    metric_bits: int = METRIC_BITS
 
     def __post_init__(self) -> None:
         if len(self.metric_names) > MAX_METRICS or len(set(self.metric_names)) != len(self.metric_names):
@@ -76,9 +79,10 @@ class VectorLayout:
 
     @property
     def metric_quantizer(self) -> Quantizer:
-        """The metrics' quantizer: ``[-metric_clip, metric_clip]``, 24 bits, same rounding, ring and weight cap."""
+        """The metrics' quantizer: ``[-metric_clip, metric_clip]``, ``metric_bits``, same rounding, ring and
+        weight cap."""
         q = self.quantizer
-        return Quantizer(clip=self.metric_clip, bits=METRIC_BITS, rounding=q.rounding, ring_bits=q.ring_bits,
+        return Quantizer(clip=self.metric_clip, bits=self.metric_bits, rounding=q.rounding, ring_bits=q.ring_bits,
                          weight_cap=q.weight_cap)
 
     @property
@@ -99,6 +103,12 @@ class VectorLayout:
     def length(self) -> int:
         """The vector length: ``P + 2k + count slots``."""
         return self.values + 2 * len(self.metric_names) + self.count_slots
+
+    def check_cohort(self, n: int) -> None:
+        """Refuse a cohort of ``n`` whose sums of any slot could wrap the ring (SecAggConfigError)."""
+        self.quantizer.check_cohort(n)
+        if self.metric_names:
+            self.metric_quantizer.check_cohort(n)
 
     def weight_of(self, num_samples: int) -> int:
         """A site's integer weight: its sample count, at least 1, at most ``weight_cap``."""
@@ -201,3 +211,10 @@ class VectorLayout:
 def tensor_sizes(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> tuple[tuple[str, int], ...]:
     """``(name, number of values)`` pairs for a layout."""
     return tuple((n, int(np.prod(s, dtype=np.int64))) for n, s in zip(names, shapes))
+
+
+def metric_bits_for(quantizer: Quantizer, cohort: int) -> int:
+    """The metric slots' precision for a session: the most bits (at most :data:`METRIC_BITS`, at least the delta's)
+    whose weighted sums over ``cohort`` sites fit the delta's ring."""
+    room = quantizer.ring_max // (cohort * quantizer.weight_cap)
+    return max(quantizer.bits, min(METRIC_BITS, room.bit_length() - (0 if room == (1 << room.bit_length()) - 1 else 1)))
