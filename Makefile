@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test bench campaign protos clean
+.PHONY: install demo test bench bench-secagg campaign protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/aggregation.py
 	$(BIN)/python bench/serving.py
+
+# A secure round's wall time against a plain one over the real services on the demo task (issue 17; ~15 min on
+# 2 cores): docs/results/secure-aggregation.md. `make test` runs its --smoke (tests/integration/test_secagg_round_bench.py).
+bench-secagg: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/secagg_round.py
 
 # The reliability campaign of issue 16 (fuzz, kills, network faults, disk full, load): under 60 min on 2 cores,
 # writes docs/results/reliability.md. `make test` runs a smoke of each part (tests/campaign/).

@@ -142,7 +142,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             abort(context, exc)
 
     def _masked_input(self, site: str, h: agent_pb2.UpdateHeader, request_iterator, context) -> agent_pb2.UpdateReceipt:
-        """A secure-aggregation masked input: one uint32 tensor, assembled in memory (verified chunk by chunk and
+        """A secure-aggregation masked input: one tensor in the session's ring (uint16/32/64), assembled in memory (verified chunk by chunk and
         by sha256 like any update), then folded into the round's session. Idempotent per key while the session
         lives; the session (and so the record) is in memory only."""
         try:
@@ -154,7 +154,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             self.engine.admission.check_statement(site, h)
         except Refused as exc:
             abort(context, exc)
-        sink = _ArraySink(np.empty(length, dtype=np.uint32))
+        sink = _ArraySink(np.empty(length, dtype=np.dtype(h.tensors[0].dtype)))  # the session's ring, checked above
         assembler = ChunkAssembler(lambda _h: sink, expect={t.name: t for t in h.tensors})
         try:
             read_update_stream(request_iterator, assembler, "the masked-input stream", "nothing was used")

@@ -239,8 +239,9 @@ class Engine:
 
     def close_secure_round(self, task_id: str, rnd: int, mean: dict[str, np.ndarray], metrics: dict[str, float],
                            summary: str) -> None:
-        """Close round ``rnd`` with a secure-aggregation result: ``mean`` (the survivors' sum / their number, per
-        tensor) is folded into the task's strategy as one update of weight 1 (uniform weights), then the round
+        """Close round ``rnd`` with a secure-aggregation result: ``mean`` (the survivors' sample-weighted mean, per
+        tensor some survivor sent, decoded from the unmasked sum) is folded into the task's strategy as one update
+        of weight 1, then the round
         closes as usual with ``metrics`` added to its metrics."""
         with self.lock:
             if self.rounds.close_secure_round(task_id, rnd, mean, metrics, summary):

@@ -12,17 +12,20 @@ The protocol itself is :mod:`fedclinic.secagg` (transport-free); this module dri
    those who advertised, every entry with its site's signed statement (relayed, not re-signed: each site checks
    every entry against its CA itself);
 2. **share keys** -> ``SecAggMaskedInputRequest`` (alive set + the ciphertexts addressed to the site);
-3. **masked input** (``SubmitUpdate`` with ``secagg_session_id``: one ``uint32`` tensor, no sample count,
-   no metrics) -> ``SecAggSurvivors`` (U3) to the survivors;
+3. **masked input** (``SubmitUpdate`` with ``secagg_session_id``: one tensor in the session's ring,
+   ``uint16``/``uint32``/``uint64``, no sample count, no metrics beside it: they are inside it, see
+   :mod:`fedclinic.secagg.vector_layout`) -> ``SecAggSurvivors`` (U3) to the survivors;
 4. **consistency**: each survivor signs U3 ("secagg-survivors") -> ``SecAggUnmaskRequest`` (survivors, dropped and
    every signature) to the survivors that signed;
 5. **unmask** -> :meth:`ServerSession.finish` -> the survivors' sum.
 
 Each phase closes when every expected site answered or at its deadline (a tenth of ``round_timeout_s``,
 at least 1 s, after the phase opened); the library's ``close_*`` / ``finish`` then carry on without the
-silent sites (dropout recovery) or abort. The result, ``sum / survivors`` (float32, uniform weights: sample
-counts never travel beside a masked vector), is handed to the task's strategy as one update of weight 1 and
-the round closes through the engine's usual path.
+silent sites (dropout recovery) or abort. The result is decoded by the session's layout: per tensor the
+survivors' weighted sum over their summed weight (sample counts, capped; per tensor under SAFL, where a tensor no
+survivor sent is left out), and the evaluation metrics' weighted means (``eval_<name>``, as a plain round reports
+them). The means are handed to the task's strategy as one update of weight 1 and the round closes through the
+engine's usual path.
 
 An abort (too few sites left, inconsistent shares, a refusal reported as a decline) sends ``SecAggAbort``
 with ``rejoin = true``: sites that revealed nothing join again and a *new* session (fresh nonce, fresh keys)
@@ -54,10 +57,11 @@ from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase, SecAggAbort, SecAggConfigError,
                               SecAggError, SecAggIntegrityError, SecAggProtocolError, ServerSession, ShareKeys,
                               SurvivorsSignature, UnmaskResponse)
-from fedclinic.secagg.task_config import floor_of, session_params
-from fedclinic.spec.selection import select_names
+from fedclinic.secagg.task_config import floor_of, layout_for, session_params
+from fedclinic.secagg.vector_layout import MAX_METRICS, VectorLayout
 
 from aggregator_service.stakes import require_assignment
+from aggregator_service.update_admission import sent_tensors
 from aggregator_service.store import RoundRecord, Store, now_ms
 
 log = structlog.get_logger("fedclinic.aggregator.secagg")
@@ -67,7 +71,9 @@ FEATURE = "secagg-v2"
 """The Hello feature of agents (and aggregators) that speak these phases: signed keys and the consistency round.
 An agent that announces only ``secagg-v1`` is not given secure tasks (logged at Hello)."""
 MASKED_TENSOR = "secagg.masked_input"
-"""Name of the one tensor of a masked-input upload (uint32, [vector_length])."""
+"""Name of the one tensor of a masked-input upload (the session's ring dtype, [the layout's length])."""
+MAX_METRIC_NAME = 64
+"""Longest evaluation-metric name a join may list."""
 MAX_SESSIONS_PER_ATTEMPT = 3
 JOIN_FRACTION = 0.5      # of round_timeout_s: how long after an attempt opens sites may still join
 PHASE_FRACTION = 0.1     # of round_timeout_s: each phase's window
@@ -95,6 +101,8 @@ class _Round:
     masked_keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # idempotency key -> (site, update id)
     sessions: int = 0
     uplink: int = 0
+    metric_names: dict[str, tuple[str, ...]] = field(default_factory=dict)  # site -> metric names its join listed
+    layout: VectorLayout | None = None                                       # the live session's input layout
 
     @property
     def session_hex(self) -> str:
@@ -200,8 +208,7 @@ class SecureRounds:
         if st is None and create:
             manifest = store.model(rnd.base_model)
             assert manifest is not None
-            names = tuple(select_names([t.name for t in manifest.tensors], spec.update.trainable_patterns,
-                                       spec.update.frozen_patterns, spec.update.private_patterns))
+            names = tuple(sent_tensors(spec, manifest))  # what each assignment lists (under SAFL: layers + head)
             shapes = tuple(tuple(manifest.tensor(n).shape) for n in names)
             timeout_ms = int(spec.rounds.round_timeout_s * 1000)
             opened = rnd.deadline_ms - timeout_ms  # this attempt's opening (a retry moves the deadline)
@@ -275,6 +282,7 @@ class SecureRounds:
                                               f"tensors {list(st.names)[:4]} have {st.vector_length}")
         if site in st.cohort and st.live:
             return  # already in the running session (a repeated join)
+        st.metric_names[site] = _metric_names(site, j)
         if site not in st.joined:
             st.joined[site] = now_ms()
             log.info("site joined secure aggregation", task_id=st.task_id, round=st.round, site=site,
@@ -359,11 +367,12 @@ class SecureRounds:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a masked input must not carry num_samples, metrics, "
                                                   "eval_metrics or dp: they would travel in the clear beside "
                                                   "the masked vector")
-            if (len(h.tensors) != 1 or h.tensors[0].name != MASKED_TENSOR or h.tensors[0].dtype != "uint32"
-                    or list(h.tensors[0].shape) != [st.vector_length]):
+            ring, length = s.params.quantizer.dtype.name, s.params.vector_length
+            if (len(h.tensors) != 1 or h.tensors[0].name != MASKED_TENSOR or h.tensors[0].dtype != ring
+                    or list(h.tensors[0].shape) != [length]):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a masked input carries exactly one tensor {MASKED_TENSOR!r}, "
-                                                  f"uint32, shape [{st.vector_length}]")
-            return st.vector_length
+                                                  f"{ring}, shape [{length}]")
+            return length
 
     def accept_masked(self, site: str, h: agent_pb2.UpdateHeader, vector: np.ndarray, nbytes: int) -> str:
         """Fold a verified masked vector into the session; returns its update id (idempotent per key)."""
@@ -418,21 +427,23 @@ class SecureRounds:
         if cfg.threshold and not cfg.degree:
             cohort = cohort[:2 * cfg.threshold - 1]  # complete graph: 2t > n keeps the threshold safe
         try:
+            layout = _session_layout(st, spec, cohort)
             params = session_params(spec, task_id=st.task_id, round_number=st.round, cohort=cohort,
-                                    model_hash_hex=st.base_model, vector_length=st.vector_length)
+                                    model_hash_hex=st.base_model, vector_length=layout.length,
+                                    quantizer=layout.quantizer)
             session = ServerSession(params, min_cohort=floor)
         except SecAggConfigError as exc:
             st.sessions = MAX_SESSIONS_PER_ATTEMPT  # the same cohort would fail again; the deadline decides
             self._event(st.task_id, "secagg-refused", f"round {st.round}: no secure-aggregation session for "
                                                       f"{len(cohort)} sites: {exc}")
             return
-        st.session, st.cohort, st.sessions = session, params.cohort, st.sessions + 1
+        st.session, st.cohort, st.sessions, st.layout = session, params.cohort, st.sessions + 1, layout
         st.expected, st.phase_deadline_ms = set(params.cohort), now + st.window_ms
         q = params.quantizer
         setup = agent_pb2.SecAggSetup(
             cohort=list(params.cohort), threshold=params.threshold, degree=params.degree or 0, clip=q.clip,
             bits=q.bits, rounding=q.rounding, vector_length=params.vector_length, tensor_order=list(st.names),
-            model_hash=st.base_model, nonce=params.nonce, attempt=st.attempt)
+            model_hash=st.base_model, nonce=params.nonce, attempt=st.attempt, **_setup_fields(layout))
         self._clear_outbox(st.task_id)
         for site in params.cohort:
             self._send(st, site, setup=setup)
@@ -441,7 +452,10 @@ class SecureRounds:
         self._event(st.task_id, "secagg-session",
                     f"round {st.round}: secure-aggregation session {st.session_hex[:16]} with {len(params.cohort)} "
                     f"site(s) ({', '.join(params.cohort)}), threshold {params.threshold} of {params.holders} "
-                    f"holders, {params.vector_length} values, {q.bits}-bit quantization over +-{q.clip:g}")
+                    f"holders, {params.vector_length} values, {q.bits}-bit quantization over +-{q.clip:g} in a "
+                    f"{q.ring_bits}-bit ring" + (f", weights up to {q.weight_cap}" if q.weight_cap > 1 else "")
+                    + (f", metrics {', '.join(layout.metric_names)}" if layout.metric_names else "")
+                    + (", per-tensor weights" if layout.per_tensor_counts else ""))
         log.info("secure-aggregation session started", task_id=st.task_id, round=st.round,
                  session=st.session_hex[:16], cohort=list(params.cohort))
 
@@ -513,22 +527,18 @@ class SecureRounds:
     def _finish(self, st: _Round, result: AggregateResult) -> None:
         failpoint("aggregator.secagg.unmasked")  # kill campaign: sum unmasked, round not closed
         m = len(result.survivors)
-        mean = result.total / np.float32(m)
-        tensors: dict[str, np.ndarray] = {}
-        offset = 0
-        for name, shape in zip(st.names, st.shapes):
-            size = int(np.prod(shape, dtype=np.int64))
-            tensors[name] = mean[offset:offset + size].reshape(shape)
-            offset += size
+        assert st.layout is not None
+        tensors, metrics = _decode(st, result)
         dropped = [s for s in st.cohort if s not in result.survivors]
-        metrics = {"secagg_survivors": float(m), "secagg_cohort": float(len(st.cohort)),
-                   "secagg_sessions": float(st.sessions),
-                   "secagg_error_bound": result.error_bound / m}  # per coordinate, on the mean
+        metrics.update({"secagg_survivors": float(m), "secagg_cohort": float(len(st.cohort)),
+                        "secagg_sessions": float(st.sessions)})
         with self.host.store.transaction() as tx:  # published for `fedclinic task verify`: the sum and who is in it
             tx.record_secure_sum(st.task_id, st.round, list(result.survivors),
-                                 self.host.blobs.put(np.ascontiguousarray(result.quantized_sum, "<u4").tobytes()),
+                                 self.host.blobs.put(np.ascontiguousarray(
+                                     result.quantized_sum, st.layout.quantizer.dtype.newbyteorder("<")).tobytes()),
                                  json.dumps({"session": st.session_hex, "names": list(st.names),
-                                             "shapes": [list(x) for x in st.shapes]}))
+                                             "shapes": [list(x) for x in st.shapes], "cohort": len(st.cohort),
+                                             "metric_names": list(st.layout.metric_names)}))
         self._rounds.pop(st.task_id, None)
         self._clear_outbox(st.task_id)
         self.host.add_uplink(st.task_id, st.round, st.uplink)
@@ -541,3 +551,43 @@ class SecureRounds:
         self.host.close_secure_round(st.task_id, st.round, tensors, metrics,
                                        f"the secure sum of {m} site(s)")
 
+
+
+def _metric_names(site: str, j: agent_pb2.SecAggJoin) -> tuple[str, ...]:
+    """The evaluation-metric names a join lists (bounded: count and length)."""
+    names = tuple(sorted(set(j.metric_names)))
+    if len(names) > MAX_METRICS or any(not n or len(n) > MAX_METRIC_NAME for n in names):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"site {site} lists {len(names)} evaluation metric names; a "
+                                                        f"join lists at most {MAX_METRICS}, each 1-{MAX_METRIC_NAME} "
+                                                        "characters")
+    return names
+
+
+def _session_layout(st: _Round, spec: task_pb2.TaskSpec, cohort: tuple[str, ...]) -> VectorLayout:
+    """The input layout of a session over ``cohort``: the metric names any member has, the narrowest ring."""
+    names = sorted({n for site in cohort for n in st.metric_names.get(site, ())})[:MAX_METRICS]
+    return layout_for(spec, st.names, st.shapes, len(cohort), tuple(names))
+
+
+def _setup_fields(layout: VectorLayout) -> dict[str, object]:
+    """The layout's fields of ``SecAggSetup``."""
+    q = layout.quantizer
+    return {"ring_bits": q.ring_bits, "weight_cap": q.weight_cap, "metric_names": list(layout.metric_names),
+            "metric_clip": layout.metric_clip, "per_tensor_counts": layout.per_tensor_counts,
+            "metric_bits": layout.metric_bits}
+
+
+def _decode(st: _Round, result: AggregateResult) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The round's mean delta per tensor (those some survivor sent) and its metrics from the unmasked sum."""
+    assert st.layout is not None
+    decoded = st.layout.decode(result.quantized_sum)
+    shapes = dict(zip(st.names, st.shapes))
+    tensors = {name: mean.reshape(shapes[name]) for name, mean in decoded.tensors.items()}
+    metrics = {f"eval_{k}": v for k, v in decoded.metrics.items()}
+    metrics["secagg_error_bound"] = st.layout.error_bound()  # per value, on the weighted mean
+    if decoded.metrics:
+        metrics["secagg_metric_error_bound"] = st.layout.metric_error_bound()
+    metrics["secagg_ring_bits"] = float(st.layout.quantizer.ring_bits)
+    if decoded.tensor_weights:
+        metrics["secagg_total_weight"] = float(max(decoded.tensor_weights.values()))
+    return tensors, metrics

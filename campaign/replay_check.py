@@ -3,8 +3,8 @@
 Round by round, from the global model the aggregator published for the round before (round −1: the submitted
 one), every counted site's update is recomputed with the agents' own shared training code
 (tests.helpers.replay.replay_site: the same seed per site and round, the same data), and the round's published
-model must be the base plus their sample-weighted mean (FedAvg), or under secure aggregation the plain mean of the
-survivors' updates within the protocol's quantization bound. An update folded twice, or one lost from a round
+model must be the base plus their sample-weighted mean (FedAvg), under secure aggregation the sample-weighted mean
+of the survivors' updates within the protocol's quantization bound. An update folded twice, or one lost from a round
 that still closed, moves the model off the replay. Tasks with sample-level DP cannot be replayed (their noise comes
 from the OS's entropy, never from the task's seed); their counts and ledgers are checked instead.
 """
@@ -41,9 +41,11 @@ def replay_problems(client, final, rows_of: dict[str, list[dict]], *, secure: bo
     for summary in final.rounds:
         rnd = summary.round
         published = client.fetch_package(task_id, round=rnd)
-        if secure:
-            sites = survivors.get(rnd, [])
-            weights = {s: 1.0 for s in sites}
+        replayed: dict[str, tuple] = {}
+        if secure:  # sample-weighted like a plain round (issue 17): the weights were summed under the masks
+            replayed = {s: replay_site(base, rows_of[s], final.spec, site=s, rnd=rnd)
+                        for s in survivors.get(rnd, [])}
+            weights = {s: float(n) for s, (_, n) in replayed.items()}
             bound = float(summary.metrics.get("secagg_error_bound", 0.0))
             rtol, atol = 0.0, 10 * bound + 1e-6
         else:
@@ -53,7 +55,8 @@ def replay_problems(client, final, rows_of: dict[str, list[dict]], *, secure: bo
             problems.append(f"round {rnd} of {task_id} closed with no counted update")
             base = published
             continue
-        deltas = {s: replay_site(base, rows_of[s], final.spec, site=s, rnd=rnd)[0] for s in weights}
+        deltas = {s: (replayed[s] if s in replayed else replay_site(base, rows_of[s], final.spec, site=s, rnd=rnd))[0]
+                  for s in weights}
         total = sum(weights.values())
         for name, start in base.tensors.items():
             if name not in published.tensors:

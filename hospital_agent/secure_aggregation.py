@@ -14,9 +14,12 @@ are answered on one thread, one :class:`~fedclinic.secagg.ClientSession` per ses
                               signed ("secagg-keys") by this agent's certificate key
 ``SecAggKeyDirectory``        check every peer's signed keys against the site's CA (role agent, the
                               certificate named as the entry's site, this session); answer ``share_keys``
-``SecAggMaskedInputRequest``  quantize + mask the vector; write it to the outbox and upload it through
+``SecAggMaskedInputRequest``  encode the input in the session's layout (:mod:`fedclinic.secagg.vector_layout`:
+                              the quantized delta times the site's weight -- its sample count, capped -- the
+                              weight itself, per-tensor weights under SAFL and the evaluation metrics, all in
+                              the session's ring) and mask it; write it to the outbox and upload it through
                               ``SubmitUpdate`` with an idempotency key (``secagg_session_id`` set; no sample
-                              count, metrics or DP report beside it)
+                              count, metrics or DP report beside it: they are inside the masked vector)
 ``SecAggSurvivors``           sign the survivor set ("secagg-survivors"; once per session)
 ``SecAggUnmaskRequest``       check the survivors' signatures (a quorum, over exactly the set this site
                               signed, its own among them); answer ``unmask_response``; the round's vector is
@@ -52,6 +55,8 @@ from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.transport.rpc import explain_rpc_error
 from fedclinic.secagg import (AdvertiseKeys, ClientPolicy, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer,
                               SecAggError, SessionParams, SurvivorsRequest, UnmaskRequest)
+from fedclinic.secagg.vector_layout import METRIC_BITS, VectorLayout
+from fedclinic.transport.wire import manifest_from_proto
 
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
@@ -71,8 +76,13 @@ class _Job:
     round: int
     attempt: int
     model_hash: str                    # hex: the global model this site trained on (its commitment)
-    names: tuple[str, ...]
-    vector: np.ndarray | None          # float32, the flattened delta; None once revealed
+    names: tuple[str, ...]             # the round's tensors (all of them, also those SAFL did not select)
+    vector: np.ndarray | None          # float32, the flattened delta (zeros where not sent); None once revealed
+    sizes: tuple[int, ...] = ()        # values of each of ``names``
+    sent: frozenset[str] = frozenset() # the tensors this site sends (SAFL: the layers it selected + the head)
+    num_samples: int = 0               # its FedAvg weight, capped by the session's weight_cap
+    metrics: dict[str, float] = field(default_factory=dict)  # the global model evaluated on its held-out split
+    layout: VectorLayout | None = None # the live session's input layout
     admitted: tuple[str, ...] = ()     # the task's site allow-list (TaskSpec.sites); empty = any enrolled site
     session: ClientSession | None = None
     session_id: str = ""
@@ -130,16 +140,19 @@ class SiteSecAgg:
         return True
 
     def ready(self, a: agent_pb2.Assignment, model_hash: str, delta: dict[str, np.ndarray],
-              names: list[str]) -> None:
-        """Local training of ``a`` is done (and its privacy charged): hold the flattened delta and join."""
-        vector = np.concatenate([np.asarray(delta[n], dtype=np.float32).ravel() for n in names]) if names else \
-            np.zeros(0, np.float32)
+              names: list[str], *, num_samples: int = 0, eval_metrics: dict[str, float] | None = None) -> None:
+        """Local training of ``a`` is done (and its privacy charged): hold the flattened delta (``names``: the
+        tensors it sends, a subset of ``a.send_tensors`` under SAFL), its sample count and evaluation metrics
+        (they leave only inside the masked vector), and join."""
+        vector, order, sizes = _flatten(a, delta, names)
         clip = a.spec.secure_aggregation.clip or 1.0
         peak = float(np.abs(vector).max()) if vector.size else 0.0
         if peak > clip:
             log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6), clip=clip,
                         hint="raise [secure_aggregation] clip or lower the learning rate")
-        job = _Job(a.task_id, a.round, a.attempt, model_hash, tuple(names), vector, tuple(a.spec.sites))
+        job = _Job(a.task_id, a.round, a.attempt, model_hash, order, vector, sizes, frozenset(names),
+                   int(num_samples), {k: float(v) for k, v in (eval_metrics or {}).items()},
+                   admitted=tuple(a.spec.sites))
         with self._lock:
             self._jobs[a.task_id] = job
         log.info("update ready for secure aggregation", values=int(vector.size))
@@ -152,7 +165,8 @@ class SiteSecAgg:
 
     def _join(self, job: _Job) -> None:
         msg = agent_pb2.SecAggPhase(task_id=job.task_id, round=job.round, join=agent_pb2.SecAggJoin(
-            attempt=job.attempt, model_hash=job.model_hash, vector_length=int(job.vector.size)))
+            attempt=job.attempt, model_hash=job.model_hash, vector_length=int(job.vector.size),
+            metric_names=sorted(job.metrics)))
         if self._send(msg):
             log.info("joined secure aggregation", task_id=job.task_id, round=job.round, attempt=job.attempt)
 
@@ -220,13 +234,11 @@ class SiteSecAgg:
         job.session, job.session_id, job.answers = None, msg.session_id, {}
         if job.revealed or job.vector is None:
             raise SecAggError("this site already revealed shares for this round; it joins no second session")
-        if tuple(s.tensor_order) != job.names or s.vector_length != job.vector.size:
-            raise SecAggError(f"the session flattens tensors {list(s.tensor_order)[:3]}... into {s.vector_length} "
-                              f"values; this site trained {list(job.names)[:3]}... = {job.vector.size} values")
+        job.layout = _layout_of(job, s)
         params = SessionParams(task_id=job.task_id, round=job.round, cohort=tuple(s.cohort),
                                model_hash=bytes.fromhex(s.model_hash), vector_length=int(s.vector_length),
-                               quantizer=Quantizer(clip=s.clip, bits=s.bits, rounding=s.rounding),  # type: ignore[arg-type]
-                               degree=s.degree or None, threshold=s.threshold, nonce=s.nonce)
+                               quantizer=job.layout.quantizer, degree=s.degree or None, threshold=s.threshold,
+                               nonce=s.nonce)
         if params.session_id.hex() != msg.session_id:
             raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
         job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),
@@ -261,13 +273,13 @@ class SiteSecAgg:
         r = msg.masked_input_request
         request = MaskedInputRequest(job.session.params.session_id, self.agent.site_id, tuple(r.alive),
                                      dict(r.ciphertexts))
-        masked = job.session.masked_input(request, job.vector).masked
+        masked = job.session.masked_input(request, _encode(job)).masked
         header = agent_pb2.UpdateHeader(
             task_id=job.task_id, round=job.round, attempt=job.attempt, base_model_hash=job.model_hash,
             idempotency_key=f"{job.task_id}:{job.round}:{self.agent.site_id}:secagg:{uuid.uuid4().hex}",
             secagg_session_id=job.session_id)
         header.tensors.append(tensors_pb2.TensorHeader(
-            name=MASKED_TENSOR, dtype="uint32", shape=[int(masked.size)], codec="raw", sha256=tensor_sha256(masked),
+            name=MASKED_TENSOR, dtype=masked.dtype.name, shape=[int(masked.size)], codec="raw", sha256=tensor_sha256(masked),
             encoded_nbytes=int(masked.nbytes)))
         entry = self.agent.outbox.put(header, {MASKED_TENSOR: masked})
         log.info("masked input ready", nbytes=int(masked.nbytes), session=job.session_id[:16])
@@ -309,3 +321,53 @@ class SiteSecAgg:
         job.session, job.answers = None, {"setup": agent_pb2.SecAggPhase()}  # answer nothing more in this session
         log.error("secure-aggregation session refused", reason=reason, session=job.session_id[:16])
         self.agent.decline_round(job.task_id, job.round, f"secure aggregation refused: {reason}")
+
+
+def _flatten(a: agent_pb2.Assignment, delta: dict[str, np.ndarray],
+             names: list[str]) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]:
+    """The round's update as one float32 vector over all the assignment's tensors (``a.send_tensors``, in order;
+    zeros for those not in ``names``), the order, and each tensor's number of values (from the model)."""
+    order = tuple(a.send_tensors) or tuple(names)
+    manifest = manifest_from_proto(a.model)
+    sizes = tuple(int(np.prod(delta[n].shape if n in delta else manifest.tensor(n).shape, dtype=np.int64))
+                  for n in order)
+    vector = np.zeros(sum(sizes), np.float32)
+    offset = 0
+    for n, size in zip(order, sizes):
+        if n in names:
+            vector[offset:offset + size] = np.asarray(delta[n], dtype=np.float32).ravel()
+        offset += size
+    return vector, order, sizes
+
+
+def _layout_of(job: _Job, s: agent_pb2.SecAggSetup) -> VectorLayout:
+    """The session's input layout as this site reads the setup; raises SecAggError when it does not fit what the
+    site trained (other tensors, another length, a subset of layers without per-tensor weights)."""
+    if tuple(s.tensor_order) != job.names:
+        raise SecAggError(f"the session flattens tensors {list(s.tensor_order)[:3]}...; this site trained "
+                          f"{list(job.names)[:3]}...")
+    if not s.per_tensor_counts and job.sent != frozenset(job.names):
+        raise SecAggError("this site sends only some of the round's tensors (SAFL), but the session has no "
+                          "per-tensor weights: the sum would mix layers it did not train")
+    quantizer = Quantizer(clip=s.clip, bits=s.bits, rounding=s.rounding,  # type: ignore[arg-type]
+                          ring_bits=s.ring_bits or 32, weight_cap=s.weight_cap or 1)
+    layout = VectorLayout(tuple(zip(job.names, job.sizes)), quantizer, metric_names=tuple(s.metric_names),
+                          metric_clip=s.metric_clip or 100.0, per_tensor_counts=s.per_tensor_counts,
+                          metric_bits=s.metric_bits or METRIC_BITS)
+    layout.check_cohort(len(s.cohort))  # no slot's sum may wrap the ring
+    if layout.length != s.vector_length:
+        raise SecAggError(f"the session's vector has {s.vector_length} values; this site's update in its layout "
+                          f"has {layout.length}")
+    return layout
+
+
+def _encode(job: _Job) -> np.ndarray:
+    """This site's input in the session's ring: weight x quantized delta, weights, evaluation metrics."""
+    assert job.layout is not None and job.vector is not None
+    delta, offset = {}, 0
+    for n, size in zip(job.names, job.sizes):
+        if n in job.sent:
+            delta[n] = job.vector[offset:offset + size]
+        offset += size
+    metrics = {k: v for k, v in job.metrics.items() if k in job.layout.metric_names}
+    return job.layout.encode(delta, weight=job.layout.weight_of(job.num_samples), metrics=metrics)

@@ -425,9 +425,10 @@ class Agent:
             failpoint("agent.charged")  # kill campaign: privacy charged, update not yet written
             if not self._passes(a, verdict):
                 return
-        if secure:  # no sample count, metrics or DP report travel beside a masked vector
+        if secure:  # no sample count, metrics or DP report travel beside a masked vector (count and metrics: inside)
             log.info("trained for a secure round", samples=result.num_samples, loss=round(float(result.loss), 4))
-            self.secagg.ready(a, manifest.model_hash, trained.site.delta, trained.site.send)
+            self.secagg.ready(a, manifest.model_hash, trained.site.delta, trained.site.send,
+                              num_samples=result.num_samples, eval_metrics=trained.eval_metrics)
             return
         header = agent_pb2.UpdateHeader(
             task_id=a.task_id, round=a.round, attempt=a.attempt,

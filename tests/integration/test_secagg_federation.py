@@ -1,6 +1,6 @@
 """Secure aggregation over the real services: five agent processes, one killed between share-keys and its masked
-input; the round's model is plaintext FedAvg (uniform weights) of the four survivors' replayed deltas, within the
-quantizer's documented bound. Tasks the protocol cannot serve are refused at submit with the reason."""
+input; the round's model is plaintext sample-weighted FedAvg of the four survivors' replayed deltas (the weights summed
+under the masks, issue 17), within the quantizer's documented bound. Tasks the protocol cannot serve are refused at submit with the reason."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.helpers.text_models import make_examples, tiny_package
 
 pytestmark = pytest.mark.integration
 
-SAMPLES = (16, 24, 32, 40, 48)  # different sizes: sample-weighted FedAvg would differ from the uniform mean
+SAMPLES = (16, 24, 32, 40, 48)  # different sizes: sample-weighted FedAvg differs from the uniform mean
 CLIP = 0.5
 
 
@@ -58,7 +58,7 @@ class _Unchecked(Task):
         pass
 
 
-def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_survivors(federation_factory,
+def test_secure_round_survives_a_killed_site_and_equals_weighted_fedavg_of_survivors(federation_factory,
                                                                                    monkeypatch):
     from tests.helpers.prometheus import scrape, value
 
@@ -101,12 +101,12 @@ def test_secure_round_survives_a_killed_site_and_equals_uniform_fedavg_of_surviv
     for name in start.tensors:
         stacked = np.stack([d[name] for d in deltas])
         assert np.abs(stacked).max() <= CLIP  # nothing was clipped: the bound is against the plain deltas
-        expected = start.tensors[name] + stacked.mean(axis=0)
+        expected = start.tensors[name] + sum(n * d[name] for d, n in survivors) / weighted_total
         got = round1.tensors[name]
         np.testing.assert_allclose(got, expected, rtol=0, atol=bound + 1e-6, err_msg=name)
-        # ...and it is the uniform mean of the survivors, not the sample-weighted one, nor one with site-e
-        weighted = start.tensors[name] + sum(n * d[name] for d, n in survivors) / weighted_total
-        assert np.abs(weighted - expected).max() > 10 * (bound + 1e-6), name
+        # ...and it is the sample-weighted mean of the survivors, not the uniform one, nor one with site-e
+        uniform = start.tensors[name] + stacked.mean(axis=0)
+        assert np.abs(uniform - expected).max() > 10 * (bound + 1e-6), name
     print(f"\nsecure round with 5 sites (1 killed): {elapsed:.1f} s from submit to completion; "
           f"uplink {rnd.uplink_bytes} B, downlink {rnd.downlink_bytes} B")
 
@@ -135,10 +135,11 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
     assert len(sessions) == 2, sessions  # the lost session, then a new one (new nonce, new keys) for the same round
     assert sessions[0].split("session ")[1][:16] != sessions[1].split("session ")[1][:16]
     assert final.rounds[0].metrics["secagg_survivors"] == 4
-    deltas = [replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)[0]
-              for i, n in enumerate(SAMPLES[:4])]
+    replayed = [replay_site(start, make_examples(n, seed=i), final.spec, site=f"site-{'abcd'[i]}", rnd=1)
+                for i, n in enumerate(SAMPLES[:4])]
+    total = sum(n for _, n in replayed)
     for name in start.tensors:  # each site's training counted once: the re-keyed session re-used its delta
-        expected = start.tensors[name] + np.mean([d[name] for d in deltas], axis=0)
+        expected = start.tensors[name] + sum(n * d[name] for d, n in replayed) / total
         np.testing.assert_allclose(round1.tensors[name], expected, rtol=0,
                                    atol=final.rounds[0].metrics["secagg_error_bound"] + 1e-6, err_msg=name)
 

@@ -90,7 +90,7 @@ class CancelWork(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SecAggSetup(_message.Message):
-    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt")
+    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt", "ring_bits", "weight_cap", "metric_names", "metric_clip", "per_tensor_counts", "metric_bits")
     COHORT_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     DEGREE_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,12 @@ class SecAggSetup(_message.Message):
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RING_BITS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CAP_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
+    METRIC_CLIP_FIELD_NUMBER: _ClassVar[int]
+    PER_TENSOR_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    METRIC_BITS_FIELD_NUMBER: _ClassVar[int]
     cohort: _containers.RepeatedScalarFieldContainer[str]
     threshold: int
     degree: int
@@ -113,7 +119,13 @@ class SecAggSetup(_message.Message):
     model_hash: str
     nonce: bytes
     attempt: int
-    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ...) -> None: ...
+    ring_bits: int
+    weight_cap: int
+    metric_names: _containers.RepeatedScalarFieldContainer[str]
+    metric_clip: float
+    per_tensor_counts: bool
+    metric_bits: int
+    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ..., ring_bits: _Optional[int] = ..., weight_cap: _Optional[int] = ..., metric_names: _Optional[_Iterable[str]] = ..., metric_clip: _Optional[float] = ..., per_tensor_counts: _Optional[bool] = ..., metric_bits: _Optional[int] = ...) -> None: ...
 
 class SecAggPublicKeys(_message.Message):
     __slots__ = ("mask_public_key", "encryption_public_key", "keys_statement")
@@ -233,14 +245,16 @@ class SecAggAbort(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class SecAggJoin(_message.Message):
-    __slots__ = ("attempt", "model_hash", "vector_length")
+    __slots__ = ("attempt", "model_hash", "vector_length", "metric_names")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     VECTOR_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     model_hash: str
     vector_length: int
-    def __init__(self, attempt: _Optional[int] = ..., model_hash: _Optional[str] = ..., vector_length: _Optional[int] = ...) -> None: ...
+    metric_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, attempt: _Optional[int] = ..., model_hash: _Optional[str] = ..., vector_length: _Optional[int] = ..., metric_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggPhase(_message.Message):
     __slots__ = ("task_id", "round", "session_id", "setup", "key_directory", "masked_input_request", "unmask_request", "abort", "join", "advertise_keys", "share_keys", "unmask_response", "survivors_request", "survivors_signature")

@@ -110,7 +110,7 @@ class PrivacyConfig(_message.Message):
     def __init__(self, level: _Optional[str] = ..., target_epsilon: _Optional[float] = ..., target_delta: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., accountant: _Optional[str] = ...) -> None: ...
 
 class SecureAggregationConfig(_message.Message):
-    __slots__ = ("enabled", "threshold", "min_cohort", "clip", "bits", "rounding", "degree")
+    __slots__ = ("enabled", "threshold", "min_cohort", "clip", "bits", "rounding", "degree", "weighting", "weight_cap", "metric_clip")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     MIN_COHORT_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,9 @@ class SecureAggregationConfig(_message.Message):
     BITS_FIELD_NUMBER: _ClassVar[int]
     ROUNDING_FIELD_NUMBER: _ClassVar[int]
     DEGREE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CAP_FIELD_NUMBER: _ClassVar[int]
+    METRIC_CLIP_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     threshold: int
     min_cohort: int
@@ -125,7 +128,10 @@ class SecureAggregationConfig(_message.Message):
     bits: int
     rounding: str
     degree: int
-    def __init__(self, enabled: _Optional[bool] = ..., threshold: _Optional[int] = ..., min_cohort: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., degree: _Optional[int] = ...) -> None: ...
+    weighting: str
+    weight_cap: int
+    metric_clip: float
+    def __init__(self, enabled: _Optional[bool] = ..., threshold: _Optional[int] = ..., min_cohort: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., degree: _Optional[int] = ..., weighting: _Optional[str] = ..., weight_cap: _Optional[int] = ..., metric_clip: _Optional[float] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
     __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options", "verification")

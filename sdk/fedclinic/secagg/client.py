@@ -248,9 +248,10 @@ class ClientSession:
         p, me, graph = self.params, self.site_id, self._graph
         assert graph is not None and self._seed is not None
         arr = np.asarray(update)
-        if arr.ndim != 1 or arr.dtype.kind != "f" or arr.size != p.vector_length:
-            raise SecAggInputError(f"update must be a 1-D float vector of {p.vector_length} values, got shape "
-                                   f"{arr.shape} dtype {arr.dtype}")
+        encoded = arr.dtype == p.quantizer.dtype  # already in the ring (fedclinic.secagg.vector_layout)
+        if arr.ndim != 1 or not (arr.dtype.kind == "f" or encoded) or arr.size != p.vector_length:
+            raise SecAggInputError(f"update must be a 1-D float vector (or {p.quantizer.dtype}, already encoded) "
+                                   f"of {p.vector_length} values, got shape {arr.shape} dtype {arr.dtype}")
         self._check_session(request.session_id)
         if request.recipient != me:
             raise self._refuse(f"request is addressed to {request.recipient!r}")
@@ -278,7 +279,7 @@ class ClientSession:
                         purpose=SHARE_ENCRYPTION, me=me, peer=v)
             self._held[v] = decrypt_share(key, request.ciphertexts[v], session_id=p.session_id, sender=v,
                                           receiver=me, x=p.x_of(me))
-        q = p.quantizer.quantize(arr)
+        q = arr.copy() if encoded else p.quantizer.quantize(arr).astype(p.quantizer.dtype, copy=False)
         add = [self_mask_key(self._seed, session_id=p.session_id, owner=me)]
         sub = []
         for v in sorted(partners):

@@ -112,7 +112,8 @@ class SessionParams:
         q = self.quantizer
         parts = encode(DOMAIN, "session", self.task_id, self.round, len(self.cohort), *self.cohort,
                        self.threshold, 0 if self.degree is None else self.degree, self.vector_length,
-                       q.clip, q.bits, q.rounding, self.model_hash, self.nonce)
+                       q.clip, q.bits, q.rounding, self.model_hash, self.nonce,
+                       *(() if (q.ring_bits, q.weight_cap) == (32, 1) else ("ring", q.ring_bits, q.weight_cap)))
         return hashlib.sha256(parts).digest()
 
     def x_of(self, member: str) -> int:

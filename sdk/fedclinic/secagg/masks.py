@@ -1,8 +1,9 @@
-"""Mask expansion: a 32-byte key -> a vector of uniform words in Z_{2^32}, added or subtracted in place.
+"""Mask expansion: a 32-byte key -> a vector of uniform words in Z_{2^r}, added or subtracted in place.
 
-Definition (the contract every client and the server share)::
+Definition (the contract every client and the server share; ``b = r / 8`` bytes per word, r = 16, 32 or 64,
+the session's ring width, :attr:`fedclinic.secagg.Quantizer.ring_bits`)::
 
-    PRG(key)[i] = uint32_le( AES-256-CTR(key, initial counter block 0^128)[4i : 4i+4] )
+    PRG_r(key)[i] = uint<r>_le( AES-256-CTR(key, initial counter block 0^128)[b*i : b*(i+1)] )
 
 AES-256 in counter mode is a pseudorandom function of the full-entropy 32-byte key, so the words are
 computationally indistinguishable from independent uniform values in Z_{2^32}; since the modulus is a
@@ -12,7 +13,8 @@ keystream is never reused and the all-zero counter block is safe (Google's ``Aes
 choice). The counter is 128 bits wide; the session caps vectors at 2^34 words (2^36 bytes), far below
 any AES-CTR limit.
 
-Random access: words ``4j .. 4j+3`` are the AES block with counter ``j`` (128-bit big-endian), so a
+Random access (shown for r = 32; a block holds ``16 / b`` words in general): words ``4j .. 4j+3`` are the AES
+block with counter ``j`` (128-bit big-endian), so a
 stream that starts at word ``4j`` is AES-256-CTR with initial counter block ``j``. The vector is cut into
 such block-aligned pieces that are expanded independently, possibly on worker threads; the result is the
 same words whatever the pieces.
@@ -56,7 +58,10 @@ PIECES_PER_WORKER = 4
 deschedules (the machine is shared) does not hold up the others for long."""
 
 WORDS_PER_BLOCK = 4
-"""uint32 words in one 16-byte AES block: pieces start at multiples of it."""
+"""uint32 words in one 16-byte AES block: pieces start at multiples of it (``16 // itemsize`` in general)."""
+
+RING_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64))
+"""The word types a mask may be folded into (the ring Z_{2^16}, Z_{2^32} or Z_{2^64})."""
 
 _Op = Callable[..., object]
 
@@ -64,9 +69,10 @@ _Op = Callable[..., object]
 def apply_masks(target: np.ndarray, *, add: Sequence[bytes] = (), subtract: Sequence[bytes] = (),
                 chunk_words: int = CHUNK_WORDS, workers: int = 1,
                 then: Callable[[int, np.ndarray], object] | None = None) -> None:
-    """In place: ``target += sum(PRG(k) for k in add) - sum(PRG(k) for k in subtract)  (mod 2^32)``.
+    """In place: ``target += sum(PRG_r(k) for k in add) - sum(PRG_r(k) for k in subtract)  (mod 2^r)``.
 
-    ``target`` must be a writeable, C-contiguous 1-D ``uint32`` array of at most :data:`MAX_WORDS`.
+    ``target`` must be a writeable, C-contiguous 1-D ``uint16``, ``uint32`` or ``uint64`` array (its dtype is the
+    ring: r = 16, 32 or 64) of at most :data:`MAX_WORDS` words.
     ``then(start, part)``, if given, is called once for every chunk ``part = target[start:start+len(part)]``
     after all masks are applied to it (chunks are disjoint and cover ``target``); with ``workers > 1`` it is
     called from worker threads, concurrently for different chunks, and must only touch that range.
@@ -74,8 +80,8 @@ def apply_masks(target: np.ndarray, *, add: Sequence[bytes] = (), subtract: Sequ
     worker is re-raised here once the running pieces end (pieces not started yet are dropped); ``target``
     is then partly masked and must be discarded.
     """
-    if not isinstance(target, np.ndarray) or target.dtype != np.uint32 or target.ndim != 1:
-        raise TypeError("masks apply to a 1-D numpy uint32 vector")
+    if not isinstance(target, np.ndarray) or target.dtype not in RING_DTYPES or target.ndim != 1:
+        raise TypeError("masks apply to a 1-D numpy uint16, uint32 or uint64 vector")
     if not target.flags.c_contiguous or not target.flags.writeable:
         raise ValueError("the masked vector must be C-contiguous and writeable")
     if target.size > MAX_WORDS:
@@ -91,7 +97,7 @@ def apply_masks(target: np.ndarray, *, add: Sequence[bytes] = (), subtract: Sequ
     if n == 0 or (not streams and then is None):
         return
     chunk = min(chunk_words, n)
-    pieces = _pieces(n, workers)
+    pieces = _pieces(n, workers, 16 // target.dtype.itemsize)
     if len(pieces) == 1:
         _apply_piece(target, streams, 0, n, chunk, then)
         return
@@ -105,27 +111,29 @@ def apply_masks(target: np.ndarray, *, add: Sequence[bytes] = (), subtract: Sequ
                 f.cancel()
 
 
-def _pieces(n: int, workers: int) -> list[tuple[int, int]]:
-    """Block-aligned ``[lo, hi)`` word ranges covering ``range(n)``; one range unless threads pay off."""
+def _pieces(n: int, workers: int, per_block: int = WORDS_PER_BLOCK) -> list[tuple[int, int]]:
+    """Block-aligned (``per_block`` words a block) ``[lo, hi)`` ranges covering ``range(n)``; one range unless
+    threads pay off."""
     if workers == 1 or n < 2 * MIN_PIECE_WORDS:
         return [(0, n)]
     count = min(workers * PIECES_PER_WORKER, n // MIN_PIECE_WORDS)
     size = -(-n // count)
-    size += -size % WORDS_PER_BLOCK
+    size += -size % per_block
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
 def _apply_piece(target: np.ndarray, streams: Sequence[tuple[bytes, _Op]], lo: int, hi: int, chunk: int,
                  then: Callable[[int, np.ndarray], object] | None) -> None:
     """Apply every stream to ``target[lo:hi]`` (``lo`` block-aligned), ``chunk`` words at a time."""
-    encs = [(_encryptor(k, lo // WORDS_PER_BLOCK), op) for k, op in streams]
+    size = target.dtype.itemsize
+    encs = [(_encryptor(k, lo * size // 16), op) for k, op in streams]
     chunk = min(chunk, hi - lo)
-    zeros = memoryview(bytes(4 * chunk))
-    buf = bytearray(4 * chunk + 16)  # update_into needs block_size - 1 spare bytes
-    words = np.frombuffer(buf, dtype="<u4", count=chunk)
+    zeros = memoryview(bytes(size * chunk))
+    buf = bytearray(size * chunk + 16)  # update_into needs block_size - 1 spare bytes
+    words = np.frombuffer(buf, dtype=target.dtype.newbyteorder("<"), count=chunk)
     for start in range(lo, hi, chunk):
         m = min(chunk, hi - start)
-        part, ks, src = target[start:start + m], words[:m], zeros[:4 * m]
+        part, ks, src = target[start:start + m], words[:m], zeros[:size * m]
         for enc, op in encs:
             enc.update_into(src, buf)
             op(part, ks, out=part)
@@ -142,11 +150,11 @@ def _encryptor(key: bytes, first_block: int = 0) -> CipherContext:
     return Cipher(algorithms.AES(key), modes.CTR(first_block.to_bytes(16, "big"))).encryptor()
 
 
-def expand_mask(key: bytes, length: int) -> np.ndarray:
-    """``PRG(key)[:length]`` as a new ``uint32`` vector (for tests and reference; production code folds
-    masks in place with :func:`apply_masks`)."""
+def expand_mask(key: bytes, length: int, dtype: np.dtype | type = np.uint32) -> np.ndarray:
+    """``PRG_r(key)[:length]`` as a new vector of ``dtype`` (the ring; for tests and reference: production code
+    folds masks in place with :func:`apply_masks`)."""
     if length < 0:
         raise ValueError("length must be non-negative")
-    out = np.zeros(length, dtype=np.uint32)
+    out = np.zeros(length, dtype=dtype)
     apply_masks(out, add=[key])
     return out

@@ -1,4 +1,4 @@
-"""Fixed-point quantization of float updates into the ring Z_{2^32}, and back.
+"""Fixed-point quantization of float updates into the ring Z_{2^r} (r = ``ring_bits``: 16, 32 or 64), and back.
 
 Math (``c`` = ``clip``, ``L = 2^bits - 1`` levels, ``s = L / (2c)`` levels per unit, ``step = 1/s``)::
 
@@ -16,8 +16,13 @@ Rounding (choose with ``rounding``):
   ``E[q] = v`` up to ``2^-32`` of a level (unbiased for all practical purposes) and ``|q - v| < 1``.
   Unbiased rounding is what keeps repeated rounds of quantized FedAvg from drifting.
 
-Overflow: the survivors' sum must not wrap, i.e. ``m * L <= 2^32 - 1``; :meth:`Quantizer.check_cohort`
-refuses any cohort whose size could break this (the cohort bounds the survivors).
+Overflow: the survivors' sum must not wrap, i.e. ``m * W * L <= R`` with ``W = weight_cap`` (the largest
+integer a site may multiply its quantized input by: its capped sample count, 1 for uniform weights; see
+:mod:`fedclinic.secagg.vector_layout`) and ``R = min(2^r - 1, 2^53)`` (2^53: every sum converts to float64
+exactly); :meth:`Quantizer.check_cohort` refuses any cohort whose size could break this (the cohort bounds the
+survivors). :func:`ring_for` picks the narrowest ring that holds a cohort's sums: the masked vector travels in
+that width (e.g. ``uint16`` for 8-bit quantization, uniform weights and up to 257 sites: half the bytes of
+``uint32``).
 
 Error bound (per coordinate, documented and tested)::
 
@@ -43,7 +48,15 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from fedclinic.secagg.errors import SecAggConfigError, SecAggInputError
 
 RING_MAX = (1 << 32) - 1
-"""Largest value of the ring Z_{2^32} (the masked vectors are uint32)."""
+"""Largest value of the default ring Z_{2^32}."""
+
+RING_BITS = (16, 32, 64)
+"""The ring widths a session may use; the masked vector's dtype is ``uint<r>``."""
+
+EXACT_MAX = (1 << 53) - 1
+"""Largest sum a 64-bit ring may reach: every such sum converts to float64 exactly."""
+
+_DTYPES = {16: np.dtype(np.uint16), 32: np.dtype(np.uint32), 64: np.dtype(np.uint64)}
 
 MAX_BITS = 24
 """Largest supported precision: keeps float64 quantization arithmetic within 2^-20 of a level."""
@@ -60,6 +73,8 @@ class Quantizer:
     clip: float = 1.0
     bits: int = 20
     rounding: Rounding = "stochastic"
+    ring_bits: int = 32
+    weight_cap: int = 1
 
     def __post_init__(self) -> None:
         if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
@@ -69,6 +84,24 @@ class Quantizer:
             raise SecAggConfigError(f"quantization bits must be an integer in [1, {MAX_BITS}], got {self.bits!r}")
         if self.rounding not in ("stochastic", "nearest"):
             raise SecAggConfigError(f"rounding must be 'stochastic' or 'nearest', got {self.rounding!r}")
+        if self.ring_bits not in RING_BITS:
+            raise SecAggConfigError(f"ring_bits must be one of {RING_BITS}, got {self.ring_bits!r}")
+        if not (isinstance(self.weight_cap, int) and not isinstance(self.weight_cap, bool)
+                and 1 <= self.weight_cap <= (1 << 24)):
+            raise SecAggConfigError(f"weight_cap must be an integer in [1, 2^24], got {self.weight_cap!r}")
+        if self.levels * self.weight_cap > self.ring_max:
+            raise SecAggConfigError(f"{self.bits}-bit inputs weighted up to {self.weight_cap} do not fit one "
+                                    f"{self.ring_bits}-bit ring element; use a wider ring or fewer bits")
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The ring's numpy dtype (``uint16``, ``uint32`` or ``uint64``): the masked vector's wire type."""
+        return _DTYPES[self.ring_bits]
+
+    @property
+    def ring_max(self) -> int:
+        """Largest sum the ring holds without wrapping (and converts to float64 exactly)."""
+        return min((1 << self.ring_bits) - 1, EXACT_MAX)
 
     @property
     def levels(self) -> int:
@@ -87,16 +120,19 @@ class Quantizer:
 
     @property
     def max_clients(self) -> int:
-        """Largest number of summed inputs that cannot wrap: ``floor((2^32 - 1) / L)``."""
-        return RING_MAX // self.levels
+        """Largest number of summed inputs that cannot wrap: ``floor(R / (W * L))``."""
+        return self.ring_max // (self.levels * self.weight_cap)
 
     def check_cohort(self, n: int) -> None:
-        """Refuse a cohort of ``n`` clients whose summed inputs could wrap around 2^32."""
-        if n * self.levels > RING_MAX:
-            fit = max(b for b in range(1, MAX_BITS + 1) if n * ((1 << b) - 1) <= RING_MAX) if n <= RING_MAX else 0
+        """Refuse a cohort of ``n`` clients whose (weighted) summed inputs could wrap the ring."""
+        if n * self.levels * self.weight_cap > self.ring_max:
+            cap = self.ring_max // max(1, n * self.weight_cap)
+            fits = [b for b in range(1, MAX_BITS + 1) if (1 << b) - 1 <= cap]
+            weighted = f" x weights up to {self.weight_cap}" if self.weight_cap > 1 else ""
             raise SecAggConfigError(
-                f"{n} clients x {self.levels} quantization levels ({self.bits} bits) can exceed 2^32 - 1 and wrap "
-                f"the masked sum; use at most {fit} bits for this cohort or at most {self.max_clients} clients")
+                f"{n} clients x {self.levels} quantization levels ({self.bits} bits){weighted} can exceed "
+                f"{self.ring_max} and wrap the {self.ring_bits}-bit masked sum; use at most "
+                f"{max(fits) if fits else 0} bits for this cohort or at most {self.max_clients} clients")
 
     def error_bound(self, count: int, magnitude: float | np.ndarray | None = None) -> float | np.ndarray:
         """Per-coordinate bound on ``|dequantize(sum) - sum of clipped inputs|`` for ``count`` inputs.
@@ -164,8 +200,8 @@ class Quantizer:
         Computed in float64 and rounded to float32 once. ``out`` (a float32 vector of the same length, e.g.
         a slice of a larger result) receives the values if given; it is returned either way.
         """
-        if not isinstance(total, np.ndarray) or total.dtype != np.uint32 or total.ndim != 1:
-            raise TypeError("dequantize expects the 1-D uint32 sum")
+        if not isinstance(total, np.ndarray) or total.dtype not in _DTYPES.values() or total.ndim != 1:
+            raise TypeError("dequantize expects the 1-D unsigned ring sum (uint16, uint32 or uint64)")
         if count < 1:
             raise ValueError("dequantize needs the number of summed inputs (>= 1)")
         self.check_cohort(count)
@@ -179,7 +215,17 @@ class Quantizer:
         for start in range(0, total.size, chunk):
             m = min(chunk, total.size - start)
             t = tmp[:m]
-            t[...] = total[start:start + m]  # exact: a uint32 fits a float64 (a plain cast beats a mixed-type multiply)
+            t[...] = total[start:start + m]  # exact: a ring sum is below 2^53 (a plain cast beats a mixed-type multiply)
             t *= step
             np.subtract(t, offset, out=out[start:start + m])  # float64 arithmetic, one rounding to float32
         return out
+
+
+def ring_for(levels: int, weight_cap: int, cohort: int) -> int:
+    """The narrowest ring width of :data:`RING_BITS` whose sums of ``cohort`` inputs of at most
+    ``levels * weight_cap`` cannot wrap; raises SecAggConfigError when even 64 bits (2^53, exact) cannot."""
+    for r in RING_BITS:
+        if cohort * levels * weight_cap <= min((1 << r) - 1, EXACT_MAX):
+            return r
+    raise SecAggConfigError(f"{cohort} clients x {levels} levels x weights up to {weight_cap} exceed 2^53: lower "
+                            "the quantization bits or the weight cap")

@@ -183,7 +183,7 @@ class ServerSession:
         requests = {v: MaskedInputRequest(sid, v, u2, {u: self._shares[u].ciphertexts[v] for u in u2
                                                        if v in g.neighbours(u)})
                     for v in u2}
-        self._acc = np.zeros(self.params.vector_length, dtype=np.uint32)
+        self._acc = np.zeros(self.params.vector_length, dtype=self.params.quantizer.dtype)
         self._phase = Phase.MASKED_INPUT
         return requests
 
@@ -197,8 +197,9 @@ class ServerSession:
             raise SecAggProtocolError(f"masked input from {msg.sender!r} was already folded; a retry must be "
                                       "answered from the transport's idempotency record, not folded twice")
         y = msg.masked
-        if not isinstance(y, np.ndarray) or y.dtype != np.uint32 or y.shape != (self.params.vector_length,):
-            raise SecAggProtocolError(f"masked input from {msg.sender!r} must be a uint32 vector of "
+        ring = self.params.quantizer.dtype
+        if not isinstance(y, np.ndarray) or y.dtype != ring or y.shape != (self.params.vector_length,):
+            raise SecAggProtocolError(f"masked input from {msg.sender!r} must be a {ring} vector of "
                                       f"{self.params.vector_length} values")
         assert self._acc is not None
         np.add(self._acc, y, out=self._acc)

@@ -52,7 +52,8 @@ for a package made locally); a section that is *absent* was not configured::
                          up to this model: "epsilon_spent_max_site", "delta_spent" (sample level: the largest
                          cumulative spend of any site) or "client_epsilon_spent", "client_delta" (client level)
     secure_aggregation   only when the task enabled it, defaults filled in: {"enabled", "threshold",
-                         "min_cohort", "clip", "bits", "rounding", "degree"}
+                         "min_cohort", "clip", "bits", "rounding", "degree", "weighting", "weight_cap",
+                         "metric_clip"}
     notes                plain-language caveats (list of strings)
     export               only in an ONNX bundle: {"created", "fedclinic_version", "opset", "inputs", "outputs",
                          "files", "fp32": {"max_abs_diff", "tolerance", "top1_agreement", "inputs",

@@ -81,11 +81,10 @@ def config_problems(selection: str, top_k: int, profile_samples: int, token: str
 
 
 def composition_problems(strategy: Any, secure_aggregation: bool) -> list[str]:
-    """Why SAFL cannot run with this strategy object or with secure aggregation (empty when it can)."""
+    """Why SAFL cannot run with this strategy object (empty when it can). Under secure aggregation SAFL runs
+    with one weight slot per tensor (fedclinic.secagg.vector_layout): a site sends zeros and weight 0 for the
+    layers it did not select, so the sum gives each layer's sum and weight."""
     p = []
-    if secure_aggregation:
-        p.append("SAFL cannot run under secure aggregation: every site of a SecAgg session must send the same "
-                 "tensors, and SAFL sites send the layers they selected; turn off one of the two")
     reason = strategy.partial_updates_problem()
     if reason:
         p.append(f"SAFL sites send different layers, and {reason}; use fedavg (or fedavgm, fedadam, fedyogi, "

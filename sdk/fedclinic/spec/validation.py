@@ -76,6 +76,8 @@ BOUNDS: dict[str, Bound] = {
     "secure_aggregation.bits": Bound(0, 62, integer=True),
     "secure_aggregation.degree": Bound(0, 1000, integer=True),
     "secure_aggregation.clip": Bound(0, 1e6),
+    "secure_aggregation.weight_cap": Bound(0, 1 << 24, integer=True),
+    "secure_aggregation.metric_clip": Bound(0, 1e9),
 }
 #: the largest magnitude of a numeric strategy parameter (server_lr, beta, byzantine, ...); each must be finite
 MAX_STRATEGY_PARAM = 1e6

@@ -28,7 +28,7 @@ CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 4 << 20
 ALLOWED_DTYPES = frozenset(
     {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-     "uint32"}  # uint32: secure-aggregation masked inputs (elements of Z_2^32)
+     "uint16", "uint32", "uint64"}  # secure-aggregation masked inputs (elements of Z_2^16, Z_2^32, Z_2^64)
 )
 #: the most dimensions a tensor may have (the model families use at most 4)
 MAX_RANK = 8

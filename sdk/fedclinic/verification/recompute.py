@@ -18,7 +18,8 @@ import numpy as np
 from fedclinic.codecs import decode
 from fedclinic.errors import IntegrityError
 from fedclinic.proto import control_pb2, task_pb2
-from fedclinic.secagg.task_config import quantizer_of
+from fedclinic.secagg.errors import SecAggError
+from fedclinic.secagg.task_config import layout_for
 from fedclinic.spec.validation import strategy_of
 from fedclinic.strategies import FedAvg
 from fedclinic.transport import codec_wire
@@ -71,21 +72,23 @@ def plain_round(spec: task_pb2.TaskSpec, base: Mapping[str, np.ndarray], updates
 
 def secure_round(spec: task_pb2.TaskSpec, base: Mapping[str, np.ndarray], rec: control_pb2.RoundRecords,
                  ring_sum: bytes) -> dict[str, np.ndarray]:
-    """The round's model from ``base`` and the published ring sum: dequantized for the survivors, divided by
-    their number and handed to the strategy as one update of weight 1 (as the aggregator does)."""
-    layout = json.loads(rec.secure_params_json)
-    total = np.frombuffer(ring_sum, dtype="<u4").astype(np.uint32)
-    m = len(rec.survivors)
-    if m < 1:
+    """The round's model from ``base`` and the published ring sum, as the aggregator makes it: the session's
+    input layout rebuilt from the task and the published parameters (tensors, cohort size, metric names;
+    :func:`fedclinic.secagg.task_config.layout_for`), the sample-weighted mean of each tensor some survivor sent
+    decoded from the sum, and handed to the strategy as one update of weight 1."""
+    params = json.loads(rec.secure_params_json)
+    if len(rec.survivors) < 1:
         raise IntegrityError(f"round {rec.round}: the secure sum names no survivors")
-    mean = quantizer_of(spec.secure_aggregation).dequantize(total, m) / np.float32(m)
-    deltas, offset = {}, 0
-    for name, shape in zip(layout["names"], layout["shapes"]):
-        size = int(np.prod(shape, dtype=np.int64))
-        deltas[str(name)] = mean[offset:offset + size].reshape(tuple(shape))
-        offset += size
-    if offset != total.size:
-        raise IntegrityError(f"round {rec.round}: the secure sum has {total.size} values, its layout {offset}")
+    names = tuple(str(n) for n in params["names"])
+    shapes = tuple(tuple(int(d) for d in shape) for shape in params["shapes"])
+    try:
+        layout = layout_for(spec, names, shapes, int(params.get("cohort", len(rec.survivors))),
+                            tuple(str(n) for n in params.get("metric_names", ())))
+        total = np.frombuffer(ring_sum, dtype=layout.quantizer.dtype.newbyteorder("<")).astype(layout.quantizer.dtype)
+        decoded = layout.decode(total)
+    except (SecAggError, ValueError) as exc:
+        raise IntegrityError(f"round {rec.round}: the published secure sum does not fit its layout: {exc}") from None
+    deltas = {name: mean.reshape(dict(zip(names, shapes))[name]) for name, mean in decoded.tensors.items()}
     strategy = strategy_of(spec)
     strategy.begin(dict(base))
     strategy.accept(deltas, 1.0, site="secure-aggregate")

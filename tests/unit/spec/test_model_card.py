@@ -105,7 +105,8 @@ def test_privacy_sections_only_when_set_and_non_finite_metrics_become_null():
     assert card["privacy"] == {"level": "client", "target_epsilon": 3.0, "target_delta": 1e-5, "max_grad_norm": 1.0,
                                "noise_multiplier": 0.8, "accountant": "rdp"}
     assert card["secure_aggregation"] == {"enabled": True, "threshold": 2, "min_cohort": 3, "clip": 1.0, "bits": 20,
-                                          "rounding": "stochastic", "degree": 0}  # what ran: defaults filled in
+                                          "rounding": "stochastic", "degree": 0, "weighting": "samples",
+                                          "weight_cap": 65536, "metric_clip": 100.0}  # what ran: defaults filled in
     assert card["final_round_metrics"]["eval_loss"] is None
     json.dumps(card, allow_nan=False)
     md = render_markdown(card)

@@ -183,7 +183,6 @@ def _task(**kw) -> Task:
     (dict(strategy="dp-fedavg", privacy={"level": "client"}), "dp-fedavg divides every tensor"),
     (dict(strategy="dynamic-weighting"), "summed norms"),
     (dict(strategy="fedatt", strategy_params={"granularity": "whole_model"}), "granularity 'per_layer'"),
-    (dict(secure_aggregation={"enabled": True}, min_sites=3), "SAFL cannot run under secure aggregation"),
 ])
 def test_task_refuses_what_safl_cannot_do(kw, message):
     with pytest.raises(ConfigError, match=message):
@@ -230,8 +229,11 @@ def test_aggregator_refuses_top_k_beyond_the_model_and_bad_specs():
     with pytest.raises(Refused, match="safl_top_k must be an integer >= 1"):
         validate_spec(spec, pkg.manifest())
     spec = _task().to_spec()
-    spec.secure_aggregation.enabled = True
-    with pytest.raises(Refused, match="SAFL cannot run under secure aggregation"):
+    spec.secure_aggregation.enabled = True  # runs: one weight slot per tensor (fedclinic.secagg.vector_layout)
+    spec.secure_aggregation.min_cohort = 3
+    validate_spec(spec, pkg.manifest())
+    spec.strategy = "median"  # ...but a strategy that needs each site's update stays refused, with the reason
+    with pytest.raises(Refused, match="secure aggregation reveals only the sum"):
         validate_spec(spec, pkg.manifest())
     spec = _task().to_spec()
     spec.strategy = "weipro"
