@@ -26,6 +26,7 @@ import structlog
 
 from fedclinic.errors import Refused
 from fedclinic.pki import PkiError
+from fedclinic.transport.handler_wrapping import rewrap
 from fedclinic.transport.request_parsing import UNPARSABLE
 
 from aggregator_service.auth import peer_identity
@@ -189,14 +190,4 @@ def _wrap(limits: PeerLimits, handler: grpc.RpcMethodHandler, method: str, kind:
                 slot.release()
         return inner
 
-    h = handler
-    if h.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(h.unary_unary), h.request_deserializer, h.response_serializer)
-    if h.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming(h.unary_stream), h.request_deserializer,
-                                                    h.response_serializer)
-    if h.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(h.stream_unary), h.request_deserializer,
-                                                    h.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(streaming(h.stream_stream), h.request_deserializer,
-                                                 h.response_serializer)
+    return rewrap(handler, unary=unary, streaming=streaming)

@@ -29,6 +29,7 @@ import grpc
 import structlog
 
 from fedclinic.runtime.disk_errors import is_disk_full
+from fedclinic.transport.handler_wrapping import rewrap
 from fedclinic.transport.request_parsing import checked_requests, lenient_parser
 
 log = structlog.get_logger("fedclinic.aggregator.rpc")
@@ -91,15 +92,8 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
                 _fail(exc, context, method)
         return inner
 
-    h = handler
-    parse = lenient_parser(h.request_deserializer)
-    if h.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary(h.unary_unary), parse, h.response_serializer)
-    if h.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming(h.unary_stream), parse, h.response_serializer)
-    if h.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary(h.stream_unary), parse, h.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(streaming(h.stream_stream), parse, h.response_serializer)
+    return rewrap(handler, unary=unary, streaming=streaming,
+                  request_deserializer=lenient_parser(handler.request_deserializer))
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):

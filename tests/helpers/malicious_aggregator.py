@@ -24,6 +24,7 @@ from aggregator_service.config import AggregatorConfig
 from aggregator_service.server import Aggregator
 from fedclinic.federation.local_federation import LocalFederation, to_toml
 from fedclinic.proto import agent_pb2, tensors_pb2
+from fedclinic.transport.handler_wrapping import rewrap
 
 WATCH_WORK = "/fedclinic.v1.AgentService/WatchWork"
 AGENT_FETCH = "/fedclinic.v1.AgentService/FetchModel"
@@ -99,18 +100,7 @@ class TamperInterceptor(grpc.ServerInterceptor):
                 yield from responses_of(behavior(requests_of(request, context), context), caller)
             return inner
 
-        h = handler
-        if h.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(h.unary_unary), h.request_deserializer,
-                                                       h.response_serializer)
-        if h.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(h.unary_stream), h.request_deserializer,
-                                                        h.response_serializer)
-        if h.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(h.stream_unary), h.request_deserializer,
-                                                        h.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(streaming(h.stream_stream), h.request_deserializer,
-                                                     h.response_serializer)
+        return rewrap(handler, unary=unary, streaming=streaming)
 
 
 class MaliciousAggregator:

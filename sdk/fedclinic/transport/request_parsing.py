@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import grpc
+from fedclinic.transport.handler_wrapping import rewrap
 
 
 class _Unparsable:
@@ -78,11 +79,4 @@ class UnparsableRequestInterceptor(grpc.ServerInterceptor):
                 return behavior(checked_requests(request, context, method, streamed), context)
             return inner
 
-        h = handler
-        if h.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap(h.unary_unary), parse, h.response_serializer)
-        if h.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap(h.unary_stream), parse, h.response_serializer)
-        if h.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap(h.stream_unary), parse, h.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(wrap(h.stream_stream), parse, h.response_serializer)
+        return rewrap(handler, unary=wrap, streaming=wrap, request_deserializer=parse)
