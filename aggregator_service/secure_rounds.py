@@ -430,7 +430,7 @@ class SecureRounds:
             layout = _session_layout(st, spec, cohort)
             params = session_params(spec, task_id=st.task_id, round_number=st.round, cohort=cohort,
                                     model_hash_hex=st.base_model, vector_length=layout.length,
-                                    quantizer=layout.quantizer)
+                                    quantizer=layout.quantizer, layout_digest=layout.digest())
             session = ServerSession(params, min_cohort=floor)
         except SecAggConfigError as exc:
             st.sessions = MAX_SESSIONS_PER_ATTEMPT  # the same cohort would fail again; the deadline decides

@@ -238,7 +238,7 @@ class SiteSecAgg:
         params = SessionParams(task_id=job.task_id, round=job.round, cohort=tuple(s.cohort),
                                model_hash=bytes.fromhex(s.model_hash), vector_length=int(s.vector_length),
                                quantizer=job.layout.quantizer, degree=s.degree or None, threshold=s.threshold,
-                               nonce=s.nonce)
+                               nonce=s.nonce, layout_digest=job.layout.digest())
         if params.session_id.hex() != msg.session_id:
             raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
         job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),

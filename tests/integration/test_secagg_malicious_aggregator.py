@@ -232,3 +232,18 @@ def test_an_agent_without_signed_keys_is_given_no_secure_task(evil):
             assert secagg.capable("site-old") is capable
     finally:
         channel.close()
+
+
+def test_a_different_input_layout_for_one_site_is_refused(evil):
+    """site-a's setup lists an evaluation metric the others' do not (a layout under which its slots would be read
+    against the others'): the setup no longer hashes to the session id the others share (the vector length and,
+    for layouts of equal length, the layout's digest are part of it: tests/unit/secagg/test_vector_layout.py), so
+    site-a refuses it before it shares anything."""
+
+    def attack(site, msg):
+        if site == "site-a" and msg.WhichOneof("body") == "setup":
+            msg.setup.metric_names.append("zz_injected")
+            msg.setup.vector_length += 2  # one metric costs two slots: the length still fits the layout
+        return [msg]
+
+    _attacked(evil, attack, {"site-a": "do not hash to its session id"})

@@ -53,6 +53,9 @@ class SessionParams:
     degree: int | None = None
     threshold: int = 0  # 0 = default_threshold(holders)
     nonce: bytes = field(default_factory=lambda: os.urandom(16))
+    #: the input layout's digest (:meth:`fedclinic.secagg.vector_layout.VectorLayout.digest`; empty: a plain
+    #: vector): sites given different layouts derive different session ids, so their masks never cancel
+    layout_digest: bytes = b""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task_id, str) or not self.task_id:
@@ -108,12 +111,13 @@ class SessionParams:
     @cached_property
     def session_id(self) -> bytes:
         """SHA-256 over every parameter (task, round, cohort, threshold, graph, quantizer, model hash,
-        nonce): 32 bytes that salt every key derivation and appear in every message."""
+        nonce, input layout): 32 bytes that salt every key derivation and appear in every message."""
         q = self.quantizer
         parts = encode(DOMAIN, "session", self.task_id, self.round, len(self.cohort), *self.cohort,
                        self.threshold, 0 if self.degree is None else self.degree, self.vector_length,
                        q.clip, q.bits, q.rounding, self.model_hash, self.nonce,
-                       *(() if (q.ring_bits, q.weight_cap) == (32, 1) else ("ring", q.ring_bits, q.weight_cap)))
+                       *(() if (q.ring_bits, q.weight_cap) == (32, 1) else ("ring", q.ring_bits, q.weight_cap)),
+                       *(("layout", self.layout_digest) if self.layout_digest else ()))
         return hashlib.sha256(parts).digest()
 
     def x_of(self, member: str) -> int:

@@ -132,7 +132,7 @@ def floor_of(spec: task_pb2.TaskSpec) -> int:
 
 def session_params(spec: task_pb2.TaskSpec, *, task_id: str, round_number: int, cohort: tuple[str, ...],
                    model_hash_hex: str, vector_length: int, nonce: bytes | None = None,
-                   quantizer: Quantizer | None = None) -> SessionParams:
+                   quantizer: Quantizer | None = None, layout_digest: bytes = b"") -> SessionParams:
     """One round's session parameters from the task's settings (``quantizer``: the session layout's, see
     :func:`layout_for`; default the task's in the 32-bit ring, unweighted); raises SecAggConfigError when the
     library refuses them for this cohort (e.g. a fixed threshold with too many or too few holders)."""
@@ -140,7 +140,7 @@ def session_params(spec: task_pb2.TaskSpec, *, task_id: str, round_number: int, 
     kw: dict[str, Any] = {} if nonce is None else {"nonce": nonce}
     return SessionParams(task_id=task_id, round=round_number, cohort=cohort, model_hash=bytes.fromhex(model_hash_hex),
                          vector_length=vector_length, quantizer=quantizer or quantizer_of(cfg),
-                         degree=cfg.degree or None, threshold=cfg.threshold, **kw)
+                         degree=cfg.degree or None, threshold=cfg.threshold, layout_digest=layout_digest, **kw)
 
 
 def spec_problems(spec: task_pb2.TaskSpec) -> list[str]:

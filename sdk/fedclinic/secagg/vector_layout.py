@@ -29,12 +29,14 @@ Nothing else about a site is revealed: its weight, sent layers and metrics are i
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from fedclinic.secagg.encoding import DOMAIN, encode
 from fedclinic.secagg.errors import SecAggConfigError, SecAggInputError
 from fedclinic.secagg.quantize import MAX_BITS, Quantizer
 
@@ -76,6 +78,16 @@ class VectorLayout:
             raise SecAggConfigError("tensor sizes must be non-negative")
         if self.metric_names:
             self.metric_quantizer  # noqa: B018 -- refuses a ring too narrow for the metric slots
+
+    def digest(self) -> bytes:
+        """SHA-256 over everything that places a value in the vector (tensors and sizes, quantizers, ring, weight
+        cap, metric names, clip and bits, per-tensor counts): part of the session id, so every member encodes
+        with the same layout or the session's masks do not cancel."""
+        q = self.quantizer
+        parts = encode(DOMAIN, "layout", len(self.tensors), *(x for t in self.tensors for x in t), q.clip, q.bits,
+                       q.rounding, q.ring_bits, q.weight_cap, len(self.metric_names), *self.metric_names,
+                       self.metric_clip, self.metric_bits, int(self.per_tensor_counts))
+        return hashlib.sha256(parts).digest()
 
     @property
     def metric_quantizer(self) -> Quantizer:

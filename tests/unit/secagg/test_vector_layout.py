@@ -125,3 +125,21 @@ def test_masks_in_other_rings_are_the_keystream_words_and_split_freely(dtype):
     apply_masks(x, add=[key], workers=2, chunk_words=1000)
     apply_masks(x, subtract=[key], workers=1)
     assert np.array_equal(x, np.arange(n, dtype=dtype))
+
+
+def test_the_layout_is_part_of_the_session_id():
+    """Two layouts of the same length (metric names swapped for others, or the metric precision changed) give
+    different session ids, so a site given another layout than its peers refuses the setup or its masks do not
+    cancel: the aggregator cannot read one site's slots against the others'."""
+    q = Quantizer(bits=16, ring_bits=64, weight_cap=1000)
+    base = VectorLayout((("w", 6), ("b", 2)), q, metric_names=("accuracy", "loss"))
+    renamed = VectorLayout((("w", 6), ("b", 2)), q, metric_names=("accuracy", "f1"))
+    coarser = VectorLayout((("w", 6), ("b", 2)), q, metric_names=("accuracy", "loss"), metric_bits=12)
+    assert base.length == renamed.length == coarser.length
+    ids = {SessionParams("t", 1, COHORT, MODEL, x.length, quantizer=q, nonce=b"n" * 16,
+                         layout_digest=x.digest()).session_id for x in (base, renamed, coarser)}
+    assert len(ids) == 3
+    same = SessionParams("t", 1, COHORT, MODEL, base.length, quantizer=q, nonce=b"n" * 16,
+                         layout_digest=VectorLayout((("w", 6), ("b", 2)), q,
+                                                    metric_names=("accuracy", "loss")).digest())
+    assert same.session_id in ids
