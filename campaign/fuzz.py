@@ -161,7 +161,7 @@ def _upload_twice(rig: FuzzRig, firer: CaseFirer, invariants: StoreInvariants) -
     a duplicate. On the firer's site-c channel; not counted as fuzz cases."""
     from fedclinic.proto import agent_pb2
 
-    targets = Targets(rig.real_task, rig.capture_task, rig.target_task, rig.current_assignment())
+    targets = Targets(rig.real_task, rig.capture_task, rig.target_task, rig.current_assignment(), rig.site_c_signer())
     out = []
     for wire in aimed_updates(rig.capture, targets):
         fn = firer._callable(RpcCase("agent", AGENT + "SubmitUpdate", "site-c", wire, request_stream=True))
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             problems += _upload_twice(rig, firer, invariants)
             totals["valid uploads"] += 1
             while min(firer.cases[s] for s in SERVICES) < per_service:
-                targets = Targets(rig.real_task, rig.capture_task, rig.target_task, rig.current_assignment())
+                targets = Targets(rig.real_task, rig.capture_task, rig.target_task, rig.current_assignment(), rig.site_c_signer())
                 strategies = {"agent": agent_cases(rig.capture, targets), "control": control_cases(rig.capture, targets),
                               "inference": inference_cases(TEXTS), "http": http_cases()}
                 for k, service in enumerate(SERVICES):

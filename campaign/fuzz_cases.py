@@ -18,7 +18,9 @@ from typing import Any, Callable
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
+from fedclinic.pki.signed_statement import Signer
 from fedclinic.proto import agent_pb2, control_pb2, inference_pb2
+from fedclinic.verification.round_statement import sign_header
 
 from campaign.proto_strategies import any_or_mutated, message_strategy, mutated, mutated_bytes
 
@@ -56,6 +58,8 @@ class Targets:
     capture_task: str
     target_task: str
     assignment: agent_pb2.Assignment | None
+    #: site-c's key: a re-aimed update carries site-c's round statement about its new header (issue 17)
+    site_c: Signer | None = None
 
 
 def _weighted(*pairs: tuple[int, str]) -> st.SearchStrategy:
@@ -126,6 +130,9 @@ def _update_aim(t: Targets) -> Callable[[agent_pb2.UpdateChunk], agent_pb2.Updat
         if c.WhichOneof("item") == "header":
             c.header.task_id, c.header.round, c.header.attempt = task, rnd, attempt
             c.header.idempotency_key = f"{c.header.idempotency_key[:40]}-{task}-{rnd}-{attempt}"
+            if t.site_c is not None and c.header.HasField("statement"):
+                c.header.ClearField("statement")
+                sign_header(c.header, "site-c", t.site_c)
         return c
     return aim
 

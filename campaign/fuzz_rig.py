@@ -175,13 +175,24 @@ class FuzzRig:
                    "site-c's assignment of the target task")
         return st.task_id
 
+    def site_c_signer(self):
+        """A signer with site-c's certificate key (its round statements)."""
+        from fedclinic.pki.signed_statement import Signer
+
+        c = self.fed.creds("site-c")
+        return Signer(key_path=c["key"], cert_path=c["cert"])
+
     def _start_serve(self) -> None:
+        from fedclinic.export.bundle_signing import BundleSigning
         from fedclinic.export.onnx_export import export_onnx
 
         from tests.helpers.text_models import tiny_package
 
         tiny_package("logreg").save(self.root / "pkg")
-        export_onnx(self.root / "pkg", self.root / "bundle")
+        sci = self.fed.creds("scientist")  # the bundle is signed as a scientist's export: serve checks it first
+        export_onnx(self.root / "pkg", self.root / "bundle",
+                    signing=BundleSigning(ca=Path(sci["ca"]), cert=Path(sci["cert"]), key=Path(sci["key"]),
+                                          allow_unsigned=True))  # the source is a local package, not a download
         port_file = self.root / "serve-ports.json"
         srv = self.fed.pki_dir / "inference"
         log = open(self.fed.logs / "serve.log", "ab")
