@@ -134,9 +134,14 @@ def agent_and_data(tmp_path_factory):
     from hospital_agent.config import AgentConfig
     from hospital_agent.worker import Agent
 
+    from fedclinic import pki
+
     root = tmp_path_factory.mktemp("agent")
+    pki.init_ca(root / "ca")  # the agent signs its round statement into every update it writes (issue 17)
+    site = pki.issue(root / "ca", role="agent", name="site-a", out_dir=root / "site-a")
     cfg = AgentConfig.from_dict({"aggregator": "127.0.0.1:1", "work_dir": str(root / "work"),
-                                 "tls": {"cert": "a", "key": "b", "ca": "c"}}, base=root, source="agent.toml")
+                                 "tls": {"cert": str(site.cert_path), "key": str(site.key_path),
+                                         "ca": str(site.ca_path)}}, base=root, source="agent.toml")
     agent = Agent(cfg)
     agent.site_id = "site-a"
     return _Site(agent, package(seed=1), make_examples(12, seed=5), training)
