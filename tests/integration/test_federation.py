@@ -53,8 +53,9 @@ def test_task_completes_across_three_agents_and_equals_fedavg(federation_factory
 def test_policy_refusal_reaches_the_task_owner(federation_factory):
     fed = federation_factory(2)
     with fed.client() as client:
-        st = client.submit(make_task(dataset="not-registered", min_sites=2, num_rounds=1, round_timeout_s=60),
-                           package=tiny_package("logreg"))
+        # the task names its sites: once both declined it for good it fails at once (not at its round deadline)
+        st = client.submit(make_task(dataset="not-registered", min_sites=1, num_rounds=1, round_timeout_s=300,
+                                     sites=["site-a", "site-b"]), package=tiny_package("logreg"))
         final = client.wait(st.task_id, timeout=120, progress=False)
     assert state_name(final.state) == "failed"
     declined = final.rounds[0].declined
