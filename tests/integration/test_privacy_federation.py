@@ -70,7 +70,9 @@ def test_a_site_without_enough_budget_refuses_and_the_owner_hears_why(tmp_path):
     with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
         fed.start()
         with fed.client() as client:
-            st = client.submit(_task(num_rounds=1, round_timeout_s=30), package=tiny_package("transformer"))
+            # the task names its sites: site-b's refusal (for good) leaves no quorum, so it fails at once
+            st = client.submit(_task(num_rounds=1, round_timeout_s=300, sites=["site-a", "site-b"]),
+                               package=tiny_package("transformer"))
             final = client.wait(st.task_id, timeout=300, progress=False)
         assert state_name(final.state) == "failed"
         refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]
