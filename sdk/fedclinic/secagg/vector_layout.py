@@ -85,9 +85,21 @@ def draw_index_set(seed: bytes, values: int, count: int) -> np.ndarray:
         n = min(_INDEX_BLOCK, values - start)
         keys = np.concatenate([best_keys, gen.random_raw(n).astype(np.uint64)])
         pos = np.concatenate([best_pos, np.arange(start, start + n, dtype=np.int64)])
-        order = np.lexsort((pos, keys))[:count]
-        best_keys, best_pos = keys[order], pos[order]
+        best_keys, best_pos = smallest_pairs(keys, pos, count)
     return np.sort(best_pos)
+
+
+def smallest_pairs(keys: np.ndarray, pos: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` smallest ``(key, position)`` pairs (any order): ``np.partition`` finds the cut-off key only,
+    and ties at it go to the smaller positions, so the result does not depend on how numpy partitions."""
+    if keys.size <= count:
+        return keys, pos
+    cut = np.partition(keys, count - 1)[count - 1]
+    below = np.flatnonzero(keys < cut)
+    at = np.flatnonzero(keys == cut)
+    at = at[np.argsort(pos[at], kind="stable")][:count - below.size]
+    chosen = np.concatenate([below, at])
+    return keys[chosen], pos[chosen]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from fedclinic.secagg import SessionParams, run_round
 from fedclinic.secagg.errors import SecAggConfigError
 from fedclinic.secagg.quantize import Quantizer
 from fedclinic.secagg.task_config import index_fraction_of, layout_for
-from fedclinic.secagg.vector_layout import VectorLayout, draw_index_set, index_seed
+from fedclinic.secagg.vector_layout import VectorLayout, draw_index_set, index_seed, smallest_pairs
 
 MODEL = hashlib.sha256(b"model").digest()
 COHORT = tuple(f"site-{i:02d}" for i in range(4))
@@ -66,6 +66,14 @@ def test_the_block_wise_draw_keeps_the_smallest_keys():
     finally:
         vl._INDEX_BLOCK = old
     assert np.array_equal(draw_index_set(b"s", 5000, 321), want)
+
+
+def test_ties_at_the_cut_off_go_to_the_smaller_positions():
+    keys = np.array([5, 1, 5, 5, 0, 5], np.uint64)
+    pos = np.array([10, 11, 12, 13, 14, 15], np.int64)
+    k, p = smallest_pairs(keys, pos, 4)
+    assert sorted(p.tolist()) == [10, 11, 12, 14] and sorted(k.tolist()) == [0, 1, 5, 5]
+    assert smallest_pairs(keys, pos, 9)[1].tolist() == pos.tolist()
 
 
 def test_the_digest_changes_with_the_fraction():
