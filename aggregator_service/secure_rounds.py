@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass, field
 import threading
 from typing import Iterable, Protocol
@@ -58,7 +59,7 @@ from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase
                               SecAggError, SecAggIntegrityError, SecAggProtocolError, ServerSession, ShareKeys,
                               SurvivorsSignature, UnmaskResponse)
 from fedclinic.secagg.task_config import floor_of, layout_for, session_params
-from fedclinic.secagg.vector_layout import MAX_METRICS, VectorLayout
+from fedclinic.secagg.vector_layout import MAX_METRICS, VectorLayout, index_seed
 
 from aggregator_service.stakes import require_assignment
 from aggregator_service.update_admission import sent_tensors
@@ -426,10 +427,12 @@ class SecureRounds:
         cfg = spec.secure_aggregation
         if cfg.threshold and not cfg.degree:
             cohort = cohort[:2 * cfg.threshold - 1]  # complete graph: 2t > n keeps the threshold safe
+        nonce = os.urandom(16)  # fresh per session; also seeds a top-k task's shared index set
         try:
-            layout = _session_layout(st, spec, cohort)
+            layout = _session_layout(st, spec, cohort, index_seed(st.task_id, st.round, bytes.fromhex(st.base_model),
+                                                                  nonce))
             params = session_params(spec, task_id=st.task_id, round_number=st.round, cohort=cohort,
-                                    model_hash_hex=st.base_model, vector_length=layout.length,
+                                    model_hash_hex=st.base_model, vector_length=layout.length, nonce=nonce,
                                     quantizer=layout.quantizer, layout_digest=layout.digest())
             session = ServerSession(params, min_cohort=floor)
         except SecAggConfigError as exc:
@@ -455,7 +458,9 @@ class SecureRounds:
                     f"holders, {params.vector_length} values, {q.bits}-bit quantization over +-{q.clip:g} in a "
                     f"{q.ring_bits}-bit ring" + (f", weights up to {q.weight_cap}" if q.weight_cap > 1 else "")
                     + (f", metrics {', '.join(layout.metric_names)}" if layout.metric_names else "")
-                    + (", per-tensor weights" if layout.per_tensor_counts else ""))
+                    + (", per-tensor weights" if layout.per_tensor_counts else "")
+                    + (f", a shared random {layout.sent_values} of {layout.values} coordinates (top-k fraction "
+                       f"{layout.index_fraction:g})" if layout.sparse else ""))
         log.info("secure-aggregation session started", task_id=st.task_id, round=st.round,
                  session=st.session_hex[:16], cohort=list(params.cohort))
 
@@ -538,7 +543,8 @@ class SecureRounds:
                                      result.quantized_sum, st.layout.quantizer.dtype.newbyteorder("<")).tobytes()),
                                  json.dumps({"session": st.session_hex, "names": list(st.names),
                                              "shapes": [list(x) for x in st.shapes], "cohort": len(st.cohort),
-                                             "metric_names": list(st.layout.metric_names)}))
+                                             "metric_names": list(st.layout.metric_names),
+                                             "index_seed": st.layout.index_seed.hex()}))
         self._rounds.pop(st.task_id, None)
         self._clear_outbox(st.task_id)
         self.host.add_uplink(st.task_id, st.round, st.uplink)
@@ -563,10 +569,11 @@ def _metric_names(site: str, j: agent_pb2.SecAggJoin) -> tuple[str, ...]:
     return names
 
 
-def _session_layout(st: _Round, spec: task_pb2.TaskSpec, cohort: tuple[str, ...]) -> VectorLayout:
-    """The input layout of a session over ``cohort``: the metric names any member has, the narrowest ring."""
+def _session_layout(st: _Round, spec: task_pb2.TaskSpec, cohort: tuple[str, ...], seed: bytes) -> VectorLayout:
+    """The input layout of a session over ``cohort``: the metric names any member has, the narrowest ring, and
+    (top-k tasks) the shared index set drawn from ``seed``."""
     names = sorted({n for site in cohort for n in st.metric_names.get(site, ())})[:MAX_METRICS]
-    return layout_for(spec, st.names, st.shapes, len(cohort), tuple(names))
+    return layout_for(spec, st.names, st.shapes, len(cohort), tuple(names), index_seed=seed)
 
 
 def _setup_fields(layout: VectorLayout) -> dict[str, object]:
@@ -574,7 +581,7 @@ def _setup_fields(layout: VectorLayout) -> dict[str, object]:
     q = layout.quantizer
     return {"ring_bits": q.ring_bits, "weight_cap": q.weight_cap, "metric_names": list(layout.metric_names),
             "metric_clip": layout.metric_clip, "per_tensor_counts": layout.per_tensor_counts,
-            "metric_bits": layout.metric_bits}
+            "metric_bits": layout.metric_bits, "index_fraction": layout.index_fraction if layout.sparse else 0.0}
 
 
 def _decode(st: _Round, result: AggregateResult) -> tuple[dict[str, np.ndarray], dict[str, float]]:

@@ -32,8 +32,11 @@ are answered on one thread, one :class:`~fedclinic.secagg.ClientSession` per ses
 A repeated phase message (a reconnected work stream gets the live session's messages again) is answered with
 the answer given the first time. A :class:`~fedclinic.secagg.SecAggRefusal` (or any protocol error) is
 logged and reported to the aggregator as a decline with its reason; nothing more is sent for that round.
-Nothing here is persisted except the masked vector in the outbox: a restarted agent has lost its keys and
-counts as dropped.
+Nothing here is persisted except the masked vector in the outbox (and, for a ``topk:F`` task, the
+error-feedback residual: the values outside the session's shared index set, staged before the masked input
+exists and committed when the aggregator acknowledges it, as the plain top-k codec's; ``SiteSecAgg.ready``
+adds the committed residual to the next round's delta): a restarted agent has lost its keys and counts as
+dropped.
 """
 
 from __future__ import annotations
@@ -55,11 +58,14 @@ from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.transport.rpc import explain_rpc_error
 from fedclinic.secagg import (AdvertiseKeys, ClientPolicy, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer,
                               SecAggError, SessionParams, SurvivorsRequest, UnmaskRequest)
-from fedclinic.secagg.vector_layout import METRIC_BITS, VectorLayout
+from fedclinic.secagg.task_config import index_fraction_of
+from fedclinic.secagg.vector_layout import METRIC_BITS, VectorLayout, index_seed
+from fedclinic.codecs import ErrorFeedback
 from fedclinic.transport.wire import manifest_from_proto
 
 from hospital_agent.config import AgentConfig
 from hospital_agent.outbox import Outbox, OutboxEntry
+from hospital_agent.uploader import feedback_path
 
 log = structlog.get_logger("fedclinic.agent.secagg")
 
@@ -88,6 +94,8 @@ class _Job:
     session_id: str = ""
     answers: dict[str, agent_pb2.SecAggPhase] = field(default_factory=dict)  # incoming body kind -> our answer
     revealed: bool = False             # answered an unmask request: never join another session for this round
+    index_fraction: float = 0.0        # the task's "topk:F" codec: a session sums a shared random F of the values
+    feedback: ErrorFeedback | None = None  # top-k: residuals of what earlier rounds did not send (``vector`` has them)
 
 
 class SecAggHost(Protocol):
@@ -152,11 +160,36 @@ class SiteSecAgg:
                         hint="raise [secure_aggregation] clip or lower the learning rate")
         job = _Job(a.task_id, a.round, a.attempt, model_hash, order, vector, sizes, frozenset(names),
                    int(num_samples), {k: float(v) for k, v in (eval_metrics or {}).items()},
-                   admitted=tuple(a.spec.sites))
+                   admitted=tuple(a.spec.sites), index_fraction=index_fraction_of(a.spec))
+        if job.index_fraction:
+            self._add_residuals(job, a.spec.update.codec)
         with self._lock:
             self._jobs[a.task_id] = job
         log.info("update ready for secure aggregation", values=int(vector.size))
         self._join(job)
+
+    def _add_residuals(self, job: _Job, codec: str) -> None:
+        """Top-k under secure aggregation: add the committed error-feedback residual of each sent tensor to the
+        vector (what earlier sessions' index sets left out), as the plain top-k codec does."""
+        assert job.vector is not None
+        path = feedback_path(self.agent.config.work_dir, job.task_id)
+        job.feedback = ErrorFeedback.load(path, codec) if path.exists() else ErrorFeedback(codec)
+        for name, (start, stop) in _slices(job):
+            if name in job.sent:
+                job.vector[start:stop] = job.feedback.with_residual(name, job.vector[start:stop])
+
+    def _stage_residuals(self, job: _Job) -> None:
+        """What this session's index set does not send becomes each sent tensor's staged residual, durable before
+        the masked input exists (committed when the aggregator acknowledges it, hospital_agent.uploader)."""
+        assert job.layout is not None and job.vector is not None and job.feedback is not None
+        unsent = job.vector.copy()
+        unsent[job.layout.index_set()] = 0.0
+        for name, (start, stop) in _slices(job):
+            if name in job.sent:
+                job.feedback.stage(name, unsent[start:stop])
+        path = feedback_path(self.agent.config.work_dir, job.task_id)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        job.feedback.save(path)
 
     def forget(self, task_id: str) -> None:
         """The task was cancelled or ended here: drop its job (keys, shares, vector)."""
@@ -274,6 +307,8 @@ class SiteSecAgg:
         request = MaskedInputRequest(job.session.params.session_id, self.agent.site_id, tuple(r.alive),
                                      dict(r.ciphertexts))
         masked = job.session.masked_input(request, _encode(job)).masked
+        if job.layout is not None and job.layout.sparse and job.feedback is not None:
+            self._stage_residuals(job)
         header = agent_pb2.UpdateHeader(
             task_id=job.task_id, round=job.round, attempt=job.attempt, base_model_hash=job.model_hash,
             idempotency_key=f"{job.task_id}:{job.round}:{self.agent.site_id}:secagg:{uuid.uuid4().hex}",
@@ -349,11 +384,16 @@ def _layout_of(job: _Job, s: agent_pb2.SecAggSetup) -> VectorLayout:
     if not s.per_tensor_counts and job.sent != frozenset(job.names):
         raise SecAggError("this site sends only some of the round's tensors (SAFL), but the session has no "
                           "per-tensor weights: the sum would mix layers it did not train")
+    if s.index_fraction != job.index_fraction:
+        raise SecAggError(f"the session sums a fraction {s.index_fraction:g} of the update's values (0 = all); this "
+                          f"site's task codec gives {job.index_fraction:g}")
     quantizer = Quantizer(clip=s.clip, bits=s.bits, rounding=s.rounding,  # type: ignore[arg-type]
                           ring_bits=s.ring_bits or 32, weight_cap=s.weight_cap or 1)
+    seed = index_seed(job.task_id, job.round, bytes.fromhex(s.model_hash), s.nonce) if s.index_fraction else b""
     layout = VectorLayout(tuple(zip(job.names, job.sizes)), quantizer, metric_names=tuple(s.metric_names),
                           metric_clip=s.metric_clip or 100.0, per_tensor_counts=s.per_tensor_counts,
-                          metric_bits=s.metric_bits or METRIC_BITS)
+                          metric_bits=s.metric_bits or METRIC_BITS, index_fraction=s.index_fraction,
+                          index_seed=seed)
     layout.check_cohort(len(s.cohort))  # no slot's sum may wrap the ring
     if layout.length != s.vector_length:
         raise SecAggError(f"the session's vector has {s.vector_length} values; this site's update in its layout "
@@ -361,13 +401,19 @@ def _layout_of(job: _Job, s: agent_pb2.SecAggSetup) -> VectorLayout:
     return layout
 
 
-def _encode(job: _Job) -> np.ndarray:
-    """This site's input in the session's ring: weight x quantized delta, weights, evaluation metrics."""
-    assert job.layout is not None and job.vector is not None
-    delta, offset = {}, 0
+def _slices(job: _Job) -> list[tuple[str, tuple[int, int]]]:
+    """Each tensor's ``(start, stop)`` in the job's flattened vector."""
+    out, offset = [], 0
     for n, size in zip(job.names, job.sizes):
-        if n in job.sent:
-            delta[n] = job.vector[offset:offset + size]
+        out.append((n, (offset, offset + size)))
         offset += size
+    return out
+
+
+def _encode(job: _Job) -> np.ndarray:
+    """This site's input in the session's ring: weight x quantized delta (top-k: its shared index set only),
+    weights, evaluation metrics."""
+    assert job.layout is not None and job.vector is not None
+    delta = {n: job.vector[a:b] for n, (a, b) in _slices(job) if n in job.sent}
     metrics = {k: v for k, v in job.metrics.items() if k in job.layout.metric_names}
     return job.layout.encode(delta, weight=job.layout.weight_of(job.num_samples), metrics=metrics)

@@ -7,6 +7,8 @@ with sample weighting and per-site evaluation summed under the masks, with 8-bit
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +141,87 @@ def test_safl_under_secure_aggregation_averages_each_layer_over_the_sites_that_c
     _assert_models_equal(plain, secure, s.metrics["secagg_error_bound"])
 
 
+def _committed_residuals(path, names, deadline_s: float = 60.0):
+    """The site's committed error-feedback residuals once nothing is staged (the uploader commits on the masked
+    input's receipt, which may trail the round's end by a moment)."""
+    from fedclinic.codecs import ErrorFeedback
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        ef = ErrorFeedback.load(path) if path.exists() else None
+        if ef is not None and not ef.pending and set(names) <= set(ef.names):
+            return {n: ef.residual(n) for n in names}
+        assert time.monotonic() < deadline, f"no committed residual in {path}"
+        threading.Event().wait(0.05)
+
+
+def test_secure_top_k_sums_a_shared_random_index_set_and_keeps_the_rest_as_residual(tmp_path):
+    """``topk:0.05`` under secure aggregation: every site sends the same shared random 5 % of the coordinates
+    (masked); the model is the plain sample-weighted mean restricted to those coordinates (not rescaled) within the
+    bound, the uplink shrinks to about 5 % of the dense secure round's, the published sum still recomputes, and each
+    site keeps exactly the coordinates it did not send as its error-feedback residual."""
+    from fedclinic.secagg.task_config import layout_for
+    from fedclinic.verification.recompute import secure_round
+    from tests.helpers.text_models import wide_package
+
+    samples = (16, 40, 64)
+    sites = _sites(tmp_path, samples)
+    package = wide_package(padding_words=4000, embedding_dim=16)
+
+    def make(**kw):
+        return make_task(num_rounds=1, local_epochs=1, learning_rate=0.05, seed=3, architecture="lstm", **kw)
+
+    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            (plain_status, plain) = _run(client, make(secure_aggregation={}), package)
+            secure = {"enabled": True, "clip": CLIP, "bits": 20}
+            (dense_status, _) = _run(client, make(secure_aggregation=secure), package)
+            topk_task = make(secure_aggregation=secure, codec="topk:0.05")
+            (topk_status, topk) = _run(client, topk_task, package)
+            rec = client.task_records(topk_status.task_id).rounds[0]
+            ring_sum = client.fetch_task_blob(topk_status.task_id, rec.secure_sum_sha256)
+        params = json.loads(rec.secure_params_json)
+        residuals = {site.name: _committed_residuals(
+            fed.root / f"agent-{site.name}" / "codec-state" / f"{topk_status.task_id}.error-feedback.safetensors",
+            params["names"]) for site in sites}
+    d, t = dense_status.rounds[0], topk_status.rounds[0]
+    assert list(t.reports) == []
+    names = tuple(params["names"])
+    shapes = tuple(tuple(s) for s in params["shapes"])
+    layout = layout_for(topk_task.to_spec(), names, shapes, params["cohort"], tuple(params["metric_names"]),
+                        index_seed=bytes.fromhex(params["index_seed"]))
+    assert layout.sparse and layout.sent_values == int(np.ceil(0.05 * layout.values))
+    keep = np.zeros(layout.values, bool)
+    keep[layout.index_set()] = True
+    bound = t.metrics["secagg_error_bound"]
+    assert 0 < bound < 2e-6
+    offset = 0
+    mean_residual = {n: sum(w * residuals[s.name][n].astype(np.float64).ravel() for s, w in zip(sites, samples))
+                     / sum(samples) for n in names}
+    for name, shape in zip(names, shapes):
+        size = int(np.prod(shape))
+        mask = keep[offset:offset + size].reshape(shape)
+        base = package.tensors[name].astype(np.float64)
+        plain_delta = plain.tensors[name].astype(np.float64) - base
+        want = base + np.where(mask, plain_delta, 0.0)  # the plain weighted mean on the shared set; 0 elsewhere
+        np.testing.assert_allclose(topk.tensors[name], want, rtol=0, atol=bound + 1e-6, err_msg=name)
+        # the sites keep what they did not send: their weighted residuals are the plain mean off the set
+        np.testing.assert_allclose(mean_residual[name], np.where(mask, 0.0, plain_delta).ravel(), rtol=0, atol=1e-6,
+                                   err_msg=name)
+        offset += size
+    assert any(np.abs(r).max() > 0 for r in mean_residual.values())
+    # the masked vectors shrink to about F of the dense round's (plus the fixed key-agreement messages)
+    ratio = t.uplink_bytes / d.uplink_bytes
+    assert 0.05 <= ratio < 0.15, (t.uplink_bytes, d.uplink_bytes)
+    print(f"uplink: dense secure {d.uplink_bytes} B, secure topk:0.05 {t.uplink_bytes} B (ratio {ratio:.3f}); "
+          f"P = {layout.values}, m = {layout.sent_values}, ring {layout.quantizer.ring_bits} bits, bound {bound:.3g}")
+    # `fedclinic task verify` recomputes the round from the published sum and seed
+    recomputed = secure_round(topk_task.to_spec(), package.tensors, rec, ring_sum)
+    for name in names:
+        np.testing.assert_allclose(recomputed[name], topk.tensors[name], rtol=0, atol=1e-6, err_msg=name)
+
+
 class _Unchecked(Task):
     """A task as another SDK version might send it: no local validation, so the aggregator must refuse it."""
 
@@ -147,7 +230,8 @@ class _Unchecked(Task):
 
 
 @pytest.mark.parametrize("kw,reason", [
-    (dict(codec="topk:0.1"), "top-k would reveal which coordinates each site changed"),
+    (dict(codec="topk:0.1+int8"), "the masked vector is already quantized by secure aggregation's own quantizer"),
+    (dict(codec="int8"), "the masked vector is already quantized by secure aggregation's own quantizer"),
     (dict(strategy="median"), "secure aggregation reveals only the sum"),
     (dict(privacy={"level": "client"}), 'privacy level "client" clips each site\'s update at the aggregator'),
     (dict(strategy="fedatt"), "secure aggregation reveals only the sum"),

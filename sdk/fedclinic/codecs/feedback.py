@@ -81,6 +81,26 @@ class ErrorFeedback:
         self._pending[name] = y.reshape(arr.shape)
         return enc
 
+    def with_residual(self, name: str, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        """``x + r`` (``r`` = the committed residual of ``name``; ``x`` itself when there is none or the shape
+        changed, the model changed: that residual is dropped) as float32: what a sparsifier outside this class
+        (secure aggregation's shared index set) selects from; stage what it did not send with :meth:`stage`."""
+        arr = as_finite_f32(x, self.codec.spec)
+        r = self._residual.get(name)
+        if r is not None and r.shape != arr.shape:
+            self.reset(name)
+            r = None
+        y = arr + r if r is not None else arr.copy()
+        if not np.isfinite(y).all():
+            raise CodecInputError(f"error feedback: delta + residual of {name!r} overflows float32; the delta is "
+                                  f"far too large (training diverged)")
+        return y
+
+    def stage(self, name: str, unsent: npt.ArrayLike) -> None:
+        """Stage ``unsent`` (float32, finite) as the next residual of ``name``: what a sparsifier outside this class
+        did not send of :meth:`with_residual`'s value. Committed or discarded like :meth:`encode`'s."""
+        self._pending[name] = as_finite_f32(unsent, self.codec.spec).copy()
+
     def commit(self) -> None:
         """Make the staged residuals current (after the aggregator acknowledged the update)."""
         self._residual.update(self._pending)

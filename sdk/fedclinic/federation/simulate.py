@@ -164,6 +164,9 @@ def simulate(
     problems = codec_wire.spec_problems(codec, secure_aggregation=secure_aggregation is not None)
     if problems:
         raise ConfigError("; ".join(problems))
+    if secure_aggregation is not None and not codec_wire.is_raw(codec):
+        raise ConfigError(f"the simulator runs secure aggregation with codec 'raw' only; secure {codec!r} (a shared "
+                          "random index set) runs in a local federation (fedclinic.federation.local_federation)")
     if secure_aggregation is not None and safl is not None:
         raise ConfigError("secure aggregation sums one vector of the same tensors from every site; SAFL sites send "
                           "different layers: use one or the other")

@@ -90,7 +90,7 @@ class CancelWork(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SecAggSetup(_message.Message):
-    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt", "ring_bits", "weight_cap", "metric_names", "metric_clip", "per_tensor_counts", "metric_bits")
+    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt", "ring_bits", "weight_cap", "metric_names", "metric_clip", "per_tensor_counts", "metric_bits", "index_fraction")
     COHORT_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     DEGREE_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class SecAggSetup(_message.Message):
     METRIC_CLIP_FIELD_NUMBER: _ClassVar[int]
     PER_TENSOR_COUNTS_FIELD_NUMBER: _ClassVar[int]
     METRIC_BITS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FRACTION_FIELD_NUMBER: _ClassVar[int]
     cohort: _containers.RepeatedScalarFieldContainer[str]
     threshold: int
     degree: int
@@ -125,7 +126,8 @@ class SecAggSetup(_message.Message):
     metric_clip: float
     per_tensor_counts: bool
     metric_bits: int
-    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ..., ring_bits: _Optional[int] = ..., weight_cap: _Optional[int] = ..., metric_names: _Optional[_Iterable[str]] = ..., metric_clip: _Optional[float] = ..., per_tensor_counts: _Optional[bool] = ..., metric_bits: _Optional[int] = ...) -> None: ...
+    index_fraction: float
+    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ..., ring_bits: _Optional[int] = ..., weight_cap: _Optional[int] = ..., metric_names: _Optional[_Iterable[str]] = ..., metric_clip: _Optional[float] = ..., per_tensor_counts: _Optional[bool] = ..., metric_bits: _Optional[int] = ..., index_fraction: _Optional[float] = ...) -> None: ...
 
 class SecAggPublicKeys(_message.Message):
     __slots__ = ("mask_public_key", "encryption_public_key", "keys_statement")

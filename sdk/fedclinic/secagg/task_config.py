@@ -23,6 +23,10 @@ Each session's ring (16, 32 or 64 bits, the masked vector's wire dtype) is the n
 its cohort's weighted quantized deltas (:func:`layout_for`): 8-bit quantization with uniform weights travels as
 ``uint16`` (up to 257 sites), 8 bits with sample weights up to 65536 as ``uint32`` (up to 257 sites), 20 bits with
 sample weights as ``uint64``. The evaluation metrics get the precision left in that ring (up to 24 bits).
+
+A task whose update codec is ``topk:F`` (a fraction, fp32 values) runs its secure rounds on a shared random index
+set of ``ceil(F * P)`` coordinates (:func:`index_fraction_of`; :mod:`fedclinic.secagg.vector_layout`); other
+codecs are refused with secure aggregation (:func:`fedclinic.transport.codec_wire.spec_problems`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from fedclinic.codecs import FP32, CodecSpecError, TopK, parse_codec
 from fedclinic.proto import task_pb2
 from fedclinic.secagg.config import MIN_COHORT_FLOOR, SessionParams
 from fedclinic.secagg.errors import SecAggConfigError
@@ -112,17 +117,33 @@ def quantizer_of(cfg: task_pb2.SecureAggregationConfig, *, ring_bits: int = 32, 
                      weight_cap=weight_cap)
 
 
+def index_fraction_of(spec: task_pb2.TaskSpec) -> float:
+    """The fraction ``F`` of the delta's coordinates a secure round sums: the task's ``topk:F`` codec (fp32 kept
+    values) under secure aggregation, else 0 (dense). Other codecs are refused by ``codec_wire.spec_problems``."""
+    if not spec.secure_aggregation.enabled or spec.update.codec in ("", "raw"):
+        return 0.0
+    try:
+        codec = parse_codec(spec.update.codec)
+    except CodecSpecError:
+        return 0.0
+    if isinstance(codec, TopK) and codec.fraction is not None and isinstance(codec.values, FP32):
+        return float(codec.fraction)
+    return 0.0
+
+
 def layout_for(spec: task_pb2.TaskSpec, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], cohort: int,
-               metric_names: tuple[str, ...] = ()) -> VectorLayout:
+               metric_names: tuple[str, ...] = (), index_seed: bytes = b"") -> VectorLayout:
     """One session's input layout: the task's quantizer in the narrowest ring that holds ``cohort`` weighted
-    inputs, one count slot per tensor under SAFL, and the (at most :data:`MAX_METRICS`) metric names summed."""
+    inputs, one count slot per tensor under SAFL, the (at most :data:`MAX_METRICS`) metric names summed, and
+    under a ``topk:F`` codec the shared index set drawn from ``index_seed`` (:func:`index_fraction_of`)."""
     cfg = spec.secure_aggregation
     cap = weight_cap_of(cfg)
     metric_names = tuple(sorted(metric_names))[:MAX_METRICS]
     q = quantizer_of(cfg, ring_bits=ring_for(quantizer_of(cfg).levels, cap, cohort), weight_cap=cap)
     return VectorLayout(tensor_sizes(names, shapes), q, metric_names=metric_names,
                         metric_clip=cfg.metric_clip or DEFAULT_METRIC_CLIP,
-                        per_tensor_counts=spec.update.selection == "safl", metric_bits=metric_bits_for(q, cohort))
+                        per_tensor_counts=spec.update.selection == "safl", metric_bits=metric_bits_for(q, cohort),
+                        index_fraction=index_fraction_of(spec), index_seed=index_seed)
 
 
 def floor_of(spec: task_pb2.TaskSpec) -> int:

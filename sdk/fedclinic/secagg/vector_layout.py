@@ -25,6 +25,22 @@ do) and the round's sample-weighted evaluation metrics compute, up to quantizati
 (``rho`` = 1/2 nearest, 1 stochastic: each site's rounding error is at most ``rho`` levels *before* it is
 multiplied by ``w_i``, so the weighted mean's error is at most ``rho`` levels; :meth:`VectorLayout.error_bound`).
 Nothing else about a site is revealed: its weight, sent layers and metrics are inside its masked input.
+
+**Sparse sessions (a task's ``topk:F`` codec under secure aggregation).** With ``index_fraction = F`` the
+delta part holds only the ``m = ceil(F * P)`` coordinates of a *shared random index set* (:meth:`VectorLayout.
+index_set`), so the vector has ``m + 2k + count slots`` values. The set is drawn from ``index_seed``
+(:func:`index_seed`: SHA-256 of the task, round, model hash and the session's nonce, so every member derives
+the same set and each session a new one) with PCG64's raw output (stable across numpy versions): the ``m``
+coordinates with the smallest 64-bit keys. The set is a function of public session parameters, never of any
+site's data, so it reveals nothing about a site; the aggregator picks the nonce and could re-draw the set, which
+changes nothing for privacy (every possible set is data-independent) and only which coordinates this round
+moves. The digest covers ``F`` and a hash of the set.
+
+:meth:`VectorLayout.decode` then gives the weighted mean on the set (same bound as above) and exact zeros
+elsewhere. It does **not** rescale by ``1/F``: the sites keep what they did not send as an error-feedback
+residual and add it to the next round's delta (``hospital_agent.secure_aggregation``), so every coordinate's
+total is delivered eventually (random-k with memory); a ``1/F`` rescale would be unbiased only without that
+memory and would multiply the quantization error (and the variance) by ``1/F``.
 """
 
 from __future__ import annotations
@@ -44,6 +60,46 @@ METRIC_BITS = MAX_BITS
 """Highest precision of the metric slots: 2^24 - 1 levels over ``[-metric_clip, metric_clip]``."""
 MAX_METRICS = 32
 """Most metric names one session sums (each costs two slots)."""
+_INDEX_BLOCK = 1 << 20
+"""Keys drawn per block when selecting an index set (bounds the temporary memory to ~16 MiB per block)."""
+
+
+def index_seed(task_id: str, round_number: int, model_hash: bytes, nonce: bytes) -> bytes:
+    """The seed of a sparse session's shared index set: SHA-256 over the task, round, model hash and the session's
+    nonce (all in the setup every member checks against the session id)."""
+    return hashlib.sha256(encode(DOMAIN, "index-set", task_id, round_number, model_hash, nonce)).digest()
+
+
+def draw_index_set(seed: bytes, values: int, count: int) -> np.ndarray:
+    """``count`` distinct coordinates of ``range(values)``, sorted (int64): those with the smallest keys of
+    PCG64(seed)'s raw 64-bit stream (ties broken by position). Deterministic across platforms and numpy versions
+    (the bit generator's stream is fixed; no ``Generator`` method is used)."""
+    if not 0 <= count <= values:
+        raise SecAggConfigError(f"an index set of {count} out of {values} values")
+    if count == values:
+        return np.arange(values, dtype=np.int64)
+    gen = np.random.PCG64(int.from_bytes(hashlib.sha256(b"fedclinic-index-set/1" + seed).digest(), "little"))
+    best_keys = np.empty(0, np.uint64)
+    best_pos = np.empty(0, np.int64)
+    for start in range(0, values, _INDEX_BLOCK):
+        n = min(_INDEX_BLOCK, values - start)
+        keys = np.concatenate([best_keys, gen.random_raw(n).astype(np.uint64)])
+        pos = np.concatenate([best_pos, np.arange(start, start + n, dtype=np.int64)])
+        best_keys, best_pos = smallest_pairs(keys, pos, count)
+    return np.sort(best_pos)
+
+
+def smallest_pairs(keys: np.ndarray, pos: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` smallest ``(key, position)`` pairs (any order): ``np.partition`` finds the cut-off key only,
+    and ties at it go to the smaller positions, so the result does not depend on how numpy partitions."""
+    if keys.size <= count:
+        return keys, pos
+    cut = np.partition(keys, count - 1)[count - 1]
+    below = np.flatnonzero(keys < cut)
+    at = np.flatnonzero(keys == cut)
+    at = at[np.argsort(pos[at], kind="stable")][:count - below.size]
+    chosen = np.concatenate([below, at])
+    return keys[chosen], pos[chosen]
 
 
 @dataclass(frozen=True)
@@ -68,8 +124,12 @@ class VectorLayout:
     metric_clip: float = 100.0
     per_tensor_counts: bool = False
     metric_bits: int = METRIC_BITS
+    index_fraction: float = 0.0               # 0: dense; else only ceil(F * P) shared random coordinates are summed
+    index_seed: bytes = b""                   # the index set's seed (:func:`index_seed`)
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.index_fraction) and 0.0 <= self.index_fraction <= 1.0):
+            raise SecAggConfigError(f"index_fraction must be in (0, 1] (0 = dense), got {self.index_fraction!r}")
         if len(self.metric_names) > MAX_METRICS or len(set(self.metric_names)) != len(self.metric_names):
             raise SecAggConfigError(f"a session sums at most {MAX_METRICS} distinct metric names")
         if not (math.isfinite(self.metric_clip) and self.metric_clip > 0):
@@ -87,7 +147,31 @@ class VectorLayout:
         parts = encode(DOMAIN, "layout", len(self.tensors), *(x for t in self.tensors for x in t), q.clip, q.bits,
                        q.rounding, q.ring_bits, q.weight_cap, len(self.metric_names), *self.metric_names,
                        self.metric_clip, self.metric_bits, int(self.per_tensor_counts))
+        if self.sparse:
+            parts += encode("index-set", self.index_fraction, self.index_seed,
+                            hashlib.sha256(self.index_set().astype("<i8").tobytes()).digest())
         return hashlib.sha256(parts).digest()
+
+    @property
+    def sparse(self) -> bool:
+        """Whether only a shared random subset of the delta's coordinates is summed (``0 < index_fraction < 1``;
+        a fraction of 1 keeps every coordinate and is the dense layout)."""
+        return 0.0 < self.index_fraction < 1.0
+
+    @property
+    def sent_values(self) -> int:
+        """``m``: the delta values in the vector (``ceil(F * P)`` when sparse, else ``P``)."""
+        return min(self.values, math.ceil(self.index_fraction * self.values)) if self.sparse else self.values
+
+    def index_set(self) -> np.ndarray:
+        """The sorted coordinates of the flattened delta that this session sums (all of them when dense); the same
+        for every member (a function of ``index_seed``, ``F`` and ``P`` only). Computed once per layout."""
+        cached = self.__dict__.get("_index_set")
+        if cached is None:
+            cached = draw_index_set(self.index_seed, self.values, self.sent_values)
+            cached.setflags(write=False)
+            object.__setattr__(self, "_index_set", cached)
+        return cached
 
     @property
     def metric_quantizer(self) -> Quantizer:
@@ -113,8 +197,8 @@ class VectorLayout:
 
     @property
     def length(self) -> int:
-        """The vector length: ``P + 2k + count slots``."""
-        return self.values + 2 * len(self.metric_names) + self.count_slots
+        """The vector length: ``m + 2k + count slots`` (``m`` = :attr:`sent_values`)."""
+        return self.sent_values + 2 * len(self.metric_names) + self.count_slots
 
     def check_cohort(self, n: int) -> None:
         """Refuse a cohort of ``n`` whose sums of any slot could wrap the ring (SecAggConfigError)."""
@@ -140,7 +224,7 @@ class VectorLayout:
             raise SecAggInputError(f"tensors outside the session's layout: {unknown[:3]}")
         if not self.per_tensor_counts and len(delta) != len(self.tensors):
             raise SecAggInputError("every site of this session sends every tensor (no per-tensor counts)")
-        out = np.zeros(self.length, dtype=dt)
+        out = np.zeros(self.values + self.length - self.sent_values, dtype=dt)  # dense; gathered at the end
         w = dt.type(weight)
         offset, counts = 0, self.values + len(self.metric_names)
         for i, (name, size) in enumerate(self.tensors):
@@ -158,6 +242,8 @@ class VectorLayout:
         if not self.per_tensor_counts:
             out[counts] = w
         self._encode_metrics(out, metrics or {}, w, seed)
+        if self.sparse:
+            return np.concatenate([out[self.index_set()], out[self.values:]])
         return out
 
     def _encode_metrics(self, out: np.ndarray, metrics: Mapping[str, float], w: np.generic, seed: bytes | None) -> None:
@@ -185,6 +271,13 @@ class VectorLayout:
             raise SecAggInputError(f"the sum must be a {q.dtype} vector of {self.length} values")
         k = len(self.metric_names)
         counts = self.values + k
+        keep = None
+        if self.sparse:  # back to the dense slots; coordinates outside the index set decode to exact zeros below
+            idx, m = self.index_set(), self.sent_values
+            dense = np.zeros(self.values + self.length - m, dtype=total.dtype)
+            dense[idx], dense[self.values:] = total[:m], total[m:]
+            total, keep = dense, np.zeros(self.values, dtype=bool)
+            keep[idx] = True
         tensors: dict[str, np.ndarray] = {}
         weights: dict[str, int] = {}
         offset = 0
@@ -194,6 +287,8 @@ class VectorLayout:
                 s = total[offset:offset + size].astype(np.float64)
                 s *= q.step / wt
                 s -= q.clip
+                if keep is not None:
+                    s[~keep[offset:offset + size]] = 0.0
                 tensors[name], weights[name] = s.astype(np.float32), wt
             offset += size
         metrics: dict[str, float] = {}

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedclinic.codecs import Codec, CodecSpecError, Encoded, Int4, Int8, TopK, parse_codec, stage_names
+from fedclinic.codecs import FP32, Codec, CodecSpecError, Encoded, Int4, Int8, TopK, parse_codec, stage_names
 from fedclinic.errors import IntegrityError
 
 RAW = "raw"
@@ -62,18 +62,32 @@ def uses_error_feedback(codec: Codec | None) -> bool:
 
 
 def spec_problems(spec: str, *, secure_aggregation: bool) -> list[str]:
-    """Why a task's codec cannot be used (empty when it can)."""
+    """Why a task's codec cannot be used (empty when it can).
+
+    With secure aggregation only ``topk:F`` (a fraction, fp32 kept values) runs: every site sends the same
+    shared random ``ceil(F * P)`` coordinates (:mod:`fedclinic.secagg.vector_layout`), which reveal nothing about
+    any site. Refused: value codecs (int8/int4/fp16/bf16: secure aggregation's own quantizer already decides the
+    precision, ``secure_aggregation.bits``), top-k with a value codec (the same reason), and top-k by count
+    (``topk:k=N``: the set is a fraction of the whole update vector, not of each tensor)."""
     try:
         codec = task_codec(spec)
     except CodecSpecError as exc:
         return [f"update codec: {exc}"]
     if codec is None or not secure_aggregation:
         return []
-    why = ("top-k would reveal which coordinates each site changed, and the masks must cover every coordinate"
-           if codec.kind == "sparsifier" else
-           "the masked vector is already quantized by secure aggregation's own quantizer (secure_aggregation.bits)")
-    return [f"update codec {codec.spec!r} cannot be combined with secure aggregation: {why}; use codec 'raw' "
-            f"with secure aggregation"]
+    quantizer = ("the masked vector is already quantized by secure aggregation's own quantizer; set its precision "
+                 "with secure_aggregation.bits (e.g. bits = 8)")
+    if isinstance(codec, TopK):
+        if not isinstance(codec.values, FP32):
+            why = f"the kept values' codec {codec.values.spec!r}: {quantizer}; use 'topk:{codec.fraction or 0.05:g}'"
+        elif codec.fraction is None:
+            why = ("under secure aggregation top-k keeps a shared random fraction of the whole update vector, not "
+                   "k values per tensor; give a fraction, e.g. 'topk:0.05'")
+        else:
+            return []
+    else:
+        why = f"{quantizer}; use codec 'raw' (or 'topk:F' for a shared random fraction F of the coordinates)"
+    return [f"update codec {codec.spec!r} cannot be combined with secure aggregation: {why}"]
 
 
 def tensor_rng(task_id: str, rnd: int, site: str, name: str) -> np.random.Generator:

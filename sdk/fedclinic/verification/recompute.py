@@ -74,7 +74,8 @@ def secure_round(spec: task_pb2.TaskSpec, base: Mapping[str, np.ndarray], rec: c
                  ring_sum: bytes) -> dict[str, np.ndarray]:
     """The round's model from ``base`` and the published ring sum, as the aggregator makes it: the session's
     input layout rebuilt from the task and the published parameters (tensors, cohort size, metric names;
-    :func:`fedclinic.secagg.task_config.layout_for`), the sample-weighted mean of each tensor some survivor sent
+    :func:`fedclinic.secagg.task_config.layout_for`; a top-k task's shared index set from the published seed),
+    the sample-weighted mean of each tensor some survivor sent
     decoded from the sum, and handed to the strategy as one update of weight 1."""
     params = json.loads(rec.secure_params_json)
     if len(rec.survivors) < 1:
@@ -83,7 +84,8 @@ def secure_round(spec: task_pb2.TaskSpec, base: Mapping[str, np.ndarray], rec: c
     shapes = tuple(tuple(int(d) for d in shape) for shape in params["shapes"])
     try:
         layout = layout_for(spec, names, shapes, int(params.get("cohort", len(rec.survivors))),
-                            tuple(str(n) for n in params.get("metric_names", ())))
+                            tuple(str(n) for n in params.get("metric_names", ())),
+                            index_seed=bytes.fromhex(str(params.get("index_seed", ""))))
         total = np.frombuffer(ring_sum, dtype=layout.quantizer.dtype.newbyteorder("<")).astype(layout.quantizer.dtype)
         decoded = layout.decode(total)
     except (SecAggError, ValueError) as exc:

@@ -174,3 +174,6 @@ def test_secure_aggregation_in_the_simulator_gives_the_uniform_mean_of_the_sites
     with pytest.raises(ConfigError, match="cannot be combined with secure aggregation"):
         simulate(start, sites, rounds=1, train=TrainConfig(max_length=16), codec="int8",
                  secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True))
+    with pytest.raises(ConfigError, match="secure 'topk:0.1' .* runs in a local federation"):
+        simulate(start, sites, rounds=1, train=TrainConfig(max_length=16), codec="topk:0.1",
+                 secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True))

@@ -40,8 +40,10 @@ def test_task_codec_canonical_and_needed():
 def test_spec_problems_name_the_codec_and_refuse_secure_aggregation():
     assert codec_wire.spec_problems("int8", secure_aggregation=False) == []
     assert "unknown codec 'int9'" in codec_wire.spec_problems("int9", secure_aggregation=False)[0]
-    (msg,) = codec_wire.spec_problems("topk:0.01", secure_aggregation=True)
-    assert "secure aggregation" in msg and "which coordinates" in msg
+    assert codec_wire.spec_problems("topk:0.01", secure_aggregation=True) == []  # a shared random index set
+    (msg,) = codec_wire.spec_problems("topk:0.05+int8", secure_aggregation=True)
+    assert "secure aggregation" in msg and "secure_aggregation.bits" in msg and "'topk:0.05'" in msg
+    assert "give a fraction" in codec_wire.spec_problems("topk:k=10", secure_aggregation=True)[0]
     assert "quantizer" in codec_wire.spec_problems("int8", secure_aggregation=True)[0]
     assert codec_wire.spec_problems("raw", secure_aggregation=True) == []
 
@@ -53,7 +55,7 @@ def test_task_carries_the_canonical_codec_and_refuses_bad_ones(tmp_path):
     with pytest.raises(ConfigError, match="int9"):
         Task(name="t", dataset="d", labels=["a", "b"], codec="int9").validate()
     with pytest.raises(ConfigError, match="secure aggregation"):
-        Task(name="t", dataset="d", labels=["a", "b"], codec="topk:0.1", min_sites=3,
+        Task(name="t", dataset="d", labels=["a", "b"], codec="topk:0.1+int8", min_sites=3,
              secure_aggregation={"enabled": True}).validate()
     toml = tmp_path / "task.toml"
     toml.write_text('name = "t"\ndataset = "d"\nlabels = ["a", "b"]\n[update]\ncodec = "fp16"\n')
