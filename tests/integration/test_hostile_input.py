@@ -18,11 +18,11 @@ import math
 import grpc
 import pytest
 
+from fedclinic.client import submission_stream
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.proto import agent_pb2, control_pb2, control_pb2_grpc, tensors_pb2
-from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.rpc import TlsFiles, secure_channel
-from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
+from fedclinic.transport.wire import manifest_to_proto
 
 from tests.helpers.federation import watch_assignments
 from tests.helpers.tasks import make_task
@@ -30,7 +30,6 @@ from tests.helpers.text_models import tiny_package
 
 pytestmark = pytest.mark.integration
 
-_SUBMIT_TENSOR_FIELD = control_pb2.SubmitTaskChunk.DESCRIPTOR.fields_by_name["tensor"].number
 _EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 
 
@@ -49,16 +48,12 @@ def _raw_submission(spec, package, extra: tensors_pb2.TensorHeader | None = None
         model.tensors.append(extra)
     header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=hashlib.sha256(repr(spec).encode()).hexdigest()
                                           + str(extra is not None), model=model)
-    yield control_pb2.SubmitTaskChunk(header=header).SerializeToString()
-    for f in manifest.files:
-        for c in file_chunks(f.path, package.files[f.path]):
-            yield control_pb2.SubmitTaskChunk(file=c).SerializeToString()
-    for t in manifest.tensors:
-        yield from encoded_tensor_chunks(_SUBMIT_TENSOR_FIELD, header_of(t), raw_bytes(package.tensors[t.name]))
+    *chunks, commit = submission_stream(header, package, manifest)
+    yield from chunks
     if extra is not None:
         yield control_pb2.SubmitTaskChunk(tensor=tensors_pb2.TensorChunk(name=extra.name, header=extra, offset=0)
                                           ).SerializeToString()
-    yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()
+    yield commit
 
 
 def _control_stub(fed):
