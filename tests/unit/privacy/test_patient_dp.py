@@ -136,3 +136,36 @@ def test_patient_ids_must_match_the_rows():
     with pytest.raises(DatasetError, match="patient ids"):
         train_local_private(loaded, data, TrainConfig(optimizer="sgd"), DPSGD(1.0, 1.0, 0.5, 1),
                             trainable=select_tensors(loaded.module.state_dict()), groups=PatientGroups(["a", "b"]))
+
+
+@pytest.mark.parametrize("groups", [[0, 1, 0, 2, 1, 0, 3], [2, 2, 0, 1, 0, 2, 2], [0, 1, 2, 3, 4, 5, 6]])
+def test_group_clipping_is_exact_for_every_layer_kind(groups):
+    """The ghost test network (Embedding with padding and a repeated id, LayerNorm, q/k/v sharing an input, both
+    Linear norm formulas, a head on [B, d]): per-group norms and the clipped sum equal clip(grad of the group's
+    summed losses) summed over groups, one autograd call per group; singletons give the per-example case."""
+    import torch.nn.functional as F
+
+    from tests.unit.privacy.test_ghost import Net, _data
+
+    torch.manual_seed(0)
+    net = Net()
+    ids, y = _data(len(groups))
+    g = torch.tensor(groups)
+    params = [p for p in net.parameters()]
+    want_norms, want = [], [torch.zeros_like(p) for p in params]
+    for k in range(int(g.max()) + 1):
+        rows = (g == k).nonzero().flatten()
+        loss = F.cross_entropy(net(ids[rows]), y[rows], reduction="sum")
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum((x.double() ** 2).sum() for x in grads))
+        want_norms.append(float(norm))
+        for acc, x in zip(want, grads):
+            acc += x * min(1.0, 0.5 / float(norm))
+    clip = GhostClipping(net, params, 0.5)
+    with clip.recording():
+        losses = F.cross_entropy(net(ids), y, reduction="none")
+    norms = clip.add_clipped_sum(losses, g)
+    clip.close()
+    torch.testing.assert_close(norms.double(), torch.tensor(want_norms, dtype=torch.float64), rtol=1e-4, atol=1e-6)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)
