@@ -76,7 +76,10 @@ class TrainingStep:
             state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
             state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
         if state.patient_ids is None and per_patient(a.spec) and entry.group_field:
-            state.patient_ids = patient_ids_of(entry.path, entry.group_field, entry.format, len(state.raw_train))
+            from fedclinic.data.patient_ids import patient_ids_for  # with the data modules, as read_dataset
+
+            state.patient_ids = patient_ids_for(entry.path, group_field=entry.group_field, format=entry.format,
+                                                rows=len(state.raw_train))
 
     def restore_private(self, task_id: str, state: TaskState, private: list[str]) -> None:
         """Put the site's own private tensors into the warm model (after each sync to the global weights): from
@@ -152,15 +155,3 @@ def per_patient(spec) -> bool:
     """The task asks for sample-level DP per patient (``privacy.unit = "patient"``)."""
     return spec.privacy.level == "sample" and spec.privacy.unit == "patient"
 
-
-def patient_ids_of(path, group_field: str, fmt: str | None, rows: int) -> list[str]:
-    """The patient id of each of the dataset's ``rows`` example rows (fedclinic.data.patient_ids); DatasetError
-    when a row has none or the ids do not line up with the examples."""
-    from fedclinic.data.patient_ids import read_patient_ids
-    from fedclinic.errors import DatasetError
-
-    ids = read_patient_ids(path, group_field=group_field, format=fmt)
-    if len(ids) != rows:
-        raise DatasetError(f"{path}: {len(ids)} patient ids for {rows} examples; every example row needs its patient's "
-                           "id in the group_field column", rule="the patient ids do not line up with the examples")
-    return ids

@@ -36,6 +36,15 @@ def read_patient_ids(path: str | os.PathLike[str], *, group_field: str, format: 
     return _table_ids(path, content, group_field, "," if fmt == "csv" else "\t")
 
 
+def patient_ids_for(path: str | os.PathLike[str], *, group_field: str, format: str | None, rows: int) -> list[str]:
+    """:func:`read_patient_ids`, checked to line up with the ``rows`` examples the dataset reader returned."""
+    ids = read_patient_ids(path, group_field=group_field, format=format)
+    if len(ids) != rows:
+        raise DatasetError(f"{path}: {len(ids)} patient ids for {rows} examples; every example row needs its patient's "
+                           "id in the group_field column", rule="the patient ids do not line up with the examples")
+    return ids
+
+
 def _table_ids(path, content: str, group_field: str, delimiter: str) -> list[str]:
     reader = csv.reader(content.splitlines(keepends=True), delimiter=delimiter)
     try:
@@ -70,4 +79,4 @@ def _id(value: object, path, row_no: int, group_field: str) -> str:
     return str(value).strip()
 
 
-__all__ = ["GROUPED_FORMATS", "read_patient_ids"]
+__all__ = ["GROUPED_FORMATS", "patient_ids_for", "read_patient_ids"]

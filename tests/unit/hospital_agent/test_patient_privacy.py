@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from fedclinic.data.patient_ids import read_patient_ids
+from fedclinic.data.patient_ids import patient_ids_for, read_patient_ids
 from fedclinic.errors import ConfigError, DatasetError
 from fedclinic.privacy.accounting import epsilon_of
 from fedclinic.proto import task_pb2
 from hospital_agent.config import AgentConfig
 from hospital_agent.site_privacy import SitePrivacy
-from hospital_agent.training_step import patient_ids_of
 
 
 def _config(tmp_path: Path, **dataset) -> AgentConfig:
@@ -52,9 +51,9 @@ def test_patient_ids_line_up_with_the_rows(tmp_path):
     csv = tmp_path / "notes.csv"
     csv.write_text("text,label,pid\na,x,p1\n,,\nb,y,p2\n")
     assert read_patient_ids(csv, group_field="pid") == ["p1", "p2"]
-    assert patient_ids_of(jsonl, "pid", None, 3) == ["p1", "7", "7"]
+    assert patient_ids_for(jsonl, group_field="pid", format=None, rows=3) == ["p1", "7", "7"]
     with pytest.raises(DatasetError, match="patient ids for 4 examples"):
-        patient_ids_of(jsonl, "pid", None, 4)
+        patient_ids_for(jsonl, group_field="pid", format=None, rows=4)
 
 
 def test_a_row_without_a_patient_id_names_the_rule_and_row_never_the_data(tmp_path):
@@ -99,3 +98,27 @@ def test_a_patient_task_on_a_dataset_without_patients_is_refused_at_admission(tm
     with pytest.raises(ConfigError, match="declares no patient id column"):
         site.admit("t", _spec(), 200, batch_size=10, local_epochs=1, num_patients=None)
     assert site.ledger.status()[0].tasks == ()  # nothing reserved
+
+
+def test_tasks_show_plans_a_patient_task_over_patients(tmp_path):
+    """What the site admin reviews before approving (`hospital-agent tasks show`) is the plan the agent admits."""
+    from hospital_agent.tasks_cli import _planned_epsilon
+
+    rows = "".join(json.dumps({"text": f"note {i}", "label": "a", "pid": f"p{i % 5}"}) + "\n" for i in range(20))
+    (tmp_path / "notes.jsonl").write_text(rows)
+    spec = _spec(noise_multiplier=1.0)
+    spec.labels.extend(["a", "b"])
+    spec.training.batch_size = 2
+    grouped = _config(tmp_path, group_field="pid")
+    text = _planned_epsilon(grouped, spec)
+    assert "on 5 local patients (20 rows)" in text and "sampling rate 0.4000" in text
+    assert "declares no group_field" in _planned_epsilon(_config(tmp_path), spec)
+    assert "on 20 local examples" in _planned_epsilon(grouped, _with(spec, unit=""))
+
+
+def _with(spec: task_pb2.TaskSpec, **privacy) -> task_pb2.TaskSpec:
+    out = task_pb2.TaskSpec()
+    out.CopyFrom(spec)
+    for k, v in privacy.items():
+        setattr(out.privacy, k, v)
+    return out
