@@ -74,7 +74,6 @@ if TYPE_CHECKING:
     import torch
 
     from fedclinic.privacy.patient_groups import PatientGroups
-
     from fedclinic.training.trainer import TrainConfig, TrainResult
 
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
