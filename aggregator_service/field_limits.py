@@ -49,6 +49,7 @@ FIELD_LIMITS: dict[str, int] = {
     "fedclinic.v1.UpdateHeader.metrics": 256,
     "fedclinic.v1.UpdateHeader.eval_metrics": 256,
     "fedclinic.v1.DpReport.accountant": 64,
+    "fedclinic.v1.DpReport.unit": 64,
     "fedclinic.v1.DeclineRequest.task_id": 64,
     "fedclinic.v1.HoldRequest.task_id": 64,
     "fedclinic.v1.SecAggPhase.task_id": 64,

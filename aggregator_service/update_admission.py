@@ -295,6 +295,11 @@ class UpdateAdmission:
             if h.kind != task_pb2.UPDATE_KIND_DELTA:
                 raise Refused(INVALID, "only delta updates (UPDATE_KIND_DELTA) are accepted")
             spec = task.spec
+            if spec.privacy.level == "sample" and spec.privacy.unit == "patient" and h.dp.unit != "patient":
+                # an agent that predates per-patient DP reads the task as per-row and reports no unit
+                raise Refused(INVALID, "the task protects each patient (privacy.unit = \"patient\") but the update's "
+                                       f"DP report states unit {h.dp.unit or 'none'!r}: the site did not sample and "
+                                       "clip per patient (upgrade its agent); the update is not used")
             manifest = self.store.model(rnd.base_model)
             assert manifest is not None
             allowed = set(sent_tensors(spec, manifest))

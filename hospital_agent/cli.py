@@ -90,7 +90,7 @@ def privacy_status(config_path: str) -> int:
         for t in d.tasks:
             state = "finished" if t.finished else "running"
             print(f"  task {t.task_id}: planned {t.planned_epsilon:.3f}, spent {t.spent_epsilon:.3f} "
-                  f"(delta {t.delta:.1e}) over {t.rounds_charged} round(s), {state}")
+                  f"(delta {t.delta:.1e}) per {t.unit} over {t.rounds_charged} round(s), {state}")
     return 0
 
 

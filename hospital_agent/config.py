@@ -27,6 +27,7 @@ Example::
     # tokenizer_sha256 = "..."             # optional: the only tokenizer.json (sha256) tasks on it may use
     # privacy_epsilon = 8.0                # the dataset's privacy budget over all DP tasks (with privacy_delta);
     # privacy_delta = 1e-5                 # without one, tasks asking for sample-level DP on it are refused
+    # group_field = "patient_id"           # the column holding each row's patient id: enables per-patient DP tasks
 
     [policy]
     allowed_families = ["text-classification"]
@@ -69,7 +70,7 @@ POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_c
                "require_dp", "min_cohort", "max_epsilon", "publish_updates_allowed")
 DATASET_KEYS = ("path", "format", "text_field", "label_field", "eval_path", "entities_field", "tokenizer_sha256",
                 "question_field", "answer_field", "context_field", "image_field", "privacy_epsilon",
-                "privacy_delta")
+                "privacy_delta", "group_field")
 
 
 def _sha256_or_none(value: Any, where: str) -> str | None:
@@ -89,6 +90,19 @@ def _privacy_budget(entry: dict[str, Any], where: str) -> dict[str, float]:
     if not (isinstance(eps, (int, float)) and eps > 0) or not (isinstance(delta, (int, float)) and 0 < delta < 1):
         raise ConfigError(f"{where}: privacy_epsilon must be > 0 and privacy_delta in (0, 1), e.g. 8.0 and 1e-5")
     return {"privacy_epsilon": float(eps), "privacy_delta": float(delta)}
+
+
+def _group_field(entry: dict[str, Any], fmt: str | None, where: str) -> str | None:
+    value = entry.get("group_field")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: group_field must name the column that holds each row's patient id, e.g. "
+                          f"\"patient_id\", got {value!r}")
+    path = str(entry.get("path", ""))
+    if fmt == "conll" or (fmt is None and path.lower().endswith((".conll", ".bio", ".iob"))):
+        raise ConfigError(f"{where}: group_field needs a JSONL, CSV or TSV dataset (CoNLL has no patient id column)")
+    return value
 
 
 def _protection_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
@@ -138,6 +152,9 @@ class DatasetEntry:
     #: the dataset's differential-privacy budget over every task that trains on it (hospital_agent.privacy_ledger)
     privacy_epsilon: float | None = None
     privacy_delta: float | None = None
+    #: the column (JSONL key, CSV/TSV header) holding each row's patient id; set, tasks with ``privacy.unit =
+    #: "patient"`` sample, clip and account per patient (fedclinic.privacy.patient_groups); None: they are declined
+    group_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +212,12 @@ class SitePolicy:
                     "publish_updates_allowed = true")
         if spec.privacy.level not in ("", "sample", "client"):
             return f"the task asks for privacy level {spec.privacy.level!r}, which this agent does not know"
+        if spec.privacy.unit not in ("", "example", "patient"):
+            return f"the task asks for privacy unit {spec.privacy.unit!r}, which this agent does not know"
+        if spec.privacy.unit == "patient" and not datasets[spec.dataset].group_field:
+            return (f"the task protects each patient (privacy.unit = \"patient\") but dataset {spec.dataset!r} "
+                    "declares no patient id column at this site; the site admin sets group_field under "
+                    f"[datasets.{spec.dataset}] in agent.toml, or the task uses unit \"example\"")
         return self.protection_refusal(spec)
 
     def protection_refusal(self, spec: task_pb2.TaskSpec) -> str | None:
@@ -272,6 +295,7 @@ class AgentConfig:
                                           answer_field=entry.get("answer_field", "answer"),
                                           context_field=entry.get("context_field", "context"),
                                           image_field=entry.get("image_field", "image"),
+                                          group_field=_group_field(entry, fmt, f"{source}: [datasets.{name}]"),
                                           **_privacy_budget(entry, f"{source}: [datasets.{name}]"))
         pol = doc.get("policy") or {}
         refuse_unknown(pol, POLICY_KEYS, f"{source}: [policy]", ENV_PREFIX)

@@ -273,11 +273,11 @@ class PrivacyBudget:
     def __init__(self, privacy: SitePrivacy) -> None:
         self.privacy = privacy
 
-    def admit(self, a: agent_pb2.Assignment, num_examples: int, batch_size: int, local_epochs: int
-              ) -> tuple[Verdict, PrivatePlan | None]:
+    def admit(self, a: agent_pb2.Assignment, num_examples: int, batch_size: int, local_epochs: int,
+              num_patients: int | None = None) -> tuple[Verdict, PrivatePlan | None]:
         try:
             plan = self.privacy.admit(a.task_id, a.spec, num_examples, batch_size=batch_size,
-                                      local_epochs=local_epochs)
+                                      local_epochs=local_epochs, num_patients=num_patients)
         except (BudgetExceeded, ConfigError) as exc:
             log.warning("private task refused", reason=str(exc))
             return Verdict(DECLINE, str(exc), refused="privacy_budget", audit="task.refused_by_privacy_budget"), None

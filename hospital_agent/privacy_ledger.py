@@ -38,6 +38,7 @@ spend exceed a budget.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -68,6 +69,10 @@ class TaskSpend:
     delta: float
     rounds_charged: int
     finished: bool
+    #: what the task's epsilon protects: "example" (one row) or "patient" (all of a patient's rows; its sampling
+    #: rate is over patients). Kept in the task's accountant state; epsilons of tasks with different units on one
+    #: dataset are added as they are (see docs/hospital-it.md)
+    unit: str = "example"
 
 
 @dataclass(frozen=True)
@@ -206,10 +211,10 @@ class PrivacyLedger:
             out = []
             for name in names:
                 b = db.execute("SELECT epsilon, delta FROM budgets WHERE dataset=?", (name,)).fetchone()
-                tasks = tuple(TaskSpend(t, p, s, d, n, bool(f)) for t, p, s, d, f, n in db.execute(
+                tasks = tuple(TaskSpend(t, p, s, d, n, bool(f), _unit(a)) for t, p, s, d, f, n, a in db.execute(
                     "SELECT t.task_id, t.planned_epsilon, t.spent_epsilon, t.delta, t.finished, "
-                    "(SELECT count(*) FROM charges c WHERE c.dataset=t.dataset AND c.task_id=t.task_id) "
-                    "FROM tasks t WHERE t.dataset=? ORDER BY t.admitted_ms", (name,)))
+                    "(SELECT count(*) FROM charges c WHERE c.dataset=t.dataset AND c.task_id=t.task_id), "
+                    "t.accountant FROM tasks t WHERE t.dataset=? ORDER BY t.admitted_ms", (name,)))
                 eps, dlt = _committed(db, name)
                 out.append(DatasetSpend(name, Budget(*b) if b else None, sum(t.spent_epsilon for t in tasks), eps, dlt,
                                         tasks))
@@ -232,6 +237,16 @@ def _committed(db: sqlite3.Connection, dataset: str, exclude: str | None = None)
         " coalesce(sum(CASE WHEN finished AND spent_epsilon = 0 THEN 0 ELSE delta END), 0) "
         "FROM tasks WHERE dataset=? AND task_id IS NOT ?", (dataset, exclude)).fetchone()
     return float(eps), float(dlt)
+
+
+def _unit(accountant: str) -> str:
+    """The privacy unit recorded in a task's accountant state (JSON; "" or no unit: "example")."""
+    try:
+        doc = json.loads(accountant) if accountant else {}
+    except ValueError:
+        return "example"
+    unit = doc.get("unit") if isinstance(doc, dict) else None
+    return unit if isinstance(unit, str) and unit else "example"
 
 
 def _now_ms() -> int:

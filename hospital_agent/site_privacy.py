@@ -13,6 +13,11 @@ For a task whose spec asks for ``privacy.level = "sample"``:
    then returns the ``DpReport`` the update carries. If the charge is refused, the update is not sent.
    Charging the task's last round (``rounds.num_rounds``) finishes the task in the ledger: no further round
    exists, so the unspent rest of its reservation goes back to the dataset's budget.
+Per-patient tasks (``privacy.unit = "patient"``): the units are the dataset's patients (its ``group_field``):
+``q = batch_size / patients`` (``batch_size`` = expected patients per step), steps per round count epochs over
+patients, and the ledger's record and the ``DpReport`` name the unit. A task asking for it on a dataset without
+a ``group_field`` is refused with the reason (:meth:`SitePrivacy.admit`; the policy gate refuses it first).
+
 3. :meth:`SitePrivacy.task_ended` finishes the task in the ledger when the agent learns that it will spend
    nothing more on it (cancelled or failed at the aggregator, or declined for good by this site).
 """
@@ -23,6 +28,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedclinic.errors import ConfigError
 from fedclinic.privacy.accounting import TaskAccountant, TaskPlan, plan_task
 from fedclinic.privacy.dp_sgd import DPSGD, check_supported
 from fedclinic.proto import agent_pb2, task_pb2
@@ -35,6 +41,7 @@ from hospital_agent.privacy_ledger import PrivacyLedger
 class PrivatePlan:
     plan: TaskPlan
     max_grad_norm: float
+    unit: str = "example"      # "example" (one row) | "patient" (q over patients; training samples whole patients)
 
     @property
     def dp_sgd(self) -> DPSGD:
@@ -49,26 +56,36 @@ class SitePrivacy:
                 self.ledger.set_budget(entry.name, entry.privacy_epsilon, entry.privacy_delta)
 
     def admit(self, task_id: str, spec: task_pb2.TaskSpec, num_examples: int, *, batch_size: int,
-              local_epochs: int) -> PrivatePlan | None:
+              local_epochs: int, num_patients: int | None = None) -> PrivatePlan | None:
         """None for a task without sample-level DP; else the plan, reserved in the ledger (raises
-        ConfigError / BudgetExceeded with the reason otherwise)."""
+        ConfigError / BudgetExceeded with the reason otherwise). ``num_patients``: the dataset's patients when it
+        declares a ``group_field`` (None otherwise); a per-patient task is planned over them."""
         pc = spec.privacy
         if pc.level != "sample":
             return None
         check_supported(spec.family, spec.architecture)
+        unit = privacy_unit(spec)
+        if unit == "patient":
+            if not num_patients:
+                raise ConfigError(f"the task protects each patient (privacy.unit = \"patient\") but dataset "
+                                  f"{spec.dataset!r} declares no patient id column at this site; the site admin sets "
+                                  f"group_field under [datasets.{spec.dataset}], or the task uses unit \"example\"")
+            num_examples = num_patients
         plan = plan_task(num_examples=num_examples, batch_size=batch_size, local_epochs=local_epochs,
                          rounds=max(1, spec.rounds.num_rounds), delta=pc.target_delta or 1e-5,
                          accountant=pc.accountant or "rdp",
                          target_epsilon=pc.target_epsilon or None, noise_multiplier=pc.noise_multiplier or None)
-        self.ledger.admit(spec.dataset, task_id, plan.planned_epsilon, plan.delta, accountant="")
-        return PrivatePlan(plan, pc.max_grad_norm or 1.0)
+        self.ledger.admit(spec.dataset, task_id, plan.planned_epsilon, plan.delta,
+                          accountant=TaskAccountant(plan.accountant, plan.delta, unit=unit).to_json())
+        return PrivatePlan(plan, pc.max_grad_norm or 1.0, unit)
 
     def charge(self, task_id: str, spec: task_pb2.TaskSpec, round_number: int, private: PrivatePlan
                ) -> agent_pb2.DpReport:
         """Charge one trained round to the ledger (before its update is written or sent); its DpReport."""
         plan = private.plan
         saved = self.ledger.accountant_state(spec.dataset, task_id)
-        accountant = TaskAccountant.from_json(saved) if saved else TaskAccountant(plan.accountant, plan.delta)
+        accountant = TaskAccountant.from_json(saved) if saved else TaskAccountant(plan.accountant, plan.delta,
+                                                                                  unit=private.unit)
         nxt = accountant.with_steps(plan.noise_multiplier, plan.sample_rate, plan.steps_per_round)
         epsilon = nxt.epsilon()
         if not math.isfinite(epsilon):
@@ -77,8 +94,14 @@ class SitePrivacy:
         if round_number >= spec.rounds.num_rounds:
             self.ledger.finish(spec.dataset, task_id)  # the last round: nothing more can be spent
         return agent_pb2.DpReport(epsilon=epsilon, delta=plan.delta, noise_multiplier=plan.noise_multiplier,
-                                  max_grad_norm=private.max_grad_norm, accountant=plan.accountant)
+                                  max_grad_norm=private.max_grad_norm, accountant=plan.accountant,
+                                  unit=private.unit)
 
     def task_ended(self, task_id: str) -> list[str]:
         """The task will spend nothing more at this site: release its unspent reservations (the datasets)."""
         return self.ledger.finish_task(task_id)
+
+
+def privacy_unit(spec: task_pb2.TaskSpec) -> str:
+    """The privacy unit a sample-level task asks for: "patient" or "example" (the default)."""
+    return "patient" if spec.privacy.unit == "patient" else "example"

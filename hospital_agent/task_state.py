@@ -23,6 +23,8 @@ class TaskState:
     tensor_sha: dict[str, str] = field(default_factory=dict)
     raw_train: list | None = None               # validated rows: fedclinic.data.text.Example or data_ner.NerExample
     raw_eval: list | None = None
+    #: the patient id of each training row (per-patient DP tasks only; data: kept in memory, never logged or sent)
+    patient_ids: list[str] | None = None
     train_data: object = None                   # fedclinic.training.trainer.EncodedData
     eval_data: object = None
     #: local optimizer moments by tensor name, for tasks with optimizer_state = "keep" (memory only: an agent

@@ -17,6 +17,7 @@ from fedclinic.errors import FedclinicError
 from fedclinic.proto import task_pb2
 
 from hospital_agent.approvals import ApprovalStore, TaskApproval
+from fedclinic.data.patient_ids import patient_ids_for
 from fedclinic.data.text import read_dataset
 from fedclinic.privacy.accounting import plan_task
 from fedclinic.runtime.audit_log import AuditLog
@@ -59,7 +60,15 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
                             question_field=entry.question_field, answer_field=entry.answer_field,
                             context_field=entry.context_field, image_field=entry.image_field,
                             label_set=list(spec.labels), multi_label=spec.multi_label)
-        plan = plan_task(num_examples=len(rows), batch_size=spec.training.batch_size or 16,
+        units, unit = len(rows), "local examples"
+        if pc.unit == "patient":
+            if not entry.group_field:
+                return (f"not computable: the task protects each patient but dataset {spec.dataset!r} declares no "
+                        "group_field, so the agent will decline it")
+            units = len(set(patient_ids_for(entry.path, group_field=entry.group_field, format=entry.format,
+                                            rows=len(rows))))
+            unit = f"local patients ({len(rows)} rows)"
+        plan = plan_task(num_examples=units, batch_size=spec.training.batch_size or 16,
                          local_epochs=spec.training.local_epochs or 1, rounds=max(1, spec.rounds.num_rounds),
                          delta=pc.target_delta or 1e-5, accountant=pc.accountant or "rdp",
                          target_epsilon=pc.target_epsilon or None, noise_multiplier=pc.noise_multiplier or None)
@@ -70,8 +79,7 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
         budget = f"; the dataset's budget is epsilon {entry.privacy_epsilon:g} (delta {entry.privacy_delta:g})"
     else:
         budget = "; the dataset has no privacy budget, so the agent will refuse this task"
-    return (f"{plan.planned_epsilon:.3f} (delta {plan.delta:g}) over {plan.rounds} round(s) on {len(rows)} local "
-            f"examples: noise multiplier {plan.noise_multiplier:.3f}, sampling rate {plan.sample_rate:.4f}, "
+    return (f"{plan.planned_epsilon:.3f} (delta {plan.delta:g}) over {plan.rounds} round(s) on {units} {unit}: noise multiplier {plan.noise_multiplier:.3f}, sampling rate {plan.sample_rate:.4f}, "
             f"{plan.steps_per_round} step(s) per round{budget}")
 
 

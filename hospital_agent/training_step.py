@@ -75,6 +75,11 @@ class TrainingStep:
         if state.raw_train is None:
             state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
             state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
+        if state.patient_ids is None and per_patient(a.spec) and entry.group_field:
+            from fedclinic.data.patient_ids import patient_ids_for  # with the data modules, as read_dataset
+
+            state.patient_ids = patient_ids_for(entry.path, group_field=entry.group_field, format=entry.format,
+                                                rows=len(state.raw_train))
 
     def restore_private(self, task_id: str, state: TaskState, private: list[str]) -> None:
         """Put the site's own private tensors into the warm model (after each sync to the global weights): from
@@ -116,6 +121,7 @@ class TrainingStep:
             task_id=a.task_id, site=self._site_id(), round=a.round, send=list(a.send_tensors), train=cfg,
             private=private, codec=a.spec.update.codec, safl=safl.SaflConfig.from_spec(a.spec),
             dp=state.private.dp_sgd if state.private is not None else None,
+            dp_groups=state.patient_ids if state.private is not None and state.private.unit == "patient" else None,
             optimizer_state=state.optimizer_state if state.private is None else None,
             feedback=feedback, progress=progress,
             dp_entropy=self.dp_entropy))
@@ -143,3 +149,9 @@ class TrainingStep:
 
 
 __all__ = ["Trained", "TrainingStep"]
+
+
+def per_patient(spec) -> bool:
+    """The task asks for sample-level DP per patient (``privacy.unit = "patient"``)."""
+    return spec.privacy.level == "sample" and spec.privacy.unit == "patient"
+

@@ -409,7 +409,9 @@ class Agent:
         cfg.mixed_precision = cfg.mixed_precision and self.config.mixed_precision
         if state.private is None and a.spec.privacy.level == "sample":
             # the privacy budget next: nothing is downloaded for a task the site cannot afford
-            verdict, state.private = self.budget.admit(a, len(state.raw_train), cfg.batch_size, cfg.local_epochs)
+            patients = len(set(state.patient_ids)) if state.patient_ids is not None else None
+            verdict, state.private = self.budget.admit(a, len(state.raw_train), cfg.batch_size, cfg.local_epochs,
+                                                       num_patients=patients)
             if not self._passes(a, verdict):
                 return
         failpoint("agent.fetch")  # kill campaign: assigned, model not yet fetched

@@ -98,7 +98,7 @@ def test_privacy_status_command_shows_budget_and_spend(tmp_path):
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith("notes"))
     assert row.split()[1:] == ["6.000", "1.0e-04", "1.500", "4.000", "2.000"]
-    assert "task t-123: planned 4.000, spent 1.500 (delta 1.0e-05) over 1 round(s), running" in out.stdout
+    assert "task t-123: planned 4.000, spent 1.500 (delta 1.0e-05) per example over 1 round(s), running" in out.stdout
     # the admin finishes a task the agent was never told had ended: its unspent 2.5 goes back to the budget
     cli = [sys.executable, "-m", "hospital_agent.cli", "privacy"]
     finish = cli + ["finish", "t-123", "--config", str(config)]

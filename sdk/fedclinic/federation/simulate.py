@@ -27,7 +27,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -84,9 +84,13 @@ class SampleDP:
     #: seed of DP-SGD's sampler and noise at every site and round (None: drawn from the OS, as at a site); a
     #: simulation protects nothing, so a fixed value only makes a private run reproducible
     entropy: int | None = None
+    #: per-patient DP (``privacy.unit = "patient"``): for each site, the patient id of each of its rows (in
+    #: ``site_data`` order); sites then sample, clip and plan over patients (fedclinic.privacy.patient_groups)
+    patient_ids: Sequence[Sequence[Hashable]] | None = None
 
     def for_site(self, num_examples: int, train: TrainConfig, rounds: int):
-        """The :class:`fedclinic.privacy.dp_sgd.DPSGD` settings of one site's rounds."""
+        """The :class:`fedclinic.privacy.dp_sgd.DPSGD` settings of one site's rounds (``num_examples``: its privacy
+        units, rows or patients)."""
         # lazy: opacus loads only for a private simulation
         from fedclinic.privacy.accounting import plan_task
         from fedclinic.privacy.dp_sgd import DPSGD
@@ -96,6 +100,11 @@ class SampleDP:
                          target_epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier)
         return DPSGD(plan.noise_multiplier, self.max_grad_norm, plan.sample_rate, plan.steps_per_round)
 
+
+
+def _units(dp: SampleDP, site: int, rows: int) -> int:
+    """What a site's DP-SGD counts: its rows, or its patients under per-patient DP."""
+    return rows if dp.patient_ids is None else len(set(dp.patient_ids[site]))
 
 def simulate(
     package: ModelPackage,
@@ -254,7 +263,8 @@ def simulate(
             out = run_site_round(loaded, encoded[i], SiteRoundInput(
                 task_id=task_id, site=names_of[i], round=r, send=names, train=train, private=private_names,
                 codec=codec, safl=safl, optimizer_state=optimizer_states.get(i),
-                dp=dp.for_site(len(encoded[i]), train, rounds) if dp is not None else None,
+                dp=dp.for_site(_units(dp, i, len(encoded[i])), train, rounds) if dp is not None else None,
+                dp_groups=dp.patient_ids[i] if dp is not None and dp.patient_ids is not None else None,
                 private_values=private.get(i, initial_private) if private_names else None,
                 feedback=feedback.get(i), dp_entropy=dp.entropy if dp is not None else None))
             if site_rounds is not None:

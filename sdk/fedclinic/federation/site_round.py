@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -86,6 +86,8 @@ class SiteRoundInput:
     feedback: ErrorFeedback | None = None
     progress: Callable[[int, int, float], None] | None = None
     dp_entropy: int | None = None
+    #: per-patient DP: the patient id of each training row (None: the unit is a row); see fedclinic.privacy.patient_groups
+    dp_groups: Sequence[Hashable] | None = None
 
 
 @dataclass
@@ -154,8 +156,11 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
     if inp.dp is not None:
         from fedclinic.privacy.dp_sgd import train_local_private  # lazy: opacus only for private rounds
 
+        from fedclinic.privacy.patient_groups import PatientGroups
+
+        groups = PatientGroups(inp.dp_groups) if inp.dp_groups is not None else None
         result = train_local_private(loaded, data, cfg, inp.dp, trainable=send + private, progress=inp.progress,
-                                     entropy=inp.dp_entropy)
+                                     entropy=inp.dp_entropy, groups=groups)
     else:
         result = train_local(loaded, data, cfg, trainable=send + private, progress=inp.progress,
                              optimizer_state=inp.optimizer_state)

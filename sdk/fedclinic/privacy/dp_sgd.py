@@ -7,6 +7,10 @@ One round of local DP-SGD runs ``steps`` steps; each step (Abadi et al. 2016)::
     g   = ( sum_{i in B} g_i * min(1, C / ||g_i||) + N(0, (sigma C)^2 I) ) / (q n)
     w  <- optimizer step with g
 
+Per-patient DP (``groups``, :mod:`fedclinic.privacy.patient_groups`): the same with "example" read as "group"
+(all of one patient's rows): groups are Poisson-sampled with all their rows, each group's summed gradient is
+clipped once, and ``q G`` (expected groups) divides the sum.
+
 ``q n`` is the *expected* batch size, so the step does not depend on the realised batch size; an empty
 sample is a noise-only step (the analysed mechanism releases noise then too: skipping the step would tell
 an observer that the sample was empty, an event whose probability depends on the dataset). The accountant
@@ -69,6 +73,7 @@ from fedclinic.spec.capabilities import ALTERNATIVE, REFUSED, SUPPORTED, check_s
 if TYPE_CHECKING:
     import torch
 
+    from fedclinic.privacy.patient_groups import PatientGroups
     from fedclinic.training.trainer import TrainConfig, TrainResult
 
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
@@ -144,7 +149,7 @@ def _is_hf_model(module) -> bool:
 def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainable: Collection[str],
                         progress: Callable[[int, int, float], None] | None = None,
                         mode: str = "auto", step_hook: Callable[[Any], None] | None = None,
-                        entropy: int | None = None) -> "TrainResult":
+                        entropy: int | None = None, groups: "PatientGroups | None" = None) -> "TrainResult":
     """Train ``loaded.module`` in place with DP-SGD (``dp.steps`` Poisson-sampled steps); only ``trainable``
     tensors change. Same contract as :func:`fedclinic.training.trainer.train_local` otherwise; optimizer state is
     not kept across rounds (it would be a function of earlier noisy gradients only, but the simpler contract
@@ -162,7 +167,10 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     ``max_grad_norm``, ``expected_batch_size`` and ``accumulated_iterations`` (Opacus' accountant hook fits: the
     caller can account what actually ran). ``entropy`` seeds the Poisson sampler and the noise; None (the default,
     and what every site runs) draws 63 bits from the operating system (``secrets``); a test gives a value to replay
-    a round bit for bit."""
+    a round bit for bit. ``groups`` (one group per row of ``data``: the patients) makes the unit a group: groups are
+    Poisson-sampled with rate ``dp.sample_rate`` (each kept with all of its rows), each group's summed gradient is
+    clipped once, the sum is divided by the expected number of groups, and parts are whole groups of at most
+    ``cfg.batch_size`` rows (a larger group is a part alone)."""
     if mode not in ("auto", "hooks", "ghost"):
         raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
     if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
@@ -189,6 +197,10 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     n = len(data)
     if n == 0:
         raise DatasetError("no training examples; the site's dataset is empty")
+    if groups is not None and len(groups) != n:
+        raise DatasetError(f"{len(groups)} patient ids for {n} training rows; every row needs its patient's id",
+                           rule="the patient ids do not match the rows")
+    units = n if groups is None else groups.num_groups  # what is sampled, clipped and counted
     device = select_device(cfg.device)
     module = loaded.module.to(device)
     wanted = set(trainable)
@@ -202,7 +214,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     sampler = torch.Generator().manual_seed(seed)
     noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * n)))
+    noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * units)))
     ghost = mode == "ghost" or (mode == "auto" and loaded.family in GHOST_FAMILIES
                                 and not unsupported_parameters(module, train_params))
     original = loaded.module
@@ -213,10 +225,11 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
         torch.manual_seed(int(cfg.seed))  # dropout only (no privacy rests on it): the site round's seed, as train_local
         try:
             run = (_GhostRun if ghost else _OpacusRun)(loaded, module, data, device, cfg.batch_size, train_params,
-                                                       optimizer, noisy, noise, step_hook)
+                                                       optimizer, noisy, noise, step_hook, groups)
             module.train()
             for step in range(1, dp.steps + 1):
-                idx = (torch.rand(n, generator=sampler) < dp.sample_rate).nonzero().flatten()
+                keep = torch.rand(units, generator=sampler) < dp.sample_rate
+                idx = keep.nonzero().flatten() if groups is None else groups.sample(keep)
                 loss_sum += run.step(idx)
                 seen += len(idx)
                 if progress is not None:
@@ -253,7 +266,7 @@ class _GhostRun:
     expected costs time, not memory beyond what non-private training at that batch size needs."""
 
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
-                 noise, step_hook) -> None:
+                 noise, step_hook, groups: "PatientGroups | None" = None) -> None:
         # lazy: torch (see train_local_private)
         from fedclinic.privacy.ghost import GhostClipping
         from fedclinic.privacy.per_example import PerExampleObjective
@@ -262,6 +275,7 @@ class _GhostRun:
         self.objective = PerExampleObjective(loaded, module, data.multi_label)
         self.data, self.device, self.part_size = data, device, max(1, part_size)
         self.params, self.optimizer, self.noisy, self.noise, self.step_hook = params, optimizer, noisy, noise, step_hook
+        self.groups = groups
 
     def step(self, idx: "torch.Tensor") -> float:
         """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step, as the accountant assumes);
@@ -270,11 +284,11 @@ class _GhostRun:
 
         self.optimizer.zero_grad(set_to_none=True)  # p.grad must hold only this step's clipped sum and noise
         total = 0.0
-        for part in idx.split(self.part_size) if len(idx) else ():
+        for part, local in _parts(idx, self.part_size, self.groups):
             inputs, y = self.data.batch(part, self.device)
             with self.clip.recording():
                 losses = self.objective.per_example(inputs, y)
-            self.clip.add_clipped_sum(losses)
+            self.clip.add_clipped_sum(losses, None if local is None else local.to(losses.device))
             total += float(losses.detach().sum())
             del losses
         std = self.noisy.noise_multiplier * self.noisy.max_grad_norm
@@ -302,7 +316,7 @@ class _OpacusRun:
     the same as in one batch; memory holds one part's per-sample gradients at a time."""
 
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
-                 noise, step_hook) -> None:
+                 noise, step_hook, groups: "PatientGroups | None" = None) -> None:
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
 
@@ -318,6 +332,7 @@ class _OpacusRun:
         if step_hook is not None:
             self.optimizer.attach_step_hook(step_hook)
         self.data, self.device, self.params, self.part_size = data, device, params, max(1, part_size)
+        self.groups = groups
         loaded.module = self.gsm  # loaded.logits(...) now runs through the per-sample gradient hooks
         self.objective = PerExampleObjective(loaded, module, data.multi_label)
 
@@ -328,11 +343,11 @@ class _OpacusRun:
 
         self.optimizer.zero_grad(set_to_none=True)  # also drops the clipped sum of the previous step
         total = 0.0
-        parts = list(idx.split(self.part_size)) if len(idx) else []
+        parts = list(_parts(idx, self.part_size, self.groups))
         if not parts:
             for p in self.params:  # the clipped sum of no per-sample gradients is zero; only noise is added
                 p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-        for k, part in enumerate(parts):
+        for k, (part, local) in enumerate(parts):
             inputs, y = self.data.batch(part, self.device)
             loss = self.objective(inputs, y)
             with warnings.catch_warnings():
@@ -341,6 +356,8 @@ class _OpacusRun:
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 loss.backward()
             self.objective.after_backward()
+            if local is not None:
+                _sum_grad_samples(self.params, local)
             total += float(loss.detach()) * len(y)
             if k < len(parts) - 1:
                 self.optimizer.signal_skip_step(do_skip=True)
@@ -351,3 +368,29 @@ class _OpacusRun:
 
     def close(self) -> None:
         self.gsm._close()
+
+
+def _parts(idx: "torch.Tensor", part_size: int, groups: "PatientGroups | None"):
+    """A step's sample in parts: ``(rows, None)`` slices of at most ``part_size`` rows, or with ``groups``
+    ``(rows, local_group)`` parts of whole groups (:meth:`PatientGroups.parts`)."""
+    if len(idx) == 0:
+        return iter(())
+    if groups is None:
+        return ((part, None) for part in idx.split(part_size))
+    return groups.parts(idx, part_size)
+
+
+def _sum_grad_samples(params: list, local: "torch.Tensor") -> None:
+    """Per-group DP-SGD with per-sample gradients: replace each parameter's per-row gradients ``[B, ...]`` by their
+    sums per group ``[g, ...]`` (``g_k = sum_{i in k} g_i``), which Opacus' optimizer then clips one per group."""
+    import torch
+
+    count = int(local.max()) + 1
+    for p in params:
+        gs = getattr(p, "grad_sample", None)
+        if gs is None:
+            continue
+        if isinstance(gs, list):  # Opacus keeps a list only when batches accumulate; parts zero it in between
+            gs = torch.cat(gs)
+        p.grad_sample = torch.zeros((count, *gs.shape[1:]), dtype=gs.dtype, device=gs.device).index_add_(
+            0, local.to(gs.device), gs)

@@ -29,6 +29,17 @@ cost of an ordinary weight gradient. ``S`` adds over examples, so a batch may be
 part's ``S`` is added to ``p.grad``). Compared with two-pass ghost clipping there is no second backward pass
 and no retained graph; compared with per-example gradients, memory holds only the layers' inputs (autograd
 keeps them anyway) and output gradients until ``S`` is formed.
+
+Groups (per-patient DP)
+-----------------------
+With ``groups`` (row -> group index, e.g. the patient each row belongs to) the unit is a group G, its gradient
+``g_G = sum_{b in G} g_b`` (not a sum of row norms) and ``S = sum_G min(1, C/||g_G||) g_G``. Every rule above is a
+sum over an example's positions, so a group is one example whose positions are all of its rows' positions:
+:func:`group_records` lays each record out as ``[G, R*T, ...]`` (a group's rows concatenated along the position
+axis, groups with fewer than R rows padded with zeros). A zero input and a zero output gradient add nothing to
+any of the sums (an Embedding's padded ids meet zero output gradients), so the norms and ``S`` above, applied to
+these records, are those of the groups, e.g. ``||g_G(W)||^2 = sum_{t,s in G} (e_t . e_s)(a_t . a_s)`` over all
+token pairs of all of G's rows; each row's output gradient is scaled by its group's ``c_G``.
 """
 
 from __future__ import annotations
@@ -135,10 +146,12 @@ class GhostClipping:
         if self._recording and torch.is_grad_enabled() and output.requires_grad:
             self._calls.append(_Call(module, args[0].detach(), get_gradient_edge(output)))
 
-    def add_clipped_sum(self, losses: "torch.Tensor") -> "torch.Tensor":
+    def add_clipped_sum(self, losses: "torch.Tensor", groups: "torch.Tensor | None" = None) -> "torch.Tensor":
         """Add ``sum_b min(1, C / ||g_b||) g_b`` to ``p.grad`` of every trained parameter the losses depend on
         (``p.grad`` None counts as zero; a parameter they do not depend on is left as it is) and return the
-        per-example gradient norms ``||g_b||`` ``[B]``."""
+        per-example gradient norms ``||g_b||`` ``[B]``. With ``groups`` (``[B]`` int64, the group index
+        0..G-1 of each row; see "Groups" in the module docstring) the units are the groups: adds
+        ``sum_G min(1, C / ||g_G||) g_G`` and returns ``||g_G||`` ``[G]``."""
         import torch
 
         calls, self._calls = self._calls, []
@@ -155,6 +168,8 @@ class GhostClipping:
         grads = torch.autograd.grad(losses.sum(), [c.out for c in calls], allow_unused=True) if calls else []
         records = [(c.module, c.inp, g) for c, g in zip(calls, grads) if g is not None]
         del calls, grads
+        if groups is not None:
+            records, batch = group_records(records, groups)
         sq = torch.zeros(batch, dtype=torch.float32, device=losses.device)
         grams: dict = {}  # layers reading the same input (attention's query, key, value) share a a^T
         small: dict = {}  # per-example gradients [B, ...] of the small parameters (biases, LayerNorm)
@@ -203,6 +218,65 @@ class GhostClipping:
                     raise ConfigError(f"trained parameter {name} is read {n_uses} times in the forward pass by "
                                       f"{n_calls} calls of its layer (tied, re-used or read outside its layer); "
                                       "ghost clipping needs one use per parameter; " + HOOKS_HINT)
+
+
+def group_records(records: list, groups: "torch.Tensor") -> tuple[list, int]:
+    """The ``(module, input, output gradient)`` records of a batch of rows laid out per group: each tensor
+    ``[B, positions..., features...]`` becomes ``[G, R*T, features...]`` (group ``k``'s rows in batch order,
+    concatenated along the positions, zero-padded to the largest group's R rows; T = the positions of a row,
+    1 when a row has none). Returns the records and G. Rows already one per group, in order, are returned as
+    they are. ConfigError for a layer kind whose feature axes are not known here."""
+    import torch
+
+    groups = groups.to(torch.int64).reshape(-1)
+    rows = int(groups.numel())
+    if rows == 0:
+        return records, 0
+    num = int(groups.max()) + 1
+    if int(groups.min()) < 0:
+        raise ValueError("group indices must be 0..G-1")
+    if num == rows and bool((groups == torch.arange(rows, device=groups.device)).all()):
+        return records, rows
+    # position of each row inside its group (rows of a group keep their batch order)
+    order = torch.argsort(groups, stable=True)
+    counts = torch.bincount(groups, minlength=num)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(groups)
+    pos[order] = torch.arange(rows, device=groups.device) - starts[groups[order]]
+    width = int(counts.max())
+    memo: dict = {}  # an input read by several layers (attention's query, key, value) is regrouped once
+
+    def lay_out(x: "torch.Tensor", feature_dims: int) -> "torch.Tensor":
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, feature_dims)
+        if key in memo:
+            return memo[key]
+        feat = tuple(x.shape[x.dim() - feature_dims:]) if feature_dims else ()
+        flat = x.reshape(rows, -1, *feat)
+        out = flat.new_zeros((num, width, *flat.shape[1:]))
+        out[groups, pos] = flat
+        memo[key] = out.reshape(num, width * flat.shape[1], *feat)
+        return memo[key]
+
+    out = []
+    for module, a, e in records:
+        a_dims, e_dims = _feature_dims(module)
+        out.append((module, lay_out(a, a_dims), lay_out(e, e_dims)))
+    return out, num
+
+
+def _feature_dims(module) -> tuple[int, int]:
+    """How many trailing axes of a layer's input and of its output gradient are features (the rest, after the
+    batch axis, are positions)."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return 1, 1
+    if isinstance(module, torch.nn.LayerNorm):
+        return len(module.normalized_shape), len(module.normalized_shape)
+    if isinstance(module, torch.nn.Embedding):
+        return 0, 1
+    raise ConfigError(f"per-group clipping does not know the feature axes of {type(module).__name__}; "
+                      + HOOKS_HINT)
 
 
 def _squared_norms(module, a: "torch.Tensor", e: "torch.Tensor", params: list, grams: dict,
@@ -296,4 +370,4 @@ def _accumulate(module, a: "torch.Tensor", e: "torch.Tensor", coef: "torch.Tenso
     _add_grad(module.weight, grad)
 
 
-__all__ = ["GhostClipping", "unsupported_parameters"]
+__all__ = ["GhostClipping", "group_records", "unsupported_parameters"]

@@ -327,18 +327,20 @@ class FetchModelRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., have_sha256: _Optional[_Iterable[str]] = ..., include_files: _Optional[bool] = ..., latest: _Optional[bool] = ..., delta_names: _Optional[_Iterable[str]] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class DpReport(_message.Message):
-    __slots__ = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "accountant")
+    __slots__ = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "accountant", "unit")
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
     epsilon: float
     delta: float
     noise_multiplier: float
     max_grad_norm: float
     accountant: str
-    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., accountant: _Optional[str] = ...) -> None: ...
+    unit: str
+    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., accountant: _Optional[str] = ..., unit: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("task_id", "round", "attempt", "idempotency_key", "base_model_hash", "kind", "num_samples", "metrics", "tensors", "dp", "eval_metrics", "secagg_session_id", "upload_id", "resume_offset", "statement")

@@ -48,7 +48,8 @@ for a package made locally); a section that is *absent* was not configured::
                          sample-weighted summary (train_loss, eval_accuracy, eval_macro_f1, eval_strict_f1, ...)
     final_round_metrics  "metrics" of the last of those rounds ({} when there is none; null = unknown)
     privacy              only when the task set differential privacy: {"level", "target_epsilon",
-                         "target_delta", "max_grad_norm", "noise_multiplier", "accountant"} and what was spent
+                         "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit" (what one
+                         epsilon protects: "example", "patient" or "site"; a note says it in words)} and what was spent
                          up to this model: "epsilon_spent_max_site", "delta_spent" (sample level: the largest
                          cumulative spend of any site) or "client_epsilon_spent", "client_delta" (client level)
     secure_aggregation   only when the task enabled it, defaults filled in: {"enabled", "threshold",
@@ -139,6 +140,8 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
                                        "token": cfg.token}
     if spec.HasField("privacy") and spec.privacy.level:
         card["privacy"] = _fields(spec.privacy)
+        card["privacy"]["unit"] = privacy_unit(spec.privacy)
+        card["notes"].append(UNIT_NOTES[card["privacy"]["unit"]])
     if spec.HasField("secure_aggregation") and spec.secure_aggregation.enabled:
         # lazy: the SecAgg stack (cryptography) loads only for a task that used it; serving reads cards without it
         from fedclinic.secagg.task_config import effective_config
@@ -250,6 +253,26 @@ def write_card(folder: str | os.PathLike[str], card: Mapping[str, Any]) -> Path:
 
 
 #: why the global model of a task with private modules is not a site's model
+#: what the privacy guarantee is about, by ``privacy.unit`` (sample level) or level (client)
+UNIT_NOTES = {
+    "example": ("privacy unit: one example (a row of a site's dataset). A patient with several rows is protected "
+                "only as a group of that many examples (epsilon grows with the number of rows)."),
+    "patient": ("privacy unit: one patient (all rows with the same patient id at a site): each site sampled and "
+                "clipped whole patients and accounted epsilon per patient. A patient with many rows weighs more "
+                "than one with few before clipping; after clipping each patient's contribution to a step is at "
+                "most max_grad_norm."),
+    "site": ("privacy unit: one site's whole update (client-level DP at the aggregator), not a row or a patient "
+             "inside a site."),
+}
+
+
+def privacy_unit(privacy: Any) -> str:
+    """What a task's differential privacy protects: "example", "patient" (sample level) or "site" (client level)."""
+    if privacy.level == "client":
+        return "site"
+    return "patient" if privacy.unit == "patient" else "example"
+
+
 PRIVATE_NOTE = ("the task kept private modules at the sites (update.private): in this global model those tensors hold "
                 "their initial values; each site's own model is this one with its private tensors "
                 "(`hospital-agent model export TASK OUT_DIR` at the site)")

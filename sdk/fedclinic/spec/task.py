@@ -141,6 +141,8 @@ class Task:
     #: the whole task at each site) or noise_multiplier, target_delta, max_grad_norm (per-example clip C) and
     #: accountant ("rdp" | "prv"); level = "client" (clip + noise of whole updates at the aggregator), which
     #: needs strategy "dp-fedavg" (its parameters carry clip and noise). Empty = no differential privacy.
+    #: unit (level "sample"): "example" (default: one row of a site's dataset) or "patient" (every site samples,
+    #: clips and accounts per patient, by the patient id column its dataset declares; sites without one decline)
     privacy: dict[str, Any] = field(default_factory=dict)
     #: ``[secure_aggregation]``: enabled = true runs every round as a SecAgg(+) session, so the aggregator sees
     #: only the sum of the sites' (clipped, quantized) deltas, averaged with uniform weights. Optional:
@@ -308,7 +310,7 @@ class Task:
         return task
 
 
-PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant")
+PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit")
 
 
 def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
@@ -324,7 +326,7 @@ def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
         p.append(f"privacy: target_delta must be a number in (0, 1), e.g. 1e-5, got {privacy['target_delta']!r}")
     if not privacy.get("level"):
         p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site) or "client"')
-    for key in ("level", "accountant"):
+    for key in ("level", "accountant", "unit"):
         if key in privacy and not isinstance(privacy[key], str):
             p.append(f"privacy: {key} must be a string, got {privacy[key]!r}")
     return p
@@ -368,8 +370,9 @@ def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
         return task_pb2.PrivacyConfig()
     level = privacy.get("level", "")
     if level == "client":
-        return task_pb2.PrivacyConfig(level="client")
-    return task_pb2.PrivacyConfig(level=level, target_epsilon=float(privacy.get("target_epsilon") or 0.0),
+        return task_pb2.PrivacyConfig(level="client", unit=str(privacy.get("unit", "")))
+    return task_pb2.PrivacyConfig(level=level, unit=str(privacy.get("unit", "")),
+                                  target_epsilon=float(privacy.get("target_epsilon") or 0.0),
                                   target_delta=float(privacy.get("target_delta", 1e-5)),
                                   max_grad_norm=float(privacy.get("max_grad_norm", 1.0)),
                                   noise_multiplier=float(privacy.get("noise_multiplier") or 0.0),

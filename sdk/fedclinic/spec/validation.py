@@ -32,6 +32,9 @@ from fedclinic.transport import codec_wire, downlink
 from fedclinic.transport.package import Manifest
 
 ACCOUNTANTS = ("rdp", "prv")
+#: what sample-level DP protects (``privacy.unit``; "" = "example"): one example (a row of a site's dataset), or one
+#: patient (every row that shares the patient id named by the site's ``group_field``; fedclinic.privacy.dp_sgd)
+PRIVACY_UNITS = ("example", "patient")
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,11 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
     """What is wrong with the task's differential privacy (``spec.privacy`` with its strategy and model)."""
     pc = spec.privacy
     if not pc.level:
-        return []
+        return [f"privacy: unit {pc.unit!r} needs level = \"sample\" (the unit of sample-level DP-SGD)"] if pc.unit \
+            else []
+    if pc.unit and pc.level != "sample":
+        return [f"privacy: unit is a setting of level \"sample\"; level {pc.level!r} protects one site's whole "
+                "update, so remove unit (or use level \"sample\" with unit \"patient\")"]
     if pc.level == "client":
         return [] if spec.strategy == "dp-fedavg" else [
             'privacy level "client" clips and noises whole updates at the aggregator: use strategy '
@@ -169,6 +176,9 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
         p.append(f"privacy: target_delta must be in (0, 1), e.g. 1e-5, got {pc.target_delta!r}")
     if pc.accountant not in ("", *ACCOUNTANTS):
         p.append(f"privacy: accountant must be \"rdp\" or \"prv\", got {pc.accountant!r}")
+    if pc.unit not in ("", *PRIVACY_UNITS):
+        p.append(f"privacy: unit must be \"example\" (one row) or \"patient\" (all of a patient's rows, for sites "
+                 f"whose dataset declares a group_field), got {pc.unit!r}")
     if spec.strategy == "dp-fedavg":
         p.append('privacy level "sample" already noises at the sites; "dp-fedavg" is for level "client"')
     return p

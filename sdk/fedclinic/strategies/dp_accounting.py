@@ -119,7 +119,8 @@ def plan_task(*, num_examples: int, batch_size: int, local_epochs: int, rounds: 
               noise_multiplier: float | None = None) -> TaskPlan:
     """Plan DP-SGD for a task: ``q = batch_size / num_examples``, ``local_epochs * ceil(1/q)`` steps per round
     (one expected pass per epoch), and either the noise for ``target_epsilon`` over all rounds or the epsilon
-    a given ``noise_multiplier`` spends. Exactly one of the two must be given."""
+    a given ``noise_multiplier`` spends. Exactly one of the two must be given. ``num_examples`` counts the privacy
+    units: rows, or patients for a per-patient task (then ``batch_size`` is the expected patients per step)."""
     if num_examples <= 0:
         raise ConfigError("the dataset is empty; nothing can be trained privately")
     if batch_size <= 0 or local_epochs <= 0 or rounds <= 0:
@@ -141,11 +142,13 @@ def plan_task(*, num_examples: int, batch_size: int, local_epochs: int, rounds: 
 
 @dataclass
 class TaskAccountant:
-    """What DP-SGD actually ran for one task on one dataset: ``(sigma, q, steps)`` entries, in order."""
+    """What DP-SGD actually ran for one task on one dataset: ``(sigma, q, steps)`` entries, in order, and the
+    privacy ``unit`` they protect ("example": one row; "patient": all of one patient's rows, q over patients)."""
 
     accountant: str
     delta: float
     history: list[tuple[float, float, int]] = field(default_factory=list)
+    unit: str = "example"
 
     def __post_init__(self) -> None:
         _check_accountant(self.accountant)
@@ -165,19 +168,19 @@ class TaskAccountant:
 
     def with_steps(self, noise_multiplier: float, sample_rate: float, steps: int) -> "TaskAccountant":
         """A copy that has also run ``steps`` more steps (what a round will spend, before it is charged)."""
-        nxt = TaskAccountant(self.accountant, self.delta, list(self.history))
+        nxt = TaskAccountant(self.accountant, self.delta, list(self.history), self.unit)
         nxt.record(noise_multiplier, sample_rate, steps)
         return nxt
 
     def to_json(self) -> str:
         return json.dumps({"accountant": self.accountant, "delta": self.delta,
-                           "history": [list(h) for h in self.history]})
+                           "history": [list(h) for h in self.history], "unit": self.unit})
 
     @classmethod
     def from_json(cls, text: str) -> "TaskAccountant":
         try:
             doc: dict[str, Any] = json.loads(text)
             history = [(float(s), float(q), int(n)) for s, q, n in doc["history"]]
-            return cls(str(doc["accountant"]), float(doc["delta"]), history)
+            return cls(str(doc["accountant"]), float(doc["delta"]), history, str(doc.get("unit", "example")))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"privacy accountant state is not valid JSON of the expected shape: {exc}") from exc

@@ -181,3 +181,24 @@ def test_the_engine_parts_import_without_the_engine_and_the_validator_without_to
             "assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_per_patient_task_refuses_an_update_whose_dp_report_is_not_per_patient(tmp_path):
+    """An agent that does not know privacy.unit would train per row and report no unit: its update is refused,
+    and one reporting unit "patient" is admitted."""
+    store, engine = make_engine(tmp_path)
+    pkg = ModelPackage({"w": np.zeros(4, np.float32)})
+    task_id = submit_task(engine, pkg, min_sites=1, num_rounds=1, privacy={
+        "level": "sample", "unit": "patient", "target_epsilon": 4.0})
+    a = assign_sites(engine, ["s1"])
+    delta = {"w": np.ones(4, np.float32)}
+    for unit in ("", "example"):
+        h, messages = update_stream("s1", a["s1"], delta, key=f"k-{unit}")
+        h.dp.unit = unit
+        with pytest.raises(Refused, match="protects each patient") as exc:
+            engine.submit_update("s1", h, iter(messages))
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    h, messages = update_stream("s1", a["s1"], delta)
+    h.dp.unit = "patient"
+    engine.submit_update("s1", h, iter(messages))
+    assert store.update_count(task_id, 1) == 1 or store.task(task_id).state == control_pb2.TASK_STATE_COMPLETED

@@ -66,7 +66,8 @@ def run_simulator(t: Task, start: ModelPackage, rounds: int, dp: SampleDP | None
     return res, seen
 
 
-def run_agents(t: Task, start: ModelPackage, globals_: list[dict[str, np.ndarray]], root, dp_entropy=None):
+def run_agents(t: Task, start: ModelPackage, globals_: list[dict[str, np.ndarray]], root, dp_entropy=None,
+               patient_ids=None):
     """Each site's rounds through the agent's code: its TrainingStep on a warm model synced to each round's global
     model, the aggregator's send list, its privacy plan and error-feedback file (committed as an acknowledgement
     does)."""
@@ -88,9 +89,13 @@ def run_agents(t: Task, start: ModelPackage, globals_: list[dict[str, np.ndarray
         state.train_data = training.encode(site_rows, state.loaded, max_length=16)
         train_cfg = training.TrainConfig.from_proto(spec.training, device="cpu")
         private = private_names(list(start.tensors), t.private)
+        if patient_ids is not None:  # what prepare_data reads from the dataset's group_field
+            state.patient_ids = list(patient_ids[SITES.index(site)])
         if spec.privacy.level == "sample":
+            patients = len(set(state.patient_ids)) if state.patient_ids is not None else None
             verdict, state.private = agent.budget.admit(agent_pb2.Assignment(task_id=TASK_ID, spec=spec),
-                                                        len(site_rows), train_cfg.batch_size, train_cfg.local_epochs)
+                                                        len(site_rows), train_cfg.batch_size, train_cfg.local_epochs,
+                                                        num_patients=patients)
             assert verdict.proceed
         for r, global_tensors in enumerate(globals_, start=1):
             a = agent_pb2.Assignment(task_id=TASK_ID, round=r, spec=spec, send_tensors=send)
@@ -118,13 +123,14 @@ def assert_same_updates(sim: dict, agents: dict) -> None:
         assert any(np.abs(d).max() > 0 for d in s.delta.values()), key  # something was trained
 
 
-def both(t: Task, arch: str, tmp_path, rounds: int = 1, dp: SampleDP | None = None, dp_entropy=None):
+def both(t: Task, arch: str, tmp_path, rounds: int = 1, dp: SampleDP | None = None, dp_entropy=None,
+         patient_ids=None):
     start = package(arch)
     res, sim = run_simulator(t, start, rounds, dp)
     globals_ = [start.tensors]
     if rounds == 2:  # the agents' round-2 global model: what the simulator's first round produced
         globals_.append(run_simulator(t, start, 1, dp)[0].package.tensors)
-    agents = run_agents(t, start, globals_, tmp_path, dp_entropy)
+    agents = run_agents(t, start, globals_, tmp_path, dp_entropy, patient_ids)
     assert_same_updates(sim, agents)
     return res, sim, agents
 
@@ -169,3 +175,19 @@ def test_dp_sgd_gives_the_same_clipped_and_noised_update_given_the_same_entropy(
              trainable=[r"classifier\..*", r"bert\.pooler\..*"])
     dp = SampleDP(max_grad_norm=0.7, noise_multiplier=0.5, entropy=2024)
     both(t, "transformer", tmp_path, dp=dp, dp_entropy=2024)
+
+
+def test_per_patient_dp_sgd_gives_the_same_update_in_the_simulator_and_at_an_agent(tmp_path):
+    """unit = "patient": both sides plan over the site's patients (8 and 6 patients of 12 rows, 4 expected per step:
+    q = 0.5 and 2/3, 2 steps each), sample and clip whole patients; with the same entropy the updates are
+    identical (the agent's plan, sampling and clipping are the simulator's). Per row it would be 3 steps."""
+    ids = [[f"p{i % 8}" for i in range(12)], [f"q{i // 2}" for i in range(12)]]
+    privacy = {"level": "sample", "noise_multiplier": 0.5, "max_grad_norm": 0.7}
+    trainable = [r"classifier\..*", r"bert\.pooler\..*"]
+    t = task("transformer", privacy={**privacy, "unit": "patient"}, trainable=trainable)
+    dp = SampleDP(max_grad_norm=0.7, noise_multiplier=0.5, entropy=2024, patient_ids=ids)
+    _, sim, agents = both(t, "transformer", tmp_path, dp=dp, dp_entropy=2024, patient_ids=ids)
+    assert all(out.train.steps == 2 for out in sim.values())
+    _, per_row = run_simulator(task("transformer", privacy=privacy, trainable=trainable), package("transformer"), 1,
+                               SampleDP(max_grad_norm=0.7, noise_multiplier=0.5, entropy=2024))
+    assert all(out.train.steps == 3 for out in per_row.values())

@@ -103,7 +103,7 @@ def test_privacy_sections_only_when_set_and_non_finite_metrics_become_null():
     status.rounds[1].metrics["eval_loss"] = float("nan")
     card = build_card(META, model_hash="h2", status=status)
     assert card["privacy"] == {"level": "client", "target_epsilon": 3.0, "target_delta": 1e-5, "max_grad_norm": 1.0,
-                               "noise_multiplier": 0.8, "accountant": "rdp"}
+                               "noise_multiplier": 0.8, "accountant": "rdp", "unit": "site"}
     assert card["secure_aggregation"] == {"enabled": True, "threshold": 2, "min_cohort": 3, "clip": 1.0, "bits": 20,
                                           "rounding": "stochastic", "degree": 0, "weighting": "samples",
                                           "weight_cap": 65536, "metric_clip": 100.0}  # what ran: defaults filled in
@@ -179,3 +179,13 @@ def test_written_card_round_trips_and_is_not_part_of_the_package(tmp_path):
     (folder / "model_card.json").write_text("{oops")
     with pytest.raises(ConfigError, match="model_card.json is not valid JSON"):
         read_card(folder)
+
+
+@pytest.mark.parametrize("unit, says", [("", "one example"), ("patient", "one patient")])
+def test_the_card_states_the_privacy_unit(unit, says):
+    status = _status(privacy=task_pb2.PrivacyConfig(level="sample", target_epsilon=3.0, target_delta=1e-5,
+                                                    max_grad_norm=1.0, accountant="rdp", unit=unit))
+    card = build_card(META, model_hash="h2", status=status)
+    assert card["privacy"]["unit"] == (unit or "example")
+    assert any(n.startswith("privacy unit: " + says) for n in card["notes"])
+    assert f"unit | {unit or 'example'}" in render_markdown(card)

@@ -142,3 +142,27 @@ def test_pooling_is_checked_at_the_task_for_the_family_it_applies_to():
              model_config={"pooling": "mean"}).validate()
     with pytest.raises(ConfigError, match="not text-classification lstm"):
         Task(name="t", dataset="d", labels=["a", "b"], architecture="lstm", model_config={"pooling": "mean"}).validate()
+
+
+def _private(**privacy) -> Task:
+    return Task(name="t", dataset="notes", labels=["a", "b"], privacy=privacy)
+
+
+def test_privacy_unit_patient_is_a_setting_of_sample_level_dp():
+    """privacy.unit: "patient" or "example" under level "sample" reach the spec; anything else, or a unit under
+    client-level DP, is refused by the one validator with what to change."""
+    ok = {"level": "sample", "target_epsilon": 4.0}
+    assert _private(**ok, unit="patient").to_spec().privacy.unit == "patient"
+    assert _private(**ok, unit="example").to_spec().privacy.unit == "example"
+    assert _private(**ok).to_spec().privacy.unit == ""  # the default: one example
+    with pytest.raises(ConfigError, match='unit must be "example"'):
+        _private(**ok, unit="ward").validate()
+    with pytest.raises(ConfigError, match="unit must be a string"):
+        _private(**ok, unit=3).validate()
+    with pytest.raises(ConfigError, match="unit is a setting of level"):
+        Task(name="t", dataset="notes", labels=["a", "b"], strategy="dp-fedavg",
+             privacy={"level": "client", "unit": "patient"}).validate()
+    from fedclinic.spec.validation import privacy_problems
+
+    assert any("needs level" in p for p in privacy_problems(task_pb2.TaskSpec(
+        privacy=task_pb2.PrivacyConfig(unit="patient"))))
