@@ -38,7 +38,11 @@ output gradients and forms the clipped sum from the same records, in one backwar
 Ghost clipping sums squared per-layer norms, which is the squared norm of the example's gradient only when no
 parameter is used twice (checked), and covers Linear, LayerNorm and Embedding parameters: it is used for text
 and feature classification (``mode="auto"``, single- and multi-label) when every trained tensor is one of
-those, and refused for the other families.
+those, and refused for the other families. LoRA adapters (:mod:`fedclinic.models.lora`) are parameters of their
+linear with a ghost rule of their own (exact per-example norms and clipped sums of ``A`` and ``B``,
+:func:`fedclinic.privacy.ghost.lora_squared_norms`): a LoRA text-classification task (adapters and head trained,
+encoder frozen) runs in ghost mode; hooks mode refuses adapters (Opacus' Linear grad sampler covers the linear's
+own weight and bias only).
 
 BERT-family models
 ------------------
@@ -179,10 +183,6 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
 
     cfg.validate()
     check_supported(loaded.family, loaded.architecture)
-    if loaded.meta.get("lora") is not None:
-        raise ConfigError("sample-level DP-SGD is not available for a model with LoRA adapters (Opacus computes "
-                          "per-sample gradients of a linear's own weight and bias only); " + ALTERNATIVE +
-                          " or a model without adapters")
     if cfg.mixed_precision or cfg.proximal_mu > 0 or cfg.measure_gradient_change:
         raise ConfigError("DP-SGD runs in float32 without a proximal term or the gradient-change measure; turn off "
                           "mixed_precision, proximal_mu and measure_gradient_change for a private task")
@@ -205,6 +205,10 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * n)))
     ghost = mode == "ghost" or (mode == "auto" and loaded.family in GHOST_FAMILIES
                                 and not unsupported_parameters(module, train_params))
+    if not ghost and loaded.meta.get("lora") is not None:
+        raise ConfigError("DP-SGD over LoRA adapters runs in ghost mode (text and feature classification); Opacus' "
+                          "hooks mode computes per-sample gradients of a linear's own weight and bias only, not of "
+                          "its adapters; use mode 'ghost' or 'auto'")
     original = loaded.module
     handles = explicit_ids_hook(module)
     run = None
