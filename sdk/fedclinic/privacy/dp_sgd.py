@@ -77,6 +77,13 @@ if TYPE_CHECKING:
 
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
 GHOST_FAMILIES = ("text-classification", "feature-classification")
+#: DP-SGD modes: per-example gradients materialised by Opacus' hooks, ghost clipping, each example differentiated
+#: alone (the loop), or the best exact one for the model
+MODES = ("auto", "hooks", "ghost", "loop")
+#: (family, architecture) whose private rounds run the per-example loop under ``auto`` (LSTMs over packed
+#: sequences, EmbeddingBag with per-token weights, a ResNet whose BatchNorm runs in inference mode)
+LOOP_MODELS = (("text-classification", "lstm"), ("text-classification", "logreg"),
+               ("token-classification", "cnn-bilstm-crf"), ("image-text-classification", "resnet-bilstm"))
 #: HF model types whose default position ids are 0..L-1 for right-padded input (see the module docstring)
 ARANGE_POSITIONS = ("bert", "distilbert", "electra", "gpt2", "llama")
 
@@ -167,8 +174,8 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     caller can account what actually ran). ``entropy`` seeds the Poisson sampler and the noise; None (the default,
     and what every site runs) draws 63 bits from the operating system (``secrets``); a test gives a value to replay
     a round bit for bit."""
-    if mode not in ("auto", "hooks", "ghost"):
-        raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
+    if mode not in MODES:
+        raise ConfigError(f"DP-SGD mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
         raise ConfigError(f"ghost clipping is available for {' and '.join(GHOST_FAMILIES)} (per-example losses of "
                           "Linear, LayerNorm and Embedding layers, no parameter used twice); use mode 'hooks' for "
@@ -203,12 +210,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * n)))
-    ghost = mode == "ghost" or (mode == "auto" and loaded.family in GHOST_FAMILIES
-                                and not unsupported_parameters(module, train_params))
-    if not ghost and loaded.meta.get("lora") is not None:
-        raise ConfigError("DP-SGD over LoRA adapters runs in ghost mode (text and feature classification); Opacus' "
-                          "hooks mode computes per-sample gradients of a linear's own weight and bias only, not of "
-                          "its adapters; use mode 'ghost' or 'auto'")
+    run_class = _run_class(mode, loaded, unsupported_parameters(module, train_params))
     original = loaded.module
     handles = explicit_ids_hook(module)
     run = None
@@ -216,9 +218,10 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(cfg.seed))  # dropout only (no privacy rests on it): the site round's seed, as train_local
         try:
-            run = (_GhostRun if ghost else _OpacusRun)(loaded, module, data, device, cfg.batch_size, train_params,
-                                                       optimizer, noisy, noise, step_hook)
+            run = run_class(loaded, module, data, device, cfg.batch_size, train_params, optimizer, noisy, noise,
+                            step_hook)
             module.train()
+            freeze_batch_norm(module)
             for step in range(1, dp.steps + 1):
                 idx = (torch.rand(n, generator=sampler) < dp.sample_rate).nonzero().flatten()
                 loss_sum += run.step(idx)
@@ -256,13 +259,15 @@ class _GhostRun:
     examples, so the Poisson sample is processed in parts of at most the task's batch size: a sample larger than
     expected costs time, not memory beyond what non-private training at that batch size needs."""
 
+    clipping: Any = None  # the clipped-sum class (GhostClipping's interface); None: GhostClipping
+
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
                  noise, step_hook) -> None:
         # lazy: torch (see train_local_private)
         from fedclinic.privacy.ghost import GhostClipping
         from fedclinic.privacy.per_example import PerExampleObjective
 
-        self.clip = GhostClipping(module, params, noisy.max_grad_norm)
+        self.clip = (self.clipping or GhostClipping)(module, params, noisy.max_grad_norm)
         self.objective = PerExampleObjective(loaded, module, data.multi_label)
         self.data, self.device, self.part_size = data, device, max(1, part_size)
         self.params, self.optimizer, self.noisy, self.noise, self.step_hook = params, optimizer, noisy, noise, step_hook
@@ -294,6 +299,54 @@ class _GhostRun:
 
     def close(self) -> None:
         self.clip.close()
+
+
+class _LoopRun(_GhostRun):
+    """:class:`_GhostRun` with the clipped sum of :class:`~fedclinic.privacy.per_example_clipping.PerExampleClipping`
+    (each example differentiated alone): the same parts, noise and step."""
+
+    def __init__(self, loaded, module, data, *args) -> None:
+        from fedclinic.privacy.per_example_clipping import PerExampleClipping  # lazy: torch
+
+        self.clipping = PerExampleClipping
+        super().__init__(loaded, module, data, *args)
+        self.objective = self.clip.objective(self.objective)
+
+
+def _run_class(mode: str, loaded, unsupported: list[str]) -> type:
+    """The run of ``mode`` for this model (``auto``: ghost where its layer rules cover every trained tensor, hooks
+    for the Hugging Face families, the per-example loop otherwise); ConfigError where a mode cannot be exact."""
+    lora = loaded.meta.get("lora") is not None
+    loop_model = (loaded.family, loaded.architecture) in LOOP_MODELS
+    if mode == "auto":
+        if loaded.family in GHOST_FAMILIES and not unsupported:
+            mode = "ghost"
+        elif loop_model or lora:
+            mode = "loop"
+        else:
+            mode = "hooks"
+    if mode == "hooks" and (lora or loop_model):
+        what = "LoRA adapters (its Linear grad sampler covers a linear's own weight and bias only)" if lora else (
+            f"the {loaded.architecture} architecture (torch's nn.LSTM / EmbeddingBag with per-token weights / "
+            "BatchNorm have no exact grad sampler there)")
+        raise ConfigError(f"Opacus' hooks mode has no per-sample gradients for {what}; use mode 'loop' or 'auto'")
+    return {"ghost": _GhostRun, "loop": _LoopRun, "hooks": _OpacusRun}[mode]
+
+
+def freeze_batch_norm(module: "torch.nn.Module") -> None:
+    """Put every batch-norm layer of ``module`` in inference mode (running statistics fixed and not updated).
+
+    In training mode a batch-norm layer normalises each example with the mean and variance of the whole batch,
+    so an example's output -- and its gradient -- depends on the other examples: there is no per-example
+    gradient to clip and the sensitivity of the clipped sum is not C. In inference mode it is a fixed per-channel
+    affine map of each example alone (Opacus refuses train-mode BatchNorm for the same reason). Its tensors stay
+    as they are: the running statistics are not updated, the affine weight and bias train only if the task
+    trains them, with exact per-example gradients."""
+    import torch
+
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+            sub.eval()
 
 
 class _OpacusRun:
