@@ -181,9 +181,10 @@ def test_aggregator_refuses_misspelt_keys_from_the_file_and_the_environment(tmp_
         AggregatorConfig.load(tmp_path / "agg.toml")
 
 
-def test_aggregator_refuses_sample_level_dp_for_a_model_dp_sgd_cannot_train():
-    """The aggregator's own check (an SDK of another version may skip it): DP-SGD for an LSTM or logreg is refused
-    at submit with the reason and the alternative, not at every site."""
+def test_aggregator_accepts_sample_level_dp_exactly_where_the_sites_can_run_it():
+    """The aggregator's own check (an SDK of another version may skip it) is the sites' table
+    (fedclinic.spec.capabilities): DP-SGD for an LSTM is accepted (the sites differentiate each example alone), a
+    model without a per-example objective is refused at submit with the reason and the alternative."""
     from aggregator_service.rounds import validate_spec
     from fedclinic.errors import Refused
     from fedclinic.spec.task import Task
@@ -191,10 +192,11 @@ def test_aggregator_refuses_sample_level_dp_for_a_model_dp_sgd_cannot_train():
     from tests.helpers.text_models import tiny_package
 
     private = {"level": "sample", "target_epsilon": 8.0, "target_delta": 1e-5, "max_grad_norm": 1.0}
-    task = Task(name="t", dataset="notes", labels=["cardio", "neuro"], architecture="transformer", privacy=private)
+    task = Task(name="t", dataset="notes", labels=["cardio", "neuro"], architecture="lstm", privacy=private)
+    validate_spec(task.to_spec(), tiny_package("lstm").manifest())
     spec = task.to_spec()
-    spec.architecture = "lstm"  # what Task.validate would refuse: a client that skipped it
-    with pytest.raises(Refused, match=r"sample-level DP-SGD is not available for text-classification / lstm: .*"
+    spec.architecture = "gru"  # what Task.validate would refuse: a client that skipped it
+    with pytest.raises(Refused, match=r"sample-level DP-SGD is not available for text-classification / gru: .*"
                                       r"client-level DP instead"):
         validate_spec(spec, tiny_package("lstm").manifest())
 

@@ -18,8 +18,12 @@ tensors are identified by name end to end (content-addressed downlink, per-tenso
 error feedback, secure-aggregation layouts), so a renaming layer would sit between every one of them and the
 model; the adapter itself is the two matrices above.
 
-Not supported (refused where it matters): DP-SGD on adapters (Opacus computes per-sample gradients for a
-linear's own weight and bias only); adapter dropout (adapters are trained without it).
+DP-SGD trains adapters with exact per-example clipping: ghost clipping has a layer rule for an adapted linear
+(:func:`fedclinic.privacy.ghost.lora_squared_norms`; it reads ``SCALING_ATTR``, the plain float attribute that
+holds ``alpha / r`` on each target linear and that the forward hook uses too, so both read one value), and the
+per-example mode (:mod:`fedclinic.privacy.per_example_grads`) differentiates each example alone. Opacus' hooks
+mode is refused for adapters (its Linear grad sampler covers a linear's own weight and bias only).
+Not supported: adapter dropout (adapters are trained without it).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 
 META_KEY = "lora"
 A_SUFFIX, B_SUFFIX = ".lora_A", ".lora_B"
+#: attribute of an adapted linear holding ``alpha / r`` (a float, not a tensor: it is not in ``state_dict()``)
+SCALING_ATTR = "lora_scaling"
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,8 @@ def attach(module: Any, spec: LoraSpec, adapters: Mapping[str, np.ndarray]) -> N
         dtype = linear.weight.dtype
         linear.lora_A = torch.nn.Parameter(torch.tensor(np.asarray(adapters[a_name]), dtype=dtype))
         linear.lora_B = torch.nn.Parameter(torch.tensor(np.asarray(adapters[b_name]), dtype=dtype))
-        linear.register_forward_hook(_make_hook(spec.scaling))
+        setattr(linear, SCALING_ATTR, float(spec.scaling))
+        linear.register_forward_hook(_hook)
     unexpected = sorted(set(adapters) - expected)
     if unexpected:
         raise IntegrityError(f"LoRA adapters {unexpected[:4]} belong to no target linear of the model "
@@ -194,11 +201,10 @@ def trainable_patterns(head: Sequence[str] = (r"classifier\..*",)) -> list[str]:
     return [r".*\.lora_[AB]", *head]
 
 
-def _make_hook(scaling: float):
-    def hook(linear, inputs, output):
-        (x,) = inputs
-        return output + (x @ linear.lora_A.t() @ linear.lora_B.t()) * scaling
-    return hook
+def _hook(linear, inputs, output):
+    """``y + (alpha / r) x A^T B^T`` (the adapted linear's forward)."""
+    (x,) = inputs
+    return output + (x @ linear.lora_A.t() @ linear.lora_B.t()) * getattr(linear, SCALING_ATTR)
 
 
 def _kaiming_uniform_(tensor: Any, generator: Any) -> None:

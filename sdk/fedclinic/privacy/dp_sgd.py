@@ -42,7 +42,11 @@ output gradients and forms the clipped sum from the same records, in one backwar
 Ghost clipping sums squared per-layer norms, which is the squared norm of the example's gradient only when no
 parameter is used twice (checked), and covers Linear, LayerNorm and Embedding parameters: it is used for text
 and feature classification (``mode="auto"``, single- and multi-label) when every trained tensor is one of
-those, and refused for the other families.
+those, and refused for the other families. LoRA adapters (:mod:`fedclinic.models.lora`) are parameters of their
+linear with a ghost rule of their own (exact per-example norms and clipped sums of ``A`` and ``B``,
+:func:`fedclinic.privacy.ghost.lora_squared_norms`): a LoRA text-classification task (adapters and head trained,
+encoder frozen) runs in ghost mode; hooks mode refuses adapters (Opacus' Linear grad sampler covers the linear's
+own weight and bias only).
 
 BERT-family models
 ------------------
@@ -78,6 +82,13 @@ if TYPE_CHECKING:
 
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
 GHOST_FAMILIES = ("text-classification", "feature-classification")
+#: DP-SGD modes: per-example gradients materialised by Opacus' hooks, ghost clipping, each example differentiated
+#: alone (the loop), or the best exact one for the model
+MODES = ("auto", "hooks", "ghost", "loop")
+#: (family, architecture) whose private rounds run the per-example loop under ``auto`` (LSTMs over packed
+#: sequences, EmbeddingBag with per-token weights, a ResNet whose BatchNorm runs in inference mode)
+LOOP_MODELS = (("text-classification", "lstm"), ("text-classification", "logreg"),
+               ("token-classification", "cnn-bilstm-crf"), ("image-text-classification", "resnet-bilstm"))
 #: HF model types whose default position ids are 0..L-1 for right-padded input (see the module docstring)
 ARANGE_POSITIONS = ("bert", "distilbert", "electra", "gpt2", "llama")
 
@@ -171,8 +182,8 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     Poisson-sampled with rate ``dp.sample_rate`` (each kept with all of its rows), each group's summed gradient is
     clipped once, the sum is divided by the expected number of groups, and parts are whole groups of at most
     ``cfg.batch_size`` rows (a larger group is a part alone)."""
-    if mode not in ("auto", "hooks", "ghost"):
-        raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
+    if mode not in MODES:
+        raise ConfigError(f"DP-SGD mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
         raise ConfigError(f"ghost clipping is available for {' and '.join(GHOST_FAMILIES)} (per-example losses of "
                           "Linear, LayerNorm and Embedding layers, no parameter used twice); use mode 'hooks' for "
@@ -187,10 +198,6 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
 
     cfg.validate()
     check_supported(loaded.family, loaded.architecture)
-    if loaded.meta.get("lora") is not None:
-        raise ConfigError("sample-level DP-SGD is not available for a model with LoRA adapters (Opacus computes "
-                          "per-sample gradients of a linear's own weight and bias only); " + ALTERNATIVE +
-                          " or a model without adapters")
     if cfg.mixed_precision or cfg.proximal_mu > 0 or cfg.measure_gradient_change:
         raise ConfigError("DP-SGD runs in float32 without a proximal term or the gradient-change measure; turn off "
                           "mixed_precision, proximal_mu and measure_gradient_change for a private task")
@@ -215,8 +222,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * units)))
-    ghost = mode == "ghost" or (mode == "auto" and loaded.family in GHOST_FAMILIES
-                                and not unsupported_parameters(module, train_params))
+    run_class = _run_class(mode, loaded, unsupported_parameters(module, train_params))
     original = loaded.module
     handles = explicit_ids_hook(module)
     run = None
@@ -224,9 +230,10 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(cfg.seed))  # dropout only (no privacy rests on it): the site round's seed, as train_local
         try:
-            run = (_GhostRun if ghost else _OpacusRun)(loaded, module, data, device, cfg.batch_size, train_params,
-                                                       optimizer, noisy, noise, step_hook, groups)
+            run = run_class(loaded, module, data, device, cfg.batch_size, train_params, optimizer, noisy, noise,
+                            step_hook, groups)
             module.train()
+            freeze_batch_norm(module)
             for step in range(1, dp.steps + 1):
                 keep = torch.rand(units, generator=sampler) < dp.sample_rate
                 idx = keep.nonzero().flatten() if groups is None else groups.sample(keep)
@@ -265,13 +272,15 @@ class _GhostRun:
     examples, so the Poisson sample is processed in parts of at most the task's batch size: a sample larger than
     expected costs time, not memory beyond what non-private training at that batch size needs."""
 
+    clipping: Any = None  # the clipped-sum class (GhostClipping's interface); None: GhostClipping
+
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
                  noise, step_hook, groups: "PatientGroups | None" = None) -> None:
         # lazy: torch (see train_local_private)
         from fedclinic.privacy.ghost import GhostClipping
         from fedclinic.privacy.per_example import PerExampleObjective
 
-        self.clip = GhostClipping(module, params, noisy.max_grad_norm)
+        self.clip = (self.clipping or GhostClipping)(module, params, noisy.max_grad_norm)
         self.objective = PerExampleObjective(loaded, module, data.multi_label)
         self.data, self.device, self.part_size = data, device, max(1, part_size)
         self.params, self.optimizer, self.noisy, self.noise, self.step_hook = params, optimizer, noisy, noise, step_hook
@@ -304,6 +313,59 @@ class _GhostRun:
 
     def close(self) -> None:
         self.clip.close()
+
+
+class _LoopRun(_GhostRun):
+    """:class:`_GhostRun` with the clipped sum of :class:`~fedclinic.privacy.per_example_clipping.PerExampleClipping`
+    (each example differentiated alone): the same parts, noise and step."""
+
+    def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
+                 noise, step_hook, groups: "PatientGroups | None" = None) -> None:
+        from fedclinic.privacy.per_example_clipping import PerExampleClipping  # lazy: torch
+
+        if groups is not None:
+            raise ConfigError("per-patient DP-SGD (privacy.unit = \"patient\") is available for models clipped by ghost "
+                              "clipping or Opacus' hooks; this model is clipped one example at a time, which does not "
+                              "sum a patient's rows before clipping yet; use privacy.unit = \"example\" or client-level DP")
+        self.clipping = PerExampleClipping
+        super().__init__(loaded, module, data, device, part_size, params, optimizer, noisy, noise, step_hook)
+        self.objective = self.clip.objective(self.objective)
+
+
+def _run_class(mode: str, loaded, unsupported: list[str]) -> type:
+    """The run of ``mode`` for this model (``auto``: ghost where its layer rules cover every trained tensor, hooks
+    for the Hugging Face families, the per-example loop otherwise); ConfigError where a mode cannot be exact."""
+    lora = loaded.meta.get("lora") is not None
+    loop_model = (loaded.family, loaded.architecture) in LOOP_MODELS
+    if mode == "auto":
+        if loaded.family in GHOST_FAMILIES and not unsupported:
+            mode = "ghost"
+        elif loop_model or lora:
+            mode = "loop"
+        else:
+            mode = "hooks"
+    if mode == "hooks" and (lora or loop_model):
+        what = "LoRA adapters (its Linear grad sampler covers a linear's own weight and bias only)" if lora else (
+            f"the {loaded.architecture} architecture (torch's nn.LSTM / EmbeddingBag with per-token weights / "
+            "BatchNorm have no exact grad sampler there)")
+        raise ConfigError(f"Opacus' hooks mode has no per-sample gradients for {what}; use mode 'loop' or 'auto'")
+    return {"ghost": _GhostRun, "loop": _LoopRun, "hooks": _OpacusRun}[mode]
+
+
+def freeze_batch_norm(module: "torch.nn.Module") -> None:
+    """Put every batch-norm layer of ``module`` in inference mode (running statistics fixed and not updated).
+
+    In training mode a batch-norm layer normalises each example with the mean and variance of the whole batch,
+    so an example's output -- and its gradient -- depends on the other examples: there is no per-example
+    gradient to clip and the sensitivity of the clipped sum is not C. In inference mode it is a fixed per-channel
+    affine map of each example alone (Opacus refuses train-mode BatchNorm for the same reason). Its tensors stay
+    as they are: the running statistics are not updated, the affine weight and bias train only if the task
+    trains them, with exact per-example gradients."""
+    import torch
+
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+            sub.eval()
 
 
 class _OpacusRun:

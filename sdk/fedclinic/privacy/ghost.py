@@ -11,6 +11,8 @@ the layer's output at t; it is l_b's own, since rows are independent)::
     Linear     y = a W^T + beta      g_b(W) = sum_t e_{b,t} a_{b,t}^T          g_b(beta) = sum_t e_{b,t}
     LayerNorm  y = n(a) * w + beta   g_b(w) = sum_t e_{b,t} * n(a_{b,t})       g_b(beta) = sum_t e_{b,t}
     Embedding  y = E[i]              g_b(E) = sum_t onehot(i_{b,t}) e_{b,t}^T  (no row for padding_idx)
+    LoRA       y = a W^T + beta + s a A^T B^T  (adapters on a Linear, :mod:`fedclinic.models.lora`, s = alpha/r)
+                                     g_b(B) = s sum_t e_{b,t} (A a_{b,t})^T    g_b(A) = s sum_t (B^T e_{b,t}) a_{b,t}^T
 
 One forward pass records each layer's input and its output's place in the autograd graph (not the output
 itself, which autograd may free); one backward pass, ``torch.autograd.grad`` of ``sum_b l_b`` with respect to
@@ -20,6 +22,12 @@ The squared norms then come per layer without ``g_b`` (ghost norms, Li et al. 20
     ||g_b(W)||^2 = sum_{t,s} (e_{b,t} . e_{b,s}) (a_{b,t} . a_{b,s})       when T (d_in + d_out) <= d_in d_out
                  = ||sum_t e_{b,t} a_{b,t}^T||^2  (the [B, d_out, d_in] per-example gradient) otherwise
     ||g_b(E)||^2 = sum_{t,s: i_{b,t} = i_{b,s} != padding_idx} e_{b,t} . e_{b,s}
+
+The adapters' gradients are Linear weight gradients of the same form (Hu et al. 2021, eq. 3: h = W_0 x + B A x):
+``B`` reads the input ``h = s a A^T`` ([T, r]) with output gradient ``e``, ``A`` reads ``a`` with output gradient
+``u = s e B`` ([T, r]), so both get the Linear rule above (Gram or direct form, whichever is cheaper; with a small
+rank the direct ``[B, out, r]`` and ``[B, r, in]`` products usually are). ``e`` is the gradient of the adapted
+output, which is also that of the base output and of the adapter term (they are added).
 
 ``||g_b||^2`` is their sum over parameters, which is exact because every trained parameter is used by exactly
 one layer call (checked on the autograd graph at the first batch: a tied or re-used parameter, or one read
@@ -79,8 +87,22 @@ def unsupported_parameters(module: "torch.nn.Module", params: Sequence["torch.nn
     for _, sub in module.named_modules():
         if type(sub) not in _layer_types() or not _plain(sub):
             continue
-        owned.update(id(p) for p in sub.parameters(recurse=False) if id(p) in wanted)
+        owned.update(id(p) for p in _owned(sub) if id(p) in wanted)
     return [name for name, p in module.named_parameters() if id(p) in wanted and id(p) not in owned]
+
+
+def _owned(sub) -> list:
+    """The parameters of a supported layer that its rule covers: weight and bias, plus a Linear's LoRA adapters
+    when it carries their scaling (:data:`fedclinic.models.lora.SCALING_ATTR`); any other parameter registered on
+    the layer is not covered (its gradient would be missed), so it stays unsupported."""
+    import torch
+
+    from fedclinic.models.lora import SCALING_ATTR
+
+    own = [getattr(sub, "weight", None), getattr(sub, "bias", None)]
+    if isinstance(sub, torch.nn.Linear) and isinstance(getattr(sub, SCALING_ATTR, None), float):
+        own += [getattr(sub, "lora_A", None), getattr(sub, "lora_B", None)]
+    return [p for p in own if isinstance(p, torch.nn.Parameter)]
 
 
 def _plain(sub) -> bool:
@@ -108,7 +130,8 @@ class GhostClipping:
     def __init__(self, module: "torch.nn.Module", params: Sequence["torch.nn.Parameter"], max_grad_norm: float):
         bad = unsupported_parameters(module, params)
         if bad:
-            raise ConfigError(f"ghost clipping covers Linear, LayerNorm and Embedding parameters only, not {bad[:4]}; "
+            raise ConfigError(f"ghost clipping covers Linear, LayerNorm and Embedding parameters only, not {bad[:4]} "
+                              "(a Linear's LoRA adapters count as its own); "
                               + HOOKS_HINT)
         self.max_grad_norm = float(max_grad_norm)
         self.params = list(params)
@@ -293,18 +316,10 @@ def _squared_norms(module, a: "torch.Tensor", e: "torch.Tensor", params: list, g
         a, e = a.to(e.dtype).reshape(batch, -1, a.shape[-1]), e.reshape(batch, -1, e.shape[-1])
         sq = torch.zeros(batch, dtype=torch.float32, device=e.device)
         if id(module.weight) in wanted:
-            t, d_in, d_out = a.shape[1], a.shape[2], e.shape[2]
-            if t == 1:
-                sq += (e.square().sum((1, 2)) * a.square().sum((1, 2))).float()
-            elif t * (d_in + d_out) <= d_in * d_out:
-                key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
-                if key not in grams:
-                    grams[key] = torch.bmm(a, a.transpose(1, 2))
-                sq += torch.linalg.vecdot(torch.bmm(e, e.transpose(1, 2)).flatten(1), grams[key].flatten(1)).float()
-            else:
-                sq += torch.bmm(e.transpose(1, 2), a).square().sum((1, 2)).float()
+            sq += _outer_squared_norms(a, e, grams)
         if module.bias is not None and id(module.bias) in wanted:
             small[id(module.bias)] = (module.bias, e.sum(1))
+        sq += lora_squared_norms(module, a, e, wanted, grams)
         return sq + _small_norms(small, (module.bias,))
     if isinstance(module, torch.nn.LayerNorm):
         dims = tuple(range(1, e.dim() - len(module.normalized_shape)))
@@ -322,6 +337,67 @@ def _squared_norms(module, a: "torch.Tensor", e: "torch.Tensor", params: list, g
         e = e * (ids != module.padding_idx).unsqueeze(-1).to(e.dtype)
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(e.dtype)
     return torch.linalg.vecdot(torch.bmm(e, e.transpose(1, 2)).flatten(1), same.flatten(1)).float()
+
+
+def _outer_squared_norms(a: "torch.Tensor", e: "torch.Tensor", grams: dict | None) -> "torch.Tensor":
+    """``||sum_t e_{b,t} a_{b,t}^T||^2`` per example, ``[B]`` (float32), for ``a`` ``[B, T, d_in]`` and ``e``
+    ``[B, T, d_out]``: from the Gram matrices when ``T (d_in + d_out) <= d_in d_out``, else from the products.
+    ``grams`` caches ``a a^T`` by ``a``'s storage (None: no caching, for an ``a`` that is not kept alive)."""
+    import torch
+
+    t, d_in, d_out = a.shape[1], a.shape[2], e.shape[2]
+    if t == 1:
+        return (e.square().sum((1, 2)) * a.square().sum((1, 2))).float()
+    if t * (d_in + d_out) <= d_in * d_out:
+        key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+        gram = grams.get(key) if grams is not None else None
+        if gram is None:
+            gram = torch.bmm(a, a.transpose(1, 2))
+            if grams is not None:
+                grams[key] = gram
+        return torch.linalg.vecdot(torch.bmm(e, e.transpose(1, 2)).flatten(1), gram.flatten(1)).float()
+    return torch.bmm(e.transpose(1, 2), a).square().sum((1, 2)).float()
+
+
+def _lora_terms(module, a: "torch.Tensor", e: "torch.Tensor", wanted: set) -> tuple:
+    """``(h, u)`` of the module docstring for an adapted Linear (``h = s a A^T`` when ``B`` is trained, ``u = s e B``
+    when ``A`` is; None otherwise), with ``a``, ``e`` of shape ``[..., d]``."""
+    from fedclinic.models.lora import SCALING_ATTR
+
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    scaling = getattr(module, SCALING_ATTR, None)
+    if lora_a is None or lora_b is None or scaling is None:
+        return None, None
+    h = (a @ lora_a.detach().t().to(a.dtype)) * scaling if id(lora_b) in wanted else None
+    u = (e @ lora_b.detach().to(e.dtype)) * scaling if id(lora_a) in wanted else None
+    return h, u
+
+
+def lora_squared_norms(module, a: "torch.Tensor", e: "torch.Tensor", wanted: set, grams: dict) -> "torch.Tensor":
+    """``||g_b(A)||^2 + ||g_b(B)||^2`` ``[B]`` for the trained LoRA adapters of a Linear (zero when it has none);
+    ``a`` ``[B, T, d_in]``, ``e`` ``[B, T, d_out]`` (the module docstring's LoRA rule)."""
+    import torch
+
+    sq = torch.zeros(e.shape[0], dtype=torch.float32, device=e.device)
+    h, u = _lora_terms(module, a, e, wanted)
+    if h is not None:
+        sq += _outer_squared_norms(h, e, None)
+    if u is not None:
+        sq += _outer_squared_norms(a, u, grams)  # shares a a^T with the base weight's norm
+    return sq
+
+
+def lora_accumulate(module, a: "torch.Tensor", e: "torch.Tensor", coef: "torch.Tensor", wanted: set) -> None:
+    """Add ``S(B) = sum_b c_b sum_t e_{b,t} h_{b,t}^T`` and ``S(A) = sum_b c_b sum_t u_{b,t} a_{b,t}^T`` to the
+    trained adapters' ``grad`` (nothing for a Linear without adapters)."""
+    h, u = _lora_terms(module, a, e, wanted)
+    shape = (-1,) + (1,) * (e.dim() - 1)
+    if h is not None:
+        ce = e * coef.to(e.dtype).reshape(shape)
+        _add_grad(module.lora_B, ce.reshape(-1, ce.shape[-1]).t() @ h.reshape(-1, h.shape[-1]))
+    if u is not None:
+        cu = u * coef.to(u.dtype).reshape(shape)
+        _add_grad(module.lora_A, cu.reshape(-1, cu.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(u.dtype))
 
 
 def _small_norms(small: dict, params: tuple) -> "torch.Tensor":
@@ -348,6 +424,7 @@ def _accumulate(module, a: "torch.Tensor", e: "torch.Tensor", coef: "torch.Tenso
 
     wanted = {id(p) for p in params}
     if isinstance(module, torch.nn.Linear):
+        lora_accumulate(module, a.to(e.dtype), e, coef, wanted)
         if id(module.weight) not in wanted:
             return
         a, e = a.to(e.dtype), e
@@ -370,4 +447,4 @@ def _accumulate(module, a: "torch.Tensor", e: "torch.Tensor", coef: "torch.Tenso
     _add_grad(module.weight, grad)
 
 
-__all__ = ["GhostClipping", "group_records", "unsupported_parameters"]
+__all__ = ["GhostClipping", "group_records", "lora_accumulate", "lora_squared_norms", "unsupported_parameters"]

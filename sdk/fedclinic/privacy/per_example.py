@@ -24,6 +24,10 @@ would no longer be C. The privacy unit of each family and its ``l_b``:
     are plain ``nn.Parameter`` tensors read by indexing, which no Opacus grad sampler covers; each sequence
     reads its own copy of them (:meth:`fedclinic.models.crf.CRF.nll` ``per_example``), and the gradient of
     copy b is sequence b's gradient (written to ``grad_sample`` after the backward pass).
+``image-text-classification``
+    one image and its report: the mean over labels of the binary cross-entropy (multi-label), as in
+    non-private training; batch normalisation runs in inference mode in a private round (see
+    :mod:`fedclinic.privacy.per_example_clipping`).
 ``question-answering`` ``causal-lm``
     one question/answer pair: the mean next-token cross-entropy over *its own* answer tokens (and the EOS);
     the prompt is context, never a target. The output layer runs on each row's answer positions gathered into
@@ -66,7 +70,7 @@ class PerExampleObjective:
             self._losses = self._answer_losses
         elif family == "token-classification":
             self._losses = self._crf_losses if getattr(module, "crf", None) is not None else self._token_losses
-        elif family in ("text-classification", "feature-classification"):
+        elif family in ("text-classification", "feature-classification", "image-text-classification"):
             self._losses = self._classification_losses
         else:
             raise ConfigError(f"no per-example DP-SGD objective for the {family!r} family")
@@ -86,6 +90,14 @@ class PerExampleObjective:
                 raise RuntimeError("the CRF's per-example parameter copies got no gradient; was backward() run?")
             param.grad_sample = copies.grad * copies.shape[0]
         self._crf_copies = []
+
+    def take_parameter_copies(self) -> dict[int, "torch.Tensor"]:
+        """``id(parameter) -> its per-example copies [B, ...]`` made by the last :meth:`per_example` call (the
+        CRF's trained parameters; empty for other models), which then stand for the parameters in autograd;
+        forgets them (a caller that reads the copies' gradients itself does not call :meth:`after_backward`)."""
+        copies = {id(p): c for p, c in self._crf_copies}
+        self._crf_copies = []
+        return copies
 
     # the families -------------------------------------------------------------------------------------------
 

@@ -16,21 +16,16 @@ from typing import Any
 
 from fedclinic.errors import ConfigError
 
-#: family -> architectures with sample-level DP-SGD
-SUPPORTED = {"text-classification": ("transformer",), "feature-classification": ("logreg",),
-             "token-classification": ("transformer", "transformer-crf"), "question-answering": ("causal-lm",)}
-_LSTM = ("its LSTM is torch's nn.LSTM over packed sequences, for which Opacus computes no per-sample gradients "
-         "(Opacus' DPLSTM is a different module with other tensors, not the architecture the task declared)")
-#: (family, architecture) -> why sample-level DP-SGD is refused for it
-REFUSED = {
-    ("text-classification", "lstm"): _LSTM,
-    ("text-classification", "logreg"): ("the bag-of-tokens logistic regression keeps its bias outside any layer "
-                                         "Opacus knows and reads two inputs per token"),
-    ("token-classification", "cnn-bilstm-crf"): _LSTM,
-    ("image-text-classification", "resnet-bilstm"): (
-        "the ResNet's batch normalisation mixes the examples of a batch in training (each example's gradient "
-        "depends on the others, so clipping it bounds nothing), and " + _LSTM),
-}
+#: family -> architectures with sample-level DP-SGD (every built-in model: transformers by ghost clipping or
+#: Opacus' grad samplers, the LSTM, bag-of-tokens, CNN-BiLSTM-CRF and ResNet + BiLSTM models by differentiating
+#: each example alone, with batch normalisation in inference mode; LoRA adapters on any of them)
+SUPPORTED = {"text-classification": ("transformer", "lstm", "logreg"), "feature-classification": ("logreg",),
+             "token-classification": ("transformer", "transformer-crf", "cnn-bilstm-crf"),
+             "question-answering": ("causal-lm",), "image-text-classification": ("resnet-bilstm",)}
+#: (family, architecture) -> why sample-level DP-SGD is refused for it (none of the built-in models is: what once
+#: stood here -- LSTMs without grad samplers, batch norm mixing the examples of a batch -- is handled exactly by
+#: fedclinic.privacy.per_example_clipping and a batch norm frozen in inference mode)
+REFUSED: dict[tuple[str, str], str] = {}
 ALTERNATIVE = 'use client-level DP instead (privacy level "client" / strategy "dp-fedavg")'
 
 

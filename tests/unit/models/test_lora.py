@@ -128,16 +128,19 @@ def test_bad_specs_and_packages_are_refused_with_the_reason():
         build_model(ModelPackage(tensors=adapted.tensors, files=files))
 
 
-def test_dp_sgd_refuses_adapters_and_names_the_alternative():
+def test_dp_sgd_trains_only_the_adapters_and_head():
+    """DP-SGD over adapters (exactness: tests/unit/privacy/test_dp_sgd_lora.py) changes the trained tensors only."""
     from fedclinic.privacy.dp_sgd import DPSGD, train_local_private
 
     adapted = lora.add_adapters(base_package(), lora.LoraSpec(rank=2))
     loaded = build_model(adapted)
     data = encode(examples(8), loaded, max_length=32)
     names = select_tensors(list(adapted.tensors), lora.trainable_patterns())
-    with pytest.raises(ConfigError, match="LoRA adapters .* use client-level DP"):
-        train_local_private(loaded, data, TrainConfig(batch_size=4),
-                            DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.5, steps=2), trainable=names)
+    before = {n: p.detach().clone() for n, p in loaded.module.named_parameters()}
+    train_local_private(loaded, data, TrainConfig(batch_size=4),
+                        DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.5, steps=2), trainable=names)
+    changed = {n for n, p in loaded.module.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed == set(names)
 
 
 def test_a_federated_lora_task_trains_and_aggregates_only_adapters_and_head():

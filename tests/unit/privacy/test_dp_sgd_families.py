@@ -1,6 +1,7 @@
 """DP-SGD for NER (linear head and CRF) and QA (GPT-2 with a tied head, Llama): per-example clipping is exact and
 per example (never per token), only trainable tensors change, and the steps that ran are the ones the ledger
-accounts; the families without per-sample gradients are refused with their reason."""
+accounts; a model without a per-example objective is refused at submit time (the LSTM, logreg and image-text
+models: test_dp_sgd_loop.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fedclinic.models import build_model
 from fedclinic.models.causal_lm import package_qa_from_config
 from fedclinic.models.token_classification import package_ner_from_config
 from fedclinic.privacy.accounting import TaskAccountant, epsilon_of
-from fedclinic.privacy.dp_sgd import DPSGD, check_supported, explicit_ids_hook, train_local_private
+from fedclinic.privacy.dp_sgd import DPSGD, explicit_ids_hook, train_local_private
 from fedclinic.privacy.per_example import PerExampleObjective
 from fedclinic.training.trainer import TrainConfig
 
@@ -197,26 +198,12 @@ def test_explicit_ids_leave_every_allowed_model_type_unchanged(config):
     torch.testing.assert_close(hooked[on], plain[on])
 
 
-@pytest.mark.parametrize("family, arch, reason", [
-    ("text-classification", "lstm", "nn.LSTM over packed sequences"),
-    ("token-classification", "cnn-bilstm-crf", "nn.LSTM over packed sequences"),
-    ("image-text-classification", "resnet-bilstm", "batch normalisation mixes the examples"),
-    ("text-classification", "logreg", "bias outside any layer"),
-])
-def test_refusals_name_the_reason_and_the_alternative(family, arch, reason):
-    with pytest.raises(ConfigError, match=reason) as err:
-        check_supported(family, arch)
-    assert 'use client-level DP instead (privacy level "client" / strategy "dp-fedavg")' in str(err.value)
-    for ok in [("token-classification", "transformer"), ("token-classification", "transformer-crf"),
-               ("question-answering", "causal-lm")]:
-        check_supported(*ok)
-
-
 def test_a_task_asking_for_dp_sgd_learns_at_submit_time():
     from fedclinic.spec.task import privacy_problems
 
     ok = {"level": "sample", "target_epsilon": 8.0}
     assert privacy_problems(ok, "token-classification", "transformer-crf", "fedavg") == []
     assert privacy_problems(ok, "question-answering", "causal-lm", "fedavg") == []
-    [problem] = privacy_problems(ok, "image-text-classification", "resnet-bilstm", "fedavg")
-    assert "batch normalisation" in problem and "dp-fedavg" in problem
+    assert privacy_problems(ok, "image-text-classification", "resnet-bilstm", "fedavg") == []
+    [problem] = privacy_problems(ok, "image-text-classification", "vit", "fedavg")
+    assert "no per-example objective" in problem and "dp-fedavg" in problem
