@@ -83,11 +83,14 @@ class PerExampleClipping:
         self._norms.append(norm.float())
         return loss.detach().reshape(-1)
 
-    def add_clipped_sum(self, losses: "torch.Tensor") -> "torch.Tensor":
+    def add_clipped_sum(self, losses: "torch.Tensor", groups: "torch.Tensor | None" = None) -> "torch.Tensor":
         """Add the clipped sum of the examples since the last call to ``p.grad`` (None counts as zero); return
-        their gradient norms ``[B]``."""
+        their gradient norms ``[B]``. ``groups`` (GhostClipping's per-patient form) must be None: each example was
+        clipped alone as it was differentiated."""
         import torch
 
+        if groups is not None:
+            raise ValueError("the per-example loop clips each example alone; it cannot clip groups of examples")
         if losses.dim() != 1 or len(losses) != len(self._norms):
             raise ValueError(f"add_clipped_sum needs the wrapped objective's {len(self._norms)} losses, got shape "
                              f"{tuple(losses.shape)}")
