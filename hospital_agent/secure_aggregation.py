@@ -41,6 +41,7 @@ dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ import numpy as np
 import structlog
 
 from fedclinic.pki.attestor import CertificateAttestor
+from fedclinic.privacy.secure_random import SecureRandom
+from fedclinic.privacy.skellam_noise import skellam_noise
 from fedclinic.pki.signed_statement import Signer
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.transport.package import tensor_sha256
@@ -58,7 +61,9 @@ from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.transport.rpc import explain_rpc_error
 from fedclinic.secagg import (AdvertiseKeys, ClientPolicy, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer,
                               SecAggError, SessionParams, SurvivorsRequest, UnmaskRequest)
-from fedclinic.secagg.task_config import index_fraction_of
+from fedclinic.secagg import dp_plan
+from fedclinic.secagg.skellam_encoding import SkellamEncoding
+from fedclinic.secagg.task_config import floor_of, index_fraction_of
 from fedclinic.secagg.vector_layout import METRIC_BITS, VectorLayout, index_seed
 from fedclinic.codecs import ErrorFeedback
 from fedclinic.transport.wire import manifest_from_proto
@@ -96,6 +101,7 @@ class _Job:
     revealed: bool = False             # answered an unmask request: never join another session for this round
     index_fraction: float = 0.0        # the task's "topk:F" codec: a session sums a shared random F of the values
     feedback: ErrorFeedback | None = None  # top-k: residuals of what earlier rounds did not send (``vector`` has them)
+    spec: task_pb2.TaskSpec | None = None  # the (owner-signed) task: a distributed-DP plan is checked against it
 
 
 class SecAggHost(Protocol):
@@ -160,7 +166,7 @@ class SiteSecAgg:
                         hint="raise [secure_aggregation] clip or lower the learning rate")
         job = _Job(a.task_id, a.round, a.attempt, model_hash, order, vector, sizes, frozenset(names),
                    int(num_samples), {k: float(v) for k, v in (eval_metrics or {}).items()},
-                   admitted=tuple(a.spec.sites), index_fraction=index_fraction_of(a.spec))
+                   admitted=tuple(a.spec.sites), index_fraction=index_fraction_of(a.spec), spec=a.spec)
         if job.index_fraction:
             self._add_residuals(job, a.spec.update.codec)
         with self._lock:
@@ -274,8 +280,11 @@ class SiteSecAgg:
                                nonce=s.nonce, layout_digest=job.layout.digest())
         if params.session_id.hex() != msg.session_id:
             raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
+        policy = self.agent.secagg_policy()
+        if job.layout.dp is not None and job.spec is not None:  # the noise plan needs at least floor survivors
+            policy = dataclasses.replace(policy, min_cohort=max(policy.min_cohort, floor_of(job.spec)))
         job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),
-                                    policy=self.agent.secagg_policy(), attestor=self._attestor(),
+                                    policy=policy, attestor=self._attestor(),
                                     admitted=job.admitted or None)
         adv = job.session.advertise()
         log.info("secure-aggregation session joined", session=msg.session_id[:16], cohort=len(params.cohort),
@@ -393,12 +402,31 @@ def _layout_of(job: _Job, s: agent_pb2.SecAggSetup) -> VectorLayout:
     layout = VectorLayout(tuple(zip(job.names, job.sizes)), quantizer, metric_names=tuple(s.metric_names),
                           metric_clip=s.metric_clip or 100.0, per_tensor_counts=s.per_tensor_counts,
                           metric_bits=s.metric_bits or METRIC_BITS, index_fraction=s.index_fraction,
-                          index_seed=seed)
+                          index_seed=seed, dp=_dp_encoding_of(job, s))
     layout.check_cohort(len(s.cohort))  # no slot's sum may wrap the ring
     if layout.length != s.vector_length:
         raise SecAggError(f"the session's vector has {s.vector_length} values; this site's update in its layout "
                           f"has {layout.length}")
     return layout
+
+
+def _dp_encoding_of(job: _Job, s: agent_pb2.SecAggSetup) -> SkellamEncoding | None:
+    """The session's distributed-DP encoding, checked against this site's own plan from the signed task: a task
+    with privacy level "distributed" never runs a session without it, nor with less noise, another clip, scale or
+    rounding than the plan (fedclinic.secagg.dp_plan.check_setup); raises SecAggError."""
+    wants = job.spec is not None and dp_plan.is_distributed(job.spec)
+    if not s.dp_mechanism:
+        if wants:
+            raise SecAggError('the signed task asks for distributed DP (privacy level "distributed"); this session '
+                              "adds no noise")
+        return None
+    if not wants or job.spec is None:
+        raise SecAggError("the session asks for distributed-DP noise the signed task does not plan")
+    values = sum(job.sizes)
+    dp_plan.check_setup(job.spec, values, floor_of(job.spec), mechanism=s.dp_mechanism, scale=s.dp_scale,
+                        clip_norm=s.dp_clip_norm, beta=s.dp_rounding_beta, site_variance_told=s.dp_site_variance)
+    return SkellamEncoding(s.dp_clip_norm, s.dp_scale, s.dp_site_variance, values, s.ring_bits or 32,
+                           s.dp_rounding_beta, s.dp_mechanism)
 
 
 def _slices(job: _Job) -> list[tuple[str, tuple[int, int]]]:
@@ -416,4 +444,8 @@ def _encode(job: _Job) -> np.ndarray:
     assert job.layout is not None and job.vector is not None
     delta = {n: job.vector[a:b] for n, (a, b) in _slices(job) if n in job.sent}
     metrics = {k: v for k, v in job.metrics.items() if k in job.layout.metric_names}
+    if job.layout.dp is not None:  # distributed DP: this site's share of the Skellam noise, from a CSPRNG
+        rng = SecureRandom()
+        noise = skellam_noise(rng, job.layout.dp.site_variance, job.layout.values)
+        return job.layout.encode(delta, weight=1, dp_noise=noise, dp_random=rng)
     return job.layout.encode(delta, weight=job.layout.weight_of(job.num_samples), metrics=metrics)
