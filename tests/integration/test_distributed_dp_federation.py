@@ -2,8 +2,9 @@
 crashing (``os._exit`` at a failpoint: no cleanup, like SIGKILL) after it shared its keys and before its masked input;
 the task still completes on the three survivors, the published model moved by noise of exactly the planned variance
 (the learning rate is so small that the sites' deltas are ~1e-6 of it), the aggregator's path added none (its
-strategy is the plain mean and the variance is the sites' shares alone), and each round summary's epsilon is the
-accountant's for the rounds so far with the noise of that round's survivors.
+strategy is the plain mean, the variance is the sites' shares alone, and ``fedclinic task verify`` recomputes each
+published model from the round's published unmasked sum), and each round summary's epsilon is the accountant's for
+the rounds so far with the noise of that round's survivors.
 
 The statistic: round r's model minus round r-1's is ``mean of 3 deltas + N / (3 gamma)`` per value, ``N ~
 Skellam(3 mu_site)``; over the model's d ~ 5000 values the sample variance's relative standard error is
@@ -19,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from fedclinic.cli import main as fedclinic_main
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.secagg import dp_plan
@@ -45,7 +47,7 @@ def _streams_open(fed) -> set[str]:
 
 
 def test_a_crashed_site_leaves_the_survivors_noise_of_the_planned_variance_and_the_accountants_epsilon(
-        federation_factory, monkeypatch):
+        federation_factory, monkeypatch, capsys):
     fed = federation_factory(4, samples=(24, 32, 40, 48), start=False)
     fed.make_pki()
     fed.start_aggregator()
@@ -55,7 +57,7 @@ def test_a_crashed_site_leaves_the_survivors_noise_of_the_planned_variance_and_t
     doomed = fed.start_agent("site-d")  # joins the session, shares keys, then dies before its masked input
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
     wait_until(lambda: len(_streams_open(fed)) == 4, 120, "four agents' work streams")
-    task = make_task(architecture="lstm", num_rounds=2, min_sites=3, round_timeout_s=20, local_epochs=1,
+    task = make_task(architecture="lstm", num_rounds=2, min_sites=3, round_timeout_s=60, local_epochs=1,
                      learning_rate=1e-6, seed=1, secure_aggregation={"enabled": True, "weighting": "uniform"},
                      privacy={"level": "distributed", "target_epsilon": TARGET, "target_delta": 1e-5,
                               "max_grad_norm": 1.0})
@@ -97,3 +99,12 @@ def test_a_crashed_site_leaves_the_survivors_noise_of_the_planned_variance_and_t
     assert survivors == [3, 3]  # the crashed site's share is gone; the three survivors' shares are what was planned
     assert final.rounds[-1].ddp_epsilon == pytest.approx(TARGET, rel=1e-6) and final.rounds[-1].ddp_epsilon <= TARGET
     assert not list(final.rounds[0].reports)  # nothing per site was stored or shown
+    # anyone can recompute each published model from the round's published unmasked (noisy) sum: the aggregator
+    # added nothing between unmasking and publishing
+    c = fed.creds("scientist")
+    capsys.readouterr()
+    code = fedclinic_main(["task", "verify", st.task_id, "--address", fed.address, "--cert", c["cert"], "--key",
+                           c["key"], "--ca", c["ca"], "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["ok"], doc
+    assert [r["aggregate"] for r in doc["rounds"]] == ["recomputed: matches"] * 2

@@ -327,7 +327,7 @@ def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
     if "target_delta" in privacy and not _is_number(privacy["target_delta"]):
         p.append(f"privacy: target_delta must be a number in (0, 1), e.g. 1e-5, got {privacy['target_delta']!r}")
     if not privacy.get("level"):
-        p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site) or "client"')
+        p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site), "client" or "distributed"')
     for key in ("level", "accountant", "mechanism"):
         if key in privacy and not isinstance(privacy[key], str):
             p.append(f"privacy: {key} must be a string, got {privacy[key]!r}")
