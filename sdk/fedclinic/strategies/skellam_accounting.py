@@ -18,8 +18,11 @@ coordinate; the sum of ``m`` survivors carries Skellam noise of variance ``mu = 
     eps_RDP(alpha) = alpha Delta_2^2 / (2 mu) + min( ((2 alpha - 1) Delta_2^2 + 6 Delta_1) / (4 mu^2),
                                                       3 Delta_1 / (2 mu) )
 
-for adding or removing one site's whole update (client-level, as ``dp-fedavg``; every enrolled site may take part
-in every round: sampling rate 1). Rounds compose by adding RDP; (epsilon, delta) follows by the conversion of
+for one site's whole update (client-level; every enrolled site may take part in every round: sampling rate 1).
+Adjacency is *zero-out*, as in the reference implementation and Kairouz et al.: the neighbouring input replaces one
+survivor's update by zeros, so its noise share stays in the sum and ``mu`` counts all ``m`` survivors. Survivors
+that collude with the aggregator know their own shares: against ``k`` of them only ``(m - k) mu_site`` protects
+the others (plan with ``min_cohort`` raised by ``k`` to cover that). Rounds compose by adding RDP; (epsilon, delta) follows by the conversion of
 :func:`fedclinic.strategies.dp_accounting.epsilon_from_rdp` (the one Opacus' RDP accountant uses). The orders are
 those of the reference implementation (google-research/federated ``distributed_dp/accounting_utils.py``:
 2..128 and 256), whose ``skellam_epsilon`` gives the golden values of ``test_skellam_accounting``.
