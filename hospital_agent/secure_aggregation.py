@@ -9,15 +9,20 @@ are answered on one thread, one :class:`~fedclinic.secagg.ClientSession` per ses
 ============================  ====================================================================
 ``SecAggSetup``               rebuild and check the session parameters (they must hash to the session
                               id, name the model trained on, the agreed tensor order and length, and only
-                              sites the task's allow-list admits); create the ClientSession (site policy:
-                              ``secure_aggregation_min_cohort``); answer ``advertise_keys`` with the keys
+                              sites the task's allow-list admits; a distributed-DP task's noise plan must be
+                              its signed task's, fedclinic.secagg.dp_plan.check_setup); create the
+                              ClientSession (site policy: ``secure_aggregation_min_cohort``, raised to the
+                              plan's survivor floor); answer ``advertise_keys`` with the keys
                               signed ("secagg-keys") by this agent's certificate key
 ``SecAggKeyDirectory``        check every peer's signed keys against the site's CA (role agent, the
                               certificate named as the entry's site, this session); answer ``share_keys``
 ``SecAggMaskedInputRequest``  encode the input in the session's layout (:mod:`fedclinic.secagg.vector_layout`:
                               the quantized delta times the site's weight -- its sample count, capped -- the
                               weight itself, per-tensor weights under SAFL and the evaluation metrics, all in
-                              the session's ring) and mask it; write it to the outbox and upload it through
+                              the session's ring; under privacy level "distributed" the whole delta
+                              clipped to L2 norm C, scaled, rounded, plus this site's Skellam noise share
+                              from a CSPRNG, fedclinic.secagg.skellam_encoding) and mask it; write it to
+                              the outbox and upload it through
                               ``SubmitUpdate`` with an idempotency key (``secagg_session_id`` set; no sample
                               count, metrics or DP report beside it: they are inside the masked vector)
 ``SecAggSurvivors``           sign the survivor set ("secagg-survivors"; once per session)
@@ -159,11 +164,16 @@ class SiteSecAgg:
         tensors it sends, a subset of ``a.send_tensors`` under SAFL), its sample count and evaluation metrics
         (they leave only inside the masked vector), and join."""
         vector, order, sizes = _flatten(a, delta, names)
-        clip = a.spec.secure_aggregation.clip or 1.0
-        peak = float(np.abs(vector).max()) if vector.size else 0.0
-        if peak > clip:
-            log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6), clip=clip,
-                        hint="raise [secure_aggregation] clip or lower the learning rate")
+        if dp_plan.is_distributed(a.spec):  # distributed DP clips the whole update's L2 norm instead
+            norm, bound = float(np.linalg.norm(vector)), a.spec.privacy.max_grad_norm
+            if norm > bound:
+                log.info("update scaled down to the distributed-DP clip norm", norm=round(norm, 6), clip_norm=bound)
+        else:
+            clip = a.spec.secure_aggregation.clip or 1.0
+            peak = float(np.abs(vector).max()) if vector.size else 0.0
+            if peak > clip:
+                log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6),
+                            clip=clip, hint="raise [secure_aggregation] clip or lower the learning rate")
         job = _Job(a.task_id, a.round, a.attempt, model_hash, order, vector, sizes, frozenset(names),
                    int(num_samples), {k: float(v) for k, v in (eval_metrics or {}).items()},
                    admitted=tuple(a.spec.sites), index_fraction=index_fraction_of(a.spec), spec=a.spec)
