@@ -134,7 +134,8 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
     if not 0 < delta_of(spec) < 1:
         p.append(f"privacy: target_delta must be in (0, 1), e.g. 1e-5, got {pc.target_delta!r}")
     if not (math.isfinite(pc.scale) and pc.scale >= 0):
-        p.append(f"privacy: scale must be a positive number of integer steps per unit (0 = automatic), got {pc.scale!r}")
+        p.append(f"privacy: scale must be a positive number of integer steps per unit (0 = automatic), got "
+                 f"{pc.scale!r}")
     if not 0 <= pc.rounding_beta < 1:
         p.append(f"privacy: rounding_beta must be in [0, 1) (0 = exp(-1/2)), got {pc.rounding_beta!r}")
     if spec.strategy == "dp-fedavg":

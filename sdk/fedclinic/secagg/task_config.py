@@ -158,7 +158,8 @@ def _distributed_layout(spec: task_pb2.TaskSpec, tensors: tuple[tuple[str, int],
     cfg = spec.secure_aggregation
     room = min((1 << enc.ring_bits) - 1, (1 << 53) - 1) // max(1, cohort)
     bits = max(1, min(cfg.bits or DEFAULT_BITS, room.bit_length() - 1))
-    q = Quantizer(clip=cfg.clip or DEFAULT_CLIP, bits=bits, rounding=cfg.rounding or "stochastic",  # type: ignore[arg-type]
+    rounding = cfg.rounding or "stochastic"
+    q = Quantizer(clip=cfg.clip or DEFAULT_CLIP, bits=bits, rounding=rounding,  # type: ignore[arg-type]
                   ring_bits=enc.ring_bits, weight_cap=1)
     return VectorLayout(tensors, q, dp=enc)
 

@@ -41,6 +41,12 @@ elsewhere. It does **not** rescale by ``1/F``: the sites keep what they did not 
 residual and add it to the next round's delta (``hospital_agent.secure_aggregation``), so every coordinate's
 total is delivered eventually (random-k with memory); a ``1/F`` rescale would be unbiased only without that
 memory and would multiply the quantization error (and the variance) by ``1/F``.
+
+**Distributed DP (privacy level "distributed", :attr:`VectorLayout.dp`).** The update slots hold each site's
+clipped, scaled, rounded update plus its Skellam noise share as signed integers in two's complement
+(:mod:`fedclinic.secagg.skellam_encoding`); the layout is dense, uniformly weighted (one count slot of 1 per site)
+and has no metric slots; :meth:`VectorLayout.decode` reads the sum as signed and divides by ``gamma m``. The
+encoding's parameters are part of :meth:`VectorLayout.digest`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ for one site's whole update (client-level; every enrolled site may take part in 
 Adjacency is *zero-out*, as in the reference implementation and Kairouz et al.: the neighbouring input replaces one
 survivor's update by zeros, so its noise share stays in the sum and ``mu`` counts all ``m`` survivors. Survivors
 that collude with the aggregator know their own shares: against ``k`` of them only ``(m - k) mu_site`` protects
-the others (plan with ``min_cohort`` raised by ``k`` to cover that). Rounds compose by adding RDP; (epsilon, delta) follows by the conversion of
+the others (plan with ``min_cohort`` raised by ``k`` to cover that). Rounds compose by adding RDP; (epsilon, delta)
+follows by the conversion of
 :func:`fedclinic.strategies.dp_accounting.epsilon_from_rdp` (the one Opacus' RDP accountant uses). The orders are
 those of the reference implementation (google-research/federated ``distributed_dp/accounting_utils.py``:
 2..128 and 256), whose ``skellam_epsilon`` gives the golden values of ``test_skellam_accounting``.
@@ -63,7 +64,8 @@ def rounded_l2_bound(scaled_clip: float, dim: int, beta: float) -> float:
     plain = scaled_clip + math.sqrt(dim)
     if beta == 0.0:
         return plain
-    squared = scaled_clip ** 2 + 0.25 * dim + math.sqrt(2.0 * math.log(1.0 / beta)) * (scaled_clip + 0.5 * math.sqrt(dim))
+    spread = math.sqrt(2.0 * math.log(1.0 / beta)) * (scaled_clip + 0.5 * math.sqrt(dim))
+    squared = scaled_clip ** 2 + 0.25 * dim + spread
     return min(plain, math.sqrt(squared))
 
 
@@ -78,7 +80,8 @@ def skellam_rdp(order: float, l1: float, l2: float, variance: float) -> float:
     if not variance > 0:
         return math.inf
     a, mu = float(order), float(variance)
-    return a * l2 * l2 / (2.0 * mu) + min(((2.0 * a - 1.0) * l2 * l2 + 6.0 * l1) / (4.0 * mu * mu), 3.0 * l1 / (2.0 * mu))
+    surcharge = min(((2.0 * a - 1.0) * l2 * l2 + 6.0 * l1) / (4.0 * mu * mu), 3.0 * l1 / (2.0 * mu))
+    return a * l2 * l2 / (2.0 * mu) + surcharge
 
 
 @dataclass(frozen=True)

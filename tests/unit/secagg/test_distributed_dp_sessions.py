@@ -62,7 +62,8 @@ def test_the_unmasked_mean_carries_exactly_the_survivors_noise(drop, survivors):
         result, decoded = _session(spec, layout, zeros, rng, drop=drop, seed=s + 1)
         assert len(result.survivors) == survivors and decoded.tensor_weights["w"] == survivors
         scaled = decoded.tensors["w"].astype(np.float64) * dp.scale * survivors
-        np.testing.assert_allclose(scaled, np.round(scaled), atol=1e-3 * np.abs(scaled).max())  # integers: nothing added
+        # integers: nothing was added after unmasking
+        np.testing.assert_allclose(scaled, np.round(scaled), atol=1e-3 * np.abs(scaled).max())
         noise.append(np.round(scaled))
     x = np.concatenate(noise)
     v, n = survivors * dp.site_variance, x.size
