@@ -39,7 +39,7 @@ Gauges, read at scrape time:
   ``outstanding_assignments`` (sites assigned to an open round that have not reported or declined)
 - ``privacy_epsilon{task_id, level}``: the privacy spent up to the task's last closed round: ``client`` =
   the aggregator's own client-level DP accountant (dp-fedavg), ``sample`` = the largest cumulative spend a
-  site reported (DP-SGD at the sites)
+  site reported (DP-SGD at the sites), ``distributed`` = the accountant over the sites' noise shares (distributed DP)
 
 Cardinality: ``reason``, ``outcome`` and ``state`` take a fixed set of values; ``site`` only names that hold
 an agent certificate of the federation's CA; ``task_id`` is bounded by fedclinic.runtime.metrics_endpoint.TaskSeries
@@ -223,7 +223,8 @@ class _StateCollector(Collector):
         for task_id in sorted(running | self.metrics.series.tracked()):
             row = store.last_closed_round(task_id)
             figures = row.metrics if row is not None else {}
-            for key, level in (("client_dp_epsilon", "client"), ("dp_epsilon", "sample")):
+            for key, level in (("client_dp_epsilon", "client"), ("dp_epsilon", "sample"),
+                               ("ddp_epsilon", "distributed")):
                 if key in figures:
                     privacy.add_metric([task_id, level], figures[key])
         yield privacy

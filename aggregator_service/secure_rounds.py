@@ -61,6 +61,7 @@ from fedclinic.secagg import (AdvertiseKeys, AggregateResult, MaskedInput, Phase
 from fedclinic.secagg.task_config import floor_of, layout_for, session_params
 from fedclinic.secagg.vector_layout import MAX_METRICS, VectorLayout, index_seed
 
+from aggregator_service import distributed_dp
 from aggregator_service.stakes import require_assignment
 from aggregator_service.update_admission import sent_tensors
 from aggregator_service.store import RoundRecord, Store, now_ms
@@ -460,7 +461,7 @@ class SecureRounds:
                     + (f", metrics {', '.join(layout.metric_names)}" if layout.metric_names else "")
                     + (", per-tensor weights" if layout.per_tensor_counts else "")
                     + (f", a shared random {layout.sent_values} of {layout.values} coordinates (top-k fraction "
-                       f"{layout.index_fraction:g})" if layout.sparse else ""))
+                       f"{layout.index_fraction:g})" if layout.sparse else "") + distributed_dp.describe(layout))
         log.info("secure-aggregation session started", task_id=st.task_id, round=st.round,
                  session=st.session_hex[:16], cohort=list(params.cohort))
 
@@ -537,6 +538,9 @@ class SecureRounds:
         dropped = [s for s in st.cohort if s not in result.survivors]
         metrics.update({"secagg_survivors": float(m), "secagg_cohort": float(len(st.cohort)),
                         "secagg_sessions": float(st.sessions)})
+        task = self.host.store.task(st.task_id)
+        if task is not None:  # distributed DP: the accountant's epsilon over the survivors' noise shares
+            metrics.update(distributed_dp.round_metrics(self.host.store, task.spec, st.task_id, st.round, st.layout, m))
         with self.host.store.transaction() as tx:  # published for `fedclinic task verify`: the sum and who is in it
             tx.record_secure_sum(st.task_id, st.round, list(result.survivors),
                                  self.host.blobs.put(np.ascontiguousarray(
@@ -581,7 +585,8 @@ def _setup_fields(layout: VectorLayout) -> dict[str, object]:
     q = layout.quantizer
     return {"ring_bits": q.ring_bits, "weight_cap": q.weight_cap, "metric_names": list(layout.metric_names),
             "metric_clip": layout.metric_clip, "per_tensor_counts": layout.per_tensor_counts,
-            "metric_bits": layout.metric_bits, "index_fraction": layout.index_fraction if layout.sparse else 0.0}
+            "metric_bits": layout.metric_bits, "index_fraction": layout.index_fraction if layout.sparse else 0.0,
+            **distributed_dp.setup_fields(layout)}
 
 
 def _decode(st: _Round, result: AggregateResult) -> tuple[dict[str, np.ndarray], dict[str, float]]:

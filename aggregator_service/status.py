@@ -11,6 +11,7 @@ from fedclinic.proto import control_pb2
 
 from aggregator_service.round_metrics import update_layers
 from aggregator_service.store import Store, TaskRecord
+from aggregator_service import distributed_dp
 
 S = control_pb2
 #: the task states a task never leaves
@@ -56,6 +57,7 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
             metrics=r.metrics, uplink_bytes=r.uplink_bytes, downlink_bytes=r.downlink_bytes,
             opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
             model_hash=r.model_hash, downlink_wire_bytes=sum(a.downlink_wire_bytes for a in assigned))
+        distributed_dp.fill_summary(rs, t.spec)
         reported: set[str] = set()
         for u in sorted(store.updates_of(task_id, r.round), key=lambda u: u.site):
             a = fetched.get(u.site)

@@ -210,7 +210,7 @@ class SitePolicy:
             return ("the task publishes each site's update to its owner ([verification] publish_updates = true), which "
                     "this site's policy does not allow; submit it without publish_updates, or the site sets [policy] "
                     "publish_updates_allowed = true")
-        if spec.privacy.level not in ("", "sample", "client"):
+        if spec.privacy.level not in ("", "sample", "client", "distributed"):
             return f"the task asks for privacy level {spec.privacy.level!r}, which this agent does not know"
         if spec.privacy.unit not in ("", "example", "patient"):
             return f"the task asks for privacy unit {spec.privacy.unit!r}, which this agent does not know"

@@ -9,15 +9,20 @@ are answered on one thread, one :class:`~fedclinic.secagg.ClientSession` per ses
 ============================  ====================================================================
 ``SecAggSetup``               rebuild and check the session parameters (they must hash to the session
                               id, name the model trained on, the agreed tensor order and length, and only
-                              sites the task's allow-list admits); create the ClientSession (site policy:
-                              ``secure_aggregation_min_cohort``); answer ``advertise_keys`` with the keys
+                              sites the task's allow-list admits; a distributed-DP task's noise plan must be
+                              its signed task's, fedclinic.secagg.dp_plan.check_setup); create the
+                              ClientSession (site policy: ``secure_aggregation_min_cohort``, raised to the
+                              plan's survivor floor); answer ``advertise_keys`` with the keys
                               signed ("secagg-keys") by this agent's certificate key
 ``SecAggKeyDirectory``        check every peer's signed keys against the site's CA (role agent, the
                               certificate named as the entry's site, this session); answer ``share_keys``
 ``SecAggMaskedInputRequest``  encode the input in the session's layout (:mod:`fedclinic.secagg.vector_layout`:
                               the quantized delta times the site's weight -- its sample count, capped -- the
                               weight itself, per-tensor weights under SAFL and the evaluation metrics, all in
-                              the session's ring) and mask it; write it to the outbox and upload it through
+                              the session's ring; under privacy level "distributed" the whole delta
+                              clipped to L2 norm C, scaled, rounded, plus this site's Skellam noise share
+                              from a CSPRNG, fedclinic.secagg.skellam_encoding) and mask it; write it to
+                              the outbox and upload it through
                               ``SubmitUpdate`` with an idempotency key (``secagg_session_id`` set; no sample
                               count, metrics or DP report beside it: they are inside the masked vector)
 ``SecAggSurvivors``           sign the survivor set ("secagg-survivors"; once per session)
@@ -41,6 +46,7 @@ dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -51,6 +57,8 @@ import numpy as np
 import structlog
 
 from fedclinic.pki.attestor import CertificateAttestor
+from fedclinic.privacy.secure_random import SecureRandom
+from fedclinic.privacy.skellam_noise import skellam_noise
 from fedclinic.pki.signed_statement import Signer
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.transport.package import tensor_sha256
@@ -58,7 +66,9 @@ from fedclinic.proto import agent_pb2, agent_pb2_grpc, task_pb2, tensors_pb2
 from fedclinic.transport.rpc import explain_rpc_error
 from fedclinic.secagg import (AdvertiseKeys, ClientPolicy, ClientSession, KeyDirectory, MaskedInputRequest, Quantizer,
                               SecAggError, SessionParams, SurvivorsRequest, UnmaskRequest)
-from fedclinic.secagg.task_config import index_fraction_of
+from fedclinic.secagg import dp_plan
+from fedclinic.secagg.skellam_encoding import SkellamEncoding
+from fedclinic.secagg.task_config import floor_of, index_fraction_of
 from fedclinic.secagg.vector_layout import METRIC_BITS, VectorLayout, index_seed
 from fedclinic.codecs import ErrorFeedback
 from fedclinic.transport.wire import manifest_from_proto
@@ -96,6 +106,7 @@ class _Job:
     revealed: bool = False             # answered an unmask request: never join another session for this round
     index_fraction: float = 0.0        # the task's "topk:F" codec: a session sums a shared random F of the values
     feedback: ErrorFeedback | None = None  # top-k: residuals of what earlier rounds did not send (``vector`` has them)
+    spec: task_pb2.TaskSpec | None = None  # the (owner-signed) task: a distributed-DP plan is checked against it
 
 
 class SecAggHost(Protocol):
@@ -153,14 +164,19 @@ class SiteSecAgg:
         tensors it sends, a subset of ``a.send_tensors`` under SAFL), its sample count and evaluation metrics
         (they leave only inside the masked vector), and join."""
         vector, order, sizes = _flatten(a, delta, names)
-        clip = a.spec.secure_aggregation.clip or 1.0
-        peak = float(np.abs(vector).max()) if vector.size else 0.0
-        if peak > clip:
-            log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6), clip=clip,
-                        hint="raise [secure_aggregation] clip or lower the learning rate")
+        if dp_plan.is_distributed(a.spec):  # distributed DP clips the whole update's L2 norm instead
+            norm, bound = float(np.linalg.norm(vector)), a.spec.privacy.max_grad_norm
+            if norm > bound:
+                log.info("update scaled down to the distributed-DP clip norm", norm=round(norm, 6), clip_norm=bound)
+        else:
+            clip = a.spec.secure_aggregation.clip or 1.0
+            peak = float(np.abs(vector).max()) if vector.size else 0.0
+            if peak > clip:
+                log.warning("delta values beyond the secure-aggregation clip are clipped", peak=round(peak, 6),
+                            clip=clip, hint="raise [secure_aggregation] clip or lower the learning rate")
         job = _Job(a.task_id, a.round, a.attempt, model_hash, order, vector, sizes, frozenset(names),
                    int(num_samples), {k: float(v) for k, v in (eval_metrics or {}).items()},
-                   admitted=tuple(a.spec.sites), index_fraction=index_fraction_of(a.spec))
+                   admitted=tuple(a.spec.sites), index_fraction=index_fraction_of(a.spec), spec=a.spec)
         if job.index_fraction:
             self._add_residuals(job, a.spec.update.codec)
         with self._lock:
@@ -274,8 +290,11 @@ class SiteSecAgg:
                                nonce=s.nonce, layout_digest=job.layout.digest())
         if params.session_id.hex() != msg.session_id:
             raise SecAggError("the setup's parameters do not hash to its session id (inconsistent setup)")
+        policy = self.agent.secagg_policy()
+        if job.layout.dp is not None and job.spec is not None:  # the noise plan needs at least floor survivors
+            policy = dataclasses.replace(policy, min_cohort=max(policy.min_cohort, floor_of(job.spec)))
         job.session = ClientSession(self.agent.site_id, params, committed_model_hash=bytes.fromhex(job.model_hash),
-                                    policy=self.agent.secagg_policy(), attestor=self._attestor(),
+                                    policy=policy, attestor=self._attestor(),
                                     admitted=job.admitted or None)
         adv = job.session.advertise()
         log.info("secure-aggregation session joined", session=msg.session_id[:16], cohort=len(params.cohort),
@@ -393,12 +412,31 @@ def _layout_of(job: _Job, s: agent_pb2.SecAggSetup) -> VectorLayout:
     layout = VectorLayout(tuple(zip(job.names, job.sizes)), quantizer, metric_names=tuple(s.metric_names),
                           metric_clip=s.metric_clip or 100.0, per_tensor_counts=s.per_tensor_counts,
                           metric_bits=s.metric_bits or METRIC_BITS, index_fraction=s.index_fraction,
-                          index_seed=seed)
+                          index_seed=seed, dp=_dp_encoding_of(job, s))
     layout.check_cohort(len(s.cohort))  # no slot's sum may wrap the ring
     if layout.length != s.vector_length:
         raise SecAggError(f"the session's vector has {s.vector_length} values; this site's update in its layout "
                           f"has {layout.length}")
     return layout
+
+
+def _dp_encoding_of(job: _Job, s: agent_pb2.SecAggSetup) -> SkellamEncoding | None:
+    """The session's distributed-DP encoding, checked against this site's own plan from the signed task: a task
+    with privacy level "distributed" never runs a session without it, nor with less noise, another clip, scale or
+    rounding than the plan (fedclinic.secagg.dp_plan.check_setup); raises SecAggError."""
+    wants = job.spec is not None and dp_plan.is_distributed(job.spec)
+    if not s.dp_mechanism:
+        if wants:
+            raise SecAggError('the signed task asks for distributed DP (privacy level "distributed"); this session '
+                              "adds no noise")
+        return None
+    if not wants or job.spec is None:
+        raise SecAggError("the session asks for distributed-DP noise the signed task does not plan")
+    values = sum(job.sizes)
+    dp_plan.check_setup(job.spec, values, floor_of(job.spec), mechanism=s.dp_mechanism, scale=s.dp_scale,
+                        clip_norm=s.dp_clip_norm, beta=s.dp_rounding_beta, site_variance_told=s.dp_site_variance)
+    return SkellamEncoding(s.dp_clip_norm, s.dp_scale, s.dp_site_variance, values, s.ring_bits or 32,
+                           s.dp_rounding_beta, s.dp_mechanism)
 
 
 def _slices(job: _Job) -> list[tuple[str, tuple[int, int]]]:
@@ -416,4 +454,8 @@ def _encode(job: _Job) -> np.ndarray:
     assert job.layout is not None and job.vector is not None
     delta = {n: job.vector[a:b] for n, (a, b) in _slices(job) if n in job.sent}
     metrics = {k: v for k, v in job.metrics.items() if k in job.layout.metric_names}
+    if job.layout.dp is not None:  # distributed DP: this site's share of the Skellam noise, from a CSPRNG
+        rng = SecureRandom()
+        noise = skellam_noise(rng, job.layout.dp.site_variance, job.layout.values)
+        return job.layout.encode(delta, weight=1, dp_noise=noise, dp_random=rng)
     return job.layout.encode(delta, weight=job.layout.weight_of(job.num_samples), metrics=metrics)

@@ -132,6 +132,13 @@ def describe(config, r: TaskApproval) -> str:
                      f"{pc.target_delta:g}, per-example clip {pc.max_grad_norm or 1.0:g}, accountant "
                      f"{pc.accountant or 'rdp'}; the epsilon spent so far travels with each update")
         lines.append(f"  planned epsilon: {_planned_epsilon(config, spec)}")
+    elif pc.level == "distributed":
+        target = (f"target epsilon {pc.target_epsilon:g}" if pc.target_epsilon
+                  else f"noise multiplier {pc.noise_multiplier:g}")
+        lines.append(f"  differential privacy: distributed (client-level), {pc.mechanism or 'skellam'} noise added "
+                     f"by this site inside secure aggregation: the whole update clipped to L2 norm "
+                     f"{pc.max_grad_norm:g}, {target} over all rounds, delta {pc.target_delta or 1e-5:g}; the "
+                     "aggregator sees only the noised sum")
     elif pc.level == "client":
         lines.append(f"  differential privacy: client-level at the aggregator (clip {pc.max_grad_norm:g}, noise "
                      f"{pc.noise_multiplier:g}); the update leaves this site un-noised")

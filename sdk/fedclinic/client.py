@@ -286,6 +286,8 @@ def _headline(metrics) -> str:
         text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
     elif "client_dp_epsilon" in metrics:
         text += f" client-DP eps {metrics['client_dp_epsilon']:.2f}"
+    elif "ddp_epsilon" in metrics:  # distributed DP: the sites' noise shares, accounted at the aggregator
+        text += f" distributed-DP eps {metrics['ddp_epsilon']:.2f} (delta {metrics.get('ddp_delta', 0.0):.0e})"
     layers = sorted((int(k[len("safl_layer_"):-len("_sites")]), int(v)) for k, v in metrics.items()
                     if k.startswith("safl_layer_") and k.endswith("_sites"))
     if layers:  # SAFL: how many sites sent each layer this round

@@ -90,7 +90,7 @@ class CancelWork(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SecAggSetup(_message.Message):
-    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt", "ring_bits", "weight_cap", "metric_names", "metric_clip", "per_tensor_counts", "metric_bits", "index_fraction")
+    __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt", "ring_bits", "weight_cap", "metric_names", "metric_clip", "per_tensor_counts", "metric_bits", "index_fraction", "dp_mechanism", "dp_scale", "dp_site_variance", "dp_clip_norm", "dp_rounding_beta")
     COHORT_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     DEGREE_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,11 @@ class SecAggSetup(_message.Message):
     PER_TENSOR_COUNTS_FIELD_NUMBER: _ClassVar[int]
     METRIC_BITS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    DP_MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    DP_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DP_SITE_VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    DP_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    DP_ROUNDING_BETA_FIELD_NUMBER: _ClassVar[int]
     cohort: _containers.RepeatedScalarFieldContainer[str]
     threshold: int
     degree: int
@@ -127,7 +132,12 @@ class SecAggSetup(_message.Message):
     per_tensor_counts: bool
     metric_bits: int
     index_fraction: float
-    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ..., ring_bits: _Optional[int] = ..., weight_cap: _Optional[int] = ..., metric_names: _Optional[_Iterable[str]] = ..., metric_clip: _Optional[float] = ..., per_tensor_counts: _Optional[bool] = ..., metric_bits: _Optional[int] = ..., index_fraction: _Optional[float] = ...) -> None: ...
+    dp_mechanism: str
+    dp_scale: float
+    dp_site_variance: float
+    dp_clip_norm: float
+    dp_rounding_beta: float
+    def __init__(self, cohort: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., degree: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., vector_length: _Optional[int] = ..., tensor_order: _Optional[_Iterable[str]] = ..., model_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., attempt: _Optional[int] = ..., ring_bits: _Optional[int] = ..., weight_cap: _Optional[int] = ..., metric_names: _Optional[_Iterable[str]] = ..., metric_clip: _Optional[float] = ..., per_tensor_counts: _Optional[bool] = ..., metric_bits: _Optional[int] = ..., index_fraction: _Optional[float] = ..., dp_mechanism: _Optional[str] = ..., dp_scale: _Optional[float] = ..., dp_site_variance: _Optional[float] = ..., dp_clip_norm: _Optional[float] = ..., dp_rounding_beta: _Optional[float] = ...) -> None: ...
 
 class SecAggPublicKeys(_message.Message):
     __slots__ = ("mask_public_key", "encryption_public_key", "keys_statement")

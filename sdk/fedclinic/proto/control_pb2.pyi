@@ -102,7 +102,7 @@ class SiteReport(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ..., selected_layers: _Optional[_Iterable[int]] = ..., downlink_bytes: _Optional[int] = ..., downlink_wire_bytes: _Optional[int] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined", "downlink_wire_bytes", "held")
+    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined", "downlink_wire_bytes", "held", "ddp_epsilon", "ddp_delta", "ddp_noise_sites", "ddp_noise_stddev", "ddp_mechanism")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,11 @@ class RoundSummary(_message.Message):
     DECLINED_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    DDP_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DDP_DELTA_FIELD_NUMBER: _ClassVar[int]
+    DDP_NOISE_SITES_FIELD_NUMBER: _ClassVar[int]
+    DDP_NOISE_STDDEV_FIELD_NUMBER: _ClassVar[int]
+    DDP_MECHANISM_FIELD_NUMBER: _ClassVar[int]
     round: int
     state: RoundState
     attempt: int
@@ -142,7 +147,12 @@ class RoundSummary(_message.Message):
     declined: _containers.RepeatedScalarFieldContainer[str]
     downlink_wire_bytes: int
     held: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ...) -> None: ...
+    ddp_epsilon: float
+    ddp_delta: float
+    ddp_noise_sites: int
+    ddp_noise_stddev: float
+    ddp_mechanism: str
+    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., ddp_epsilon: _Optional[float] = ..., ddp_delta: _Optional[float] = ..., ddp_noise_sites: _Optional[int] = ..., ddp_noise_stddev: _Optional[float] = ..., ddp_mechanism: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash", "signed")

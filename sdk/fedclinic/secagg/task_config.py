@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 from fedclinic.codecs import FP32, CodecSpecError, TopK, parse_codec
 from fedclinic.proto import task_pb2
+from fedclinic.secagg import dp_plan
 from fedclinic.secagg.config import MIN_COHORT_FLOOR, SessionParams
 from fedclinic.secagg.errors import SecAggConfigError
 from fedclinic.secagg.quantize import Quantizer, ring_for
@@ -137,6 +138,8 @@ def layout_for(spec: task_pb2.TaskSpec, names: tuple[str, ...], shapes: tuple[tu
     inputs, one count slot per tensor under SAFL, the (at most :data:`MAX_METRICS`) metric names summed, and
     under a ``topk:F`` codec the shared index set drawn from ``index_seed`` (:func:`index_fraction_of`)."""
     cfg = spec.secure_aggregation
+    if dp_plan.is_distributed(spec):
+        return _distributed_layout(spec, tensor_sizes(names, shapes), cohort)
     cap = weight_cap_of(cfg)
     metric_names = tuple(sorted(metric_names))[:MAX_METRICS]
     q = quantizer_of(cfg, ring_bits=ring_for(quantizer_of(cfg).levels, cap, cohort), weight_cap=cap)
@@ -144,6 +147,21 @@ def layout_for(spec: task_pb2.TaskSpec, names: tuple[str, ...], shapes: tuple[tu
                         metric_clip=cfg.metric_clip or DEFAULT_METRIC_CLIP,
                         per_tensor_counts=spec.update.selection == "safl", metric_bits=metric_bits_for(q, cohort),
                         index_fraction=index_fraction_of(spec), index_seed=index_seed)
+
+
+def _distributed_layout(spec: task_pb2.TaskSpec, tensors: tuple[tuple[str, int], ...], cohort: int) -> VectorLayout:
+    """Privacy level "distributed": the plan's Skellam encoding (:mod:`fedclinic.secagg.dp_plan`) in its ring, uniform
+    weights, no metric slots (evaluation metrics are not noised, so they are not released), dense. The quantizer
+    only names the ring (its bits: at most the task's, as many as the ring holds for the cohort's count slot)."""
+    values = sum(n for _, n in tensors)
+    enc = dp_plan.encoding_for(spec, values, cohort, floor_of(spec))
+    cfg = spec.secure_aggregation
+    room = min((1 << enc.ring_bits) - 1, (1 << 53) - 1) // max(1, cohort)
+    bits = max(1, min(cfg.bits or DEFAULT_BITS, room.bit_length() - 1))
+    rounding = cfg.rounding or "stochastic"
+    q = Quantizer(clip=cfg.clip or DEFAULT_CLIP, bits=bits, rounding=rounding,  # type: ignore[arg-type]
+                  ring_bits=enc.ring_bits, weight_cap=1)
+    return VectorLayout(tensors, q, dp=enc)
 
 
 def floor_of(spec: task_pb2.TaskSpec) -> int:
@@ -188,9 +206,10 @@ def spec_problems(spec: task_pb2.TaskSpec) -> list[str]:
         p.append("secure_aggregation.metric_clip must be a positive number (the largest |metric| summed)")
     n0 = floor_of(spec)
     try:
-        layout = layout_for(spec, ("check",), ((1,),), n0, ("metric",))
-        session_params(spec, task_id="check", round_number=1, cohort=tuple(f"site-{i}" for i in range(n0)),
-                       model_hash_hex="00" * 32, vector_length=layout.length, quantizer=layout.quantizer)
+        if not dp_plan.privacy_problems(spec):  # a distributed-DP plan that cannot be made is the privacy check's
+            layout = layout_for(spec, ("check",), ((1,),), n0, ("metric",))
+            session_params(spec, task_id="check", round_number=1, cohort=tuple(f"site-{i}" for i in range(n0)),
+                           model_hash_hex="00" * 32, vector_length=layout.length, quantizer=layout.quantizer)
     except SecAggConfigError as exc:
         p.append(f"secure_aggregation (checked for the smallest cohort, {n0} sites): {exc}")
     try:

@@ -41,6 +41,12 @@ elsewhere. It does **not** rescale by ``1/F``: the sites keep what they did not 
 residual and add it to the next round's delta (``hospital_agent.secure_aggregation``), so every coordinate's
 total is delivered eventually (random-k with memory); a ``1/F`` rescale would be unbiased only without that
 memory and would multiply the quantization error (and the variance) by ``1/F``.
+
+**Distributed DP (privacy level "distributed", :attr:`VectorLayout.dp`).** The update slots hold each site's
+clipped, scaled, rounded update plus its Skellam noise share as signed integers in two's complement
+(:mod:`fedclinic.secagg.skellam_encoding`); the layout is dense, uniformly weighted (one count slot of 1 per site)
+and has no metric slots; :meth:`VectorLayout.decode` reads the sum as signed and divides by ``gamma m``. The
+encoding's parameters are part of :meth:`VectorLayout.digest`.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import numpy as np
 from fedclinic.secagg.encoding import DOMAIN, encode
 from fedclinic.secagg.errors import SecAggConfigError, SecAggInputError
 from fedclinic.secagg.quantize import MAX_BITS, Quantizer
+from fedclinic.secagg.skellam_encoding import SkellamEncoding, UniformSource
 
 METRIC_BITS = MAX_BITS
 """Highest precision of the metric slots: 2^24 - 1 levels over ``[-metric_clip, metric_clip]``."""
@@ -126,8 +133,17 @@ class VectorLayout:
     metric_bits: int = METRIC_BITS
     index_fraction: float = 0.0               # 0: dense; else only ceil(F * P) shared random coordinates are summed
     index_seed: bytes = b""                   # the index set's seed (:func:`index_seed`)
+    #: distributed DP (privacy level "distributed"): the update slots hold clipped, scaled, rounded integers plus
+    #: each site's Skellam noise share (:mod:`fedclinic.secagg.skellam_encoding`), uniform weights, dense, no metrics
+    dp: SkellamEncoding | None = None
 
     def __post_init__(self) -> None:
+        if self.dp is not None:
+            q = self.quantizer
+            if (self.per_tensor_counts or self.sparse or self.metric_names or q.weight_cap != 1
+                    or self.dp.values != self.values or self.dp.ring_bits != q.ring_bits):
+                raise SecAggConfigError("a distributed-DP layout is dense, uniformly weighted, without metrics or "
+                                        "per-tensor counts, and its encoding covers the layout's values in its ring")
         if not (math.isfinite(self.index_fraction) and 0.0 <= self.index_fraction <= 1.0):
             raise SecAggConfigError(f"index_fraction must be in (0, 1] (0 = dense), got {self.index_fraction!r}")
         if len(self.metric_names) > MAX_METRICS or len(set(self.metric_names)) != len(self.metric_names):
@@ -147,6 +163,8 @@ class VectorLayout:
         parts = encode(DOMAIN, "layout", len(self.tensors), *(x for t in self.tensors for x in t), q.clip, q.bits,
                        q.rounding, q.ring_bits, q.weight_cap, len(self.metric_names), *self.metric_names,
                        self.metric_clip, self.metric_bits, int(self.per_tensor_counts))
+        if self.dp is not None:
+            parts += self.dp.digest_parts()
         if self.sparse:
             parts += encode("index-set", self.index_fraction, self.index_seed,
                             hashlib.sha256(self.index_set().astype("<i8").tobytes()).digest())
@@ -203,6 +221,8 @@ class VectorLayout:
     def check_cohort(self, n: int) -> None:
         """Refuse a cohort of ``n`` whose sums of any slot could wrap the ring (SecAggConfigError)."""
         self.quantizer.check_cohort(n)
+        if self.dp is not None:
+            self.dp.check_cohort(n)
         if self.metric_names:
             self.metric_quantizer.check_cohort(n)
 
@@ -211,11 +231,16 @@ class VectorLayout:
         return max(1, min(int(num_samples), self.quantizer.weight_cap))
 
     def encode(self, delta: Mapping[str, np.ndarray], *, weight: int, metrics: Mapping[str, float] | None = None,
-               seed: bytes | None = None) -> np.ndarray:
+               seed: bytes | None = None, dp_noise: np.ndarray | None = None,
+               dp_random: UniformSource | None = None) -> np.ndarray:
         """One site's input in the ring: ``delta`` holds the tensors it sends (flat or shaped, any subset of the
         layout's when ``per_tensor_counts``, else all of them), ``weight`` its integer weight (see
         :meth:`weight_of`), ``metrics`` its evaluation figures (names outside the layout are refused; missing or
-        non-finite ones get count 0). ``seed`` fixes stochastic rounding (tests)."""
+        non-finite ones get count 0). ``seed`` fixes stochastic rounding (tests). Under distributed DP
+        (:attr:`dp`) ``dp_noise`` is the site's int64 Skellam share per value and ``dp_random`` the rounding's
+        uniform source (both required)."""
+        if self.dp is not None:
+            return self._encode_dp(delta, weight, dp_noise, dp_random)
         q, dt = self.quantizer, self.quantizer.dtype
         if not (isinstance(weight, int) and 1 <= weight <= q.weight_cap):
             raise SecAggInputError(f"weight must be an integer in [1, {q.weight_cap}], got {weight!r}")
@@ -244,6 +269,21 @@ class VectorLayout:
         self._encode_metrics(out, metrics or {}, w, seed)
         if self.sparse:
             return np.concatenate([out[self.index_set()], out[self.values:]])
+        return out
+
+    def _encode_dp(self, delta: Mapping[str, np.ndarray], weight: int, noise: np.ndarray | None,
+                   rng: UniformSource | None) -> np.ndarray:
+        assert self.dp is not None
+        if weight != 1:
+            raise SecAggInputError("distributed DP weights every site equally (weight 1)")
+        if noise is None or rng is None:
+            raise SecAggInputError("distributed DP needs the site's noise share and a uniform source")
+        if set(delta) != {n for n, _ in self.tensors}:
+            raise SecAggInputError("every site of a distributed-DP session sends every tensor")
+        flat = np.concatenate([np.asarray(delta[name], dtype=np.float32).ravel() for name, _ in self.tensors])
+        out = np.empty(self.length, dtype=self.quantizer.dtype)
+        out[:self.values] = self.dp.encode(flat, noise, rng)
+        out[self.values:] = 1  # the count slot: every site weighs 1
         return out
 
     def _encode_metrics(self, out: np.ndarray, metrics: Mapping[str, float], w: np.generic, seed: bytes | None) -> None:
@@ -281,9 +321,14 @@ class VectorLayout:
         tensors: dict[str, np.ndarray] = {}
         weights: dict[str, int] = {}
         offset = 0
+        noisy = None
+        if self.dp is not None and int(total[counts]):
+            noisy = self.dp.decode(total[:self.values], int(total[counts]))
         for i, (name, size) in enumerate(self.tensors):
             wt = int(total[counts + (i if self.per_tensor_counts else 0)])
-            if wt:
+            if noisy is not None:
+                tensors[name], weights[name] = noisy[offset:offset + size].astype(np.float32), wt
+            elif wt:
                 s = total[offset:offset + size].astype(np.float64)
                 s *= q.step / wt
                 s -= q.clip
@@ -303,7 +348,10 @@ class VectorLayout:
         return Decoded(tensors, metrics, weights, metric_weights)
 
     def error_bound(self) -> float:
-        """Per-value bound on ``|decoded mean - weighted mean of the clipped inputs|`` (module docstring)."""
+        """Per-value bound on ``|decoded mean - weighted mean of the clipped inputs|`` (module docstring); under
+        distributed DP the rounding's share only (below one step, ``1/gamma``), the noise comes on top."""
+        if self.dp is not None:
+            return 1.0 / self.dp.scale
         q = self.quantizer
         rho = 0.5 if q.rounding == "nearest" else 1.0
         return (rho + 2.0 ** -19) * q.step + 2.0 ** -24 * q.clip

@@ -139,7 +139,8 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
         card["update"]["selection"] = {"method": "safl", "top_k": cfg.top_k, "profile_samples": cfg.profile_samples,
                                        "token": cfg.token}
     if spec.HasField("privacy") and spec.privacy.level:
-        card["privacy"] = _fields(spec.privacy)
+        # the original six fields always; later ones (e.g. distributed DP's mechanism and scale) only when set
+        card["privacy"] = {k: v for k, v in _fields(spec.privacy).items() if k in PRIVACY_CORE or v}
         card["privacy"]["unit"] = privacy_unit(spec.privacy)
         card["notes"].append(UNIT_NOTES[card["privacy"]["unit"]])
     if spec.HasField("secure_aggregation") and spec.secure_aggregation.enabled:
@@ -159,6 +160,9 @@ def build_card(meta: Mapping[str, Any], *, model_hash: str, status: Any | None =
         if "dp_epsilon" in final:
             card["privacy"]["epsilon_spent_max_site"] = final["dp_epsilon"]
             card["privacy"]["delta_spent"] = final.get("dp_delta")
+        if "ddp_epsilon" in final:  # distributed DP: the aggregator's accountant over the sites' noise shares
+            card["privacy"]["distributed_epsilon_spent"] = final["ddp_epsilon"]
+            card["privacy"]["distributed_delta"] = final.get("ddp_delta")
         if "client_dp_epsilon" in final:
             card["privacy"]["client_epsilon_spent"] = final["client_dp_epsilon"]
             card["privacy"]["client_delta"] = final.get("client_dp_delta")
@@ -428,6 +432,9 @@ def _round_entry(r: Any) -> dict[str, Any]:
             "closed": _ms(r.closed_unix_ms),
             **({"selected_layers": {rep.site_id: list(rep.selected_layers) for rep in r.reports}}
                if any(rep.selected_layers for rep in r.reports) else {})}
+
+
+PRIVACY_CORE = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant")
 
 
 def _fields(message: Any) -> dict[str, Any]:

@@ -140,7 +140,10 @@ class Task:
     #: ``[privacy]``: level = "sample" (DP-SGD at every site, fedclinic.privacy.dp_sgd) with target_epsilon (for
     #: the whole task at each site) or noise_multiplier, target_delta, max_grad_norm (per-example clip C) and
     #: accountant ("rdp" | "prv"); level = "client" (clip + noise of whole updates at the aggregator), which
-    #: needs strategy "dp-fedavg" (its parameters carry clip and noise). Empty = no differential privacy.
+    #: needs strategy "dp-fedavg" (its parameters carry clip and noise); level = "distributed" (each site clips
+    #: its whole update to max_grad_norm and adds its share of Skellam noise inside secure aggregation,
+    #: fedclinic.secagg.dp_plan) with target_epsilon or noise_multiplier, target_delta, and optional mechanism
+    #: ("skellam"), scale and rounding_beta. Empty = no differential privacy.
     #: unit (level "sample"): "example" (default: one row of a site's dataset) or "patient" (every site samples,
     #: clips and accounts per patient, by the patient id column its dataset declares; sites without one decline)
     privacy: dict[str, Any] = field(default_factory=dict)
@@ -310,7 +313,8 @@ class Task:
         return task
 
 
-PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit")
+PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit",
+                "mechanism", "scale", "rounding_beta")
 
 
 def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
@@ -318,15 +322,15 @@ def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
     if not privacy:
         return []
     p = [f"privacy: unknown setting {k!r} (known: {', '.join(PRIVACY_KEYS)})" for k in privacy if k not in PRIVACY_KEYS]
-    for key in ("target_epsilon", "noise_multiplier", "max_grad_norm"):
+    for key in ("target_epsilon", "noise_multiplier", "max_grad_norm", "scale", "rounding_beta"):
         v = privacy.get(key)
         if v is not None and not _is_number(v):
             p.append(f"privacy: {key} must be a positive number, got {v!r}")
     if "target_delta" in privacy and not _is_number(privacy["target_delta"]):
         p.append(f"privacy: target_delta must be a number in (0, 1), e.g. 1e-5, got {privacy['target_delta']!r}")
     if not privacy.get("level"):
-        p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site) or "client"')
-    for key in ("level", "accountant", "unit"):
+        p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site), "client" or "distributed"')
+    for key in ("level", "accountant", "unit", "mechanism"):
         if key in privacy and not isinstance(privacy[key], str):
             p.append(f"privacy: {key} must be a string, got {privacy[key]!r}")
     return p
@@ -376,7 +380,10 @@ def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
                                   target_delta=float(privacy.get("target_delta", 1e-5)),
                                   max_grad_norm=float(privacy.get("max_grad_norm", 1.0)),
                                   noise_multiplier=float(privacy.get("noise_multiplier") or 0.0),
-                                  accountant=str(privacy.get("accountant", "rdp")))
+                                  accountant=str(privacy.get("accountant", "rdp")),
+                                  mechanism=str(privacy.get("mechanism", "")),
+                                  scale=float(privacy.get("scale") or 0.0),
+                                  rounding_beta=float(privacy.get("rounding_beta") or 0.0))
 
 
 def _secure_aggregation_config(doc: dict[str, Any]) -> task_pb2.SecureAggregationConfig:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from fedclinic.errors import ConfigError
 from fedclinic.proto import task_pb2
+from fedclinic.secagg import dp_plan
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.spec import safl_settings as safl
 from fedclinic.spec.capabilities import check_supported
@@ -74,6 +75,8 @@ BOUNDS: dict[str, Bound] = {
     "privacy.target_delta": Bound(0, 1.0),
     "privacy.max_grad_norm": Bound(0, 1e6),
     "privacy.noise_multiplier": Bound(0, 1e6),
+    "privacy.scale": Bound(0, 1e12),
+    "privacy.rounding_beta": Bound(0, 1.0),
     "secure_aggregation.min_cohort": Bound(0, 1000, integer=True),
     "secure_aggregation.threshold": Bound(0, 1000, integer=True),
     "secure_aggregation.bits": Bound(0, 62, integer=True),
@@ -157,8 +160,10 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
         return [] if spec.strategy == "dp-fedavg" else [
             'privacy level "client" clips and noises whole updates at the aggregator: use strategy '
             '"dp-fedavg" (its clip_norm and noise_multiplier set the mechanism)']
+    if pc.level == dp_plan.LEVEL:
+        return dp_plan.privacy_problems(spec)
     if pc.level != "sample":
-        return [f'privacy level must be "sample" (DP-SGD at each site) or "client", got {pc.level!r}']
+        return [f'privacy level must be "sample" (DP-SGD at each site), "client" or "distributed", got {pc.level!r}']
     p = []
     try:
         check_supported(spec.family or "text-classification", spec.architecture or "transformer")

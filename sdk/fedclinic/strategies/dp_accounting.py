@@ -62,6 +62,28 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float, accountant
         return float(acc.get_epsilon(delta=delta))
 
 
+def epsilon_from_rdp(orders: "list[float] | tuple[float, ...]", rdp: "list[float] | tuple[float, ...]",
+                     delta: float) -> tuple[float, float]:
+    """(epsilon, best order) at ``delta`` from RDP values at ``orders``: the conversion Opacus' RDP accountant uses
+    (Balle et al., AISTATS 2020, "Hypothesis testing interpretations and Renyi differential privacy", Thm. 21)::
+
+        eps = min over alpha of  rdp(alpha) + log((alpha - 1) / alpha) - (log delta + log alpha) / (alpha - 1)
+
+    Torch-free (pure math), for mechanisms Opacus has no accountant for (the Skellam mechanism of distributed DP,
+    :mod:`.skellam_accounting`); ``test_skellam_accounting`` checks it against Opacus' ``get_privacy_spent``."""
+    _check_delta(delta)
+    if len(orders) != len(rdp) or not orders:
+        raise ValueError("epsilon_from_rdp needs one RDP value per order")
+    best, best_order = math.inf, float(orders[0])
+    for a, r in zip(orders, rdp):
+        if not a > 1:
+            raise ValueError(f"RDP orders must be > 1, got {a}")
+        eps = r + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
+        if eps < best:
+            best, best_order = eps, float(a)
+    return max(0.0, best), best_order
+
+
 def _check_delta(delta: float) -> None:
     if not (0.0 < delta < 1.0):
         raise ConfigError(f"delta must be in (0, 1), got {delta}; use less than 1/n for n records (e.g. 1e-5)")
