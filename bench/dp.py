@@ -17,6 +17,11 @@ Modes:
 ``dp-hooks``
     the same with Opacus' per-example gradient hooks (one gradient per example and tensor in memory).
 
+``--lora-rank R``: the model gets LoRA adapters of rank R (alpha 2R) on every attention query and value, and
+only the adapters, the pooler and the head train (the demo's ``--lora-rank``); ``dp`` is then ghost clipping
+with the adapters' own rule (:func:`fedclinic.privacy.ghost.lora_squared_norms`) and ``dp-hooks``, which
+Opacus cannot run for adapters, is the per-example loop (:mod:`fedclinic.privacy.per_example_clipping`).
+
 Memory: each mode in its own child process (same thread count), which trains one warm-up round and one more;
 figures are the process's peak RSS and its increase over what it held before training (model and data
 loaded). ``dp+accountant`` is ``dp`` in a process that has loaded the privacy accountant first (the agent
@@ -58,21 +63,25 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def _setup(examples: int, all_layers: bool, threads: int):
+def _setup(examples: int, all_layers: bool, threads: int, lora_rank: int = 0):
     import torch
 
     torch.set_num_threads(threads)
     from fedclinic.training import trainer as training
     from fedclinic.assets.drugreview import condition_classification, minilm_path
-    from fedclinic.models import build_model, package_pretrained
+    from fedclinic.models import build_model, lora, package_pretrained
     from fedclinic.privacy.dp_sgd import DPSGD, train_local_private
 
     labels, train, _ = condition_classification(top_k=5, seed=0)
     rows = train[:examples]
     package = package_pretrained(minilm_path(), labels=labels, max_length=96)
+    trainable = TRAINABLE
+    if lora_rank:
+        package = lora.add_adapters(package, lora.LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank, seed=0))
+        trainable = lora.trainable_patterns(head=(r"classifier\..*", r"bert\.pooler\..*"))
     loaded = build_model(package)
     data = training.encode(rows, loaded, max_length=96)
-    names = list(package.tensors) if all_layers else training.select_tensors(list(package.tensors), TRAINABLE)
+    names = list(package.tensors) if all_layers else training.select_tensors(list(package.tensors), trainable)
     steps = math.ceil(len(rows) / BATCH)
     cfg = training.TrainConfig(local_epochs=1, batch_size=BATCH, learning_rate=2e-4, max_length=96, max_grad_norm=1.0)
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=BATCH / len(rows), steps=steps)
@@ -81,7 +90,9 @@ def _setup(examples: int, all_layers: bool, threads: int):
         """(wall seconds, process CPU seconds) of one round of ``mode``."""
         t0, c0 = time.perf_counter(), time.process_time()
         if mode.startswith("dp"):
-            train_local_private(loaded, data, cfg, dp, trainable=names, mode="hooks" if mode == "dp-hooks" else "auto")
+            per_example = "loop" if lora_rank else "hooks"  # Opacus' hooks do not cover adapters
+            train_local_private(loaded, data, cfg, dp, trainable=names,
+                                mode=per_example if mode == "dp-hooks" else "auto")
         else:
             training.train_local(loaded, data, cfg, trainable=names)
         return time.perf_counter() - t0, time.process_time() - c0
@@ -89,12 +100,12 @@ def _setup(examples: int, all_layers: bool, threads: int):
     return run, {"steps": steps, "trained_tensors": len(names)}
 
 
-def memory_child(mode: str, examples: int, all_layers: bool, threads: int) -> dict:
+def memory_child(mode: str, examples: int, all_layers: bool, threads: int, lora_rank: int = 0) -> dict:
     if mode == "dp+accountant":
         from fedclinic.privacy.accounting import noise_for_target
 
         noise_for_target(8.0, 1e-5, BATCH / examples, 10 * math.ceil(examples / BATCH))  # what the agent plans
-    run, info = _setup(examples, all_layers, threads)
+    run, info = _setup(examples, all_layers, threads, lora_rank)
     before = _rss_mb()
     run("dp" if mode == "dp+accountant" else mode)  # warm-up (and the first peak)
     run("dp" if mode == "dp+accountant" else mode)
@@ -102,8 +113,8 @@ def memory_child(mode: str, examples: int, all_layers: bool, threads: int) -> di
     return {"mode": mode, **info, "rss_before_mb": before, "peak_mb": peak, "training_peak_mb": peak - before}
 
 
-def timing_child(examples: int, repeats: int, all_layers: bool, threads: int) -> dict:
-    run, info = _setup(examples, all_layers, threads)
+def timing_child(examples: int, repeats: int, all_layers: bool, threads: int, lora_rank: int = 0) -> dict:
+    run, info = _setup(examples, all_layers, threads, lora_rank)
     for mode in MODES:
         run(mode)  # warm-up
     rounds: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
@@ -128,19 +139,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--all-layers", action="store_true")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (and the head) only")
     args = ap.parse_args()
     if args.child == "timing":
-        print(json.dumps(timing_child(args.examples, args.repeats, args.all_layers, args.threads)))
+        print(json.dumps(timing_child(args.examples, args.repeats, args.all_layers, args.threads, args.lora_rank)))
         return 0
     if args.child:
-        print(json.dumps(memory_child(args.child, args.examples, args.all_layers, args.threads)))
+        print(json.dumps(memory_child(args.child, args.examples, args.all_layers, args.threads, args.lora_rank)))
         return 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     load_before = os.getloadavg()[0]
 
     def child(name: str) -> dict:
         cmd = [sys.executable, __file__, "--child", name, "--examples", str(args.examples), "--repeats",
-               str(args.repeats), "--threads", str(args.threads)] + (["--all-layers"] if args.all_layers else [])
+               str(args.repeats), "--threads", str(args.threads), "--lora-rank", str(args.lora_rank)] + (
+                   ["--all-layers"] if args.all_layers else [])
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -154,6 +167,9 @@ def main() -> int:
     acct_ratio = a["peak_mb"] / p["peak_mb"]
     train_mem_ratio = d["training_peak_mb"] / max(p["training_peak_mb"], 1e-9)
     scope = "all tensors" if args.all_layers else "top 2 layers + pooler + head"
+    if args.lora_rank:
+        scope = f"LoRA r={args.lora_rank} adapters + pooler + head" + (" + all tensors" if args.all_layers else "")
+    per_example = "the per-example loop" if args.lora_rank else "per-example gradient hooks"
     print(f"MiniLM-L6 drug-review classifier, {args.examples} examples, batch {BATCH}, {p['steps']} steps, "
           f"{scope} ({p['trained_tensors']} tensors), {args.threads} threads; load average {load_before:.2f} "
           f"before, {load_after:.2f} after ({os.cpu_count()} CPUs)")
@@ -166,10 +182,10 @@ def main() -> int:
     print(f"  DP-SGD (ghost clipping) / plain: time {time_ratio:.2f}x wall, {cpu_ratio:.2f}x CPU (fastest round "
           f"over fastest round: {td['min_ratio']:.2f}x); peak memory "
           f"{mem_ratio:.2f}x (training's own increase {train_mem_ratio:.2f}x; {acct_ratio:.2f}x with the "
-          f"accountant loaded); with per-example gradient hooks: time {th['ratio']:.2f}x, "
+          f"accountant loaded); with {per_example}: time {th['ratio']:.2f}x, "
           f"peak memory {h['peak_mb'] / p['peak_mb']:.2f}x")
     met = time_ratio <= 1.5 and mem_ratio <= 1.2
-    print(f"RESULT dp time_ratio={time_ratio:.2f} cpu_time_ratio={cpu_ratio:.2f} peak_memory_ratio={mem_ratio:.2f} "
+    print(f"RESULT dp lora_rank={args.lora_rank} time_ratio={time_ratio:.2f} cpu_time_ratio={cpu_ratio:.2f} peak_memory_ratio={mem_ratio:.2f} "
           f"training_memory_ratio={train_mem_ratio:.2f} accountant_memory_ratio={acct_ratio:.2f} "
           f"plain_s={tp['seconds']:.2f} dp_s={td['seconds']:.2f} hooks_time_ratio={th['ratio']:.2f} "
           f"hooks_memory_ratio={h['peak_mb'] / p['peak_mb']:.2f} load={load_before:.1f}-{load_after:.1f} "

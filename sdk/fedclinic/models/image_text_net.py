@@ -126,7 +126,9 @@ def _net_class():
             return self.classifier(self.fusion(torch.cat([text, image], dim=-1)))
 
         def train(self, mode: bool = True) -> "ImageTextNet":
-            """As nn.Module.train, except that batch norm whose weight is not trained stays in inference mode."""
+            """As nn.Module.train, except that batch norm whose weight is not trained stays in inference mode.
+            A private (DP-SGD) round puts every batch norm in inference mode, trained weight or not
+            (:func:`fedclinic.privacy.dp_sgd.freeze_batch_norm`: in training mode it mixes the batch's examples)."""
             super().train(mode)
             if mode:
                 for m in self.modules():

@@ -21,7 +21,7 @@ model; the adapter itself is the two matrices above.
 DP-SGD trains adapters with exact per-example clipping: ghost clipping has a layer rule for an adapted linear
 (:func:`fedclinic.privacy.ghost.lora_squared_norms`; it reads ``SCALING_ATTR``, the plain float attribute that
 holds ``alpha / r`` on each target linear and that the forward hook uses too, so both read one value), and the
-per-example mode (:mod:`fedclinic.privacy.per_example_grads`) differentiates each example alone. Opacus' hooks
+per-example loop (:mod:`fedclinic.privacy.per_example_clipping`) differentiates each example alone. Opacus' hooks
 mode is refused for adapters (its Linear grad sampler covers a linear's own weight and bias only).
 Not supported: adapter dropout (adapters are trained without it).
 """

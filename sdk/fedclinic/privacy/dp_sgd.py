@@ -25,28 +25,38 @@ Opacus' ``secure_mode`` needs torchcsprng, which is not installed; SECURITY.md s
 Which models
 ------------
 Per family, the privacy unit and the per-example loss are those of :mod:`fedclinic.privacy.per_example`
-(one text, one feature row, one sentence/review, one question/answer pair). Supported (:data:`SUPPORTED`):
-``text-classification`` transformers, ``feature-classification`` logistic regression, ``token-classification``
-transformers with a linear head or a CRF, ``question-answering`` causal LMs (GPT-2, Llama; tied output
-embeddings included). Opacus has grad samplers for their layers (Linear, Embedding, LayerNorm); layers without
-one (GPT-2's ``Conv1D``, Llama's RMSNorm) get exact per-sample gradients from Opacus' functorch fallback
-(``vmap`` of the layer's own gradient), the CRF from per-sequence parameter copies. Refused with the reason
-and the alternative (:func:`check_supported`, :data:`REFUSED`): models with LSTMs (torch's cuDNN
-``nn.LSTM`` over packed sequences has no per-sample gradients; Opacus' ``DPLSTM`` is a different module),
-the bag-of-tokens text logreg, and the ResNet + BiLSTM image-text model (batch normalisation mixes the
-examples of a batch). Those use client-level DP (strategy ``dp-fedavg``) instead.
+(one text, one feature row, one sentence/review, one question/answer pair, one image and its report). Every
+built-in model is supported (:data:`SUPPORTED`, shared with the task spec and the aggregator through
+:mod:`fedclinic.spec.capabilities`; anything else is refused with the reason and the alternative,
+:func:`check_supported`). Three exact ways to the clipped sum, chosen per model (``mode``):
 
-Clipping modes: ``"hooks"`` materialises each example's gradient (Opacus' GradSampleModule); ``"ghost"``
-(:mod:`fedclinic.privacy.ghost`) computes the per-example norms layer by layer from the layers' inputs and
-output gradients and forms the clipped sum from the same records, in one backward pass and without Opacus.
-Ghost clipping sums squared per-layer norms, which is the squared norm of the example's gradient only when no
-parameter is used twice (checked), and covers Linear, LayerNorm and Embedding parameters: it is used for text
-and feature classification (``mode="auto"``, single- and multi-label) when every trained tensor is one of
-those, and refused for the other families. LoRA adapters (:mod:`fedclinic.models.lora`) are parameters of their
-linear with a ghost rule of their own (exact per-example norms and clipped sums of ``A`` and ``B``,
-:func:`fedclinic.privacy.ghost.lora_squared_norms`): a LoRA text-classification task (adapters and head trained,
-encoder frozen) runs in ghost mode; hooks mode refuses adapters (Opacus' Linear grad sampler covers the linear's
-own weight and bias only).
+``"ghost"`` (:mod:`fedclinic.privacy.ghost`)
+    per-example norms layer by layer from the layers' inputs and output gradients, and the clipped sum from the
+    same records, in one backward pass and without Opacus. Ghost clipping sums squared per-layer norms, which is
+    the squared norm of the example's gradient only when no parameter is used twice (checked), and covers Linear,
+    LayerNorm and Embedding parameters, and LoRA adapters (:mod:`fedclinic.models.lora`: parameters of their
+    linear with a rule of their own, :func:`fedclinic.privacy.ghost.lora_squared_norms`). ``auto`` uses it for
+    text and feature classification (single- and multi-label) when every trained tensor is covered, e.g. a
+    LoRA task (adapters and head trained, encoder frozen).
+``"hooks"``
+    each example's gradient materialised by Opacus' GradSampleModule: the Hugging Face token-classification
+    and causal-LM models (Linear, Embedding, LayerNorm grad samplers; GPT-2's ``Conv1D`` and Llama's RMSNorm by
+    Opacus' functorch fallback, ``vmap`` of the layer's own gradient; the CRF by per-sequence parameter copies).
+    Refused for LoRA adapters (Opacus' Linear grad sampler covers a linear's own weight and bias only) and for
+    :data:`LOOP_MODELS` (no exact grad sampler for their layers).
+``"loop"`` (:mod:`fedclinic.privacy.per_example_clipping`)
+    each example differentiated alone (the definition; one forward and backward pass per example): exact for
+    any layer, used by ``auto`` for :data:`LOOP_MODELS` -- the text LSTM and FedNER's BiLSTM over packed
+    sequences (cuDNN's kernels included, autograd differentiates whatever ran; no ``DPLSTM``, so every tensor
+    keeps its name), the bag-of-tokens ``EmbeddingBag`` with per-token weights, the ResNet + BiLSTM image-text
+    model -- and for LoRA adapters outside ghost clipping's families.
+
+Batch normalisation (the image-text ResNet) runs in inference mode in every private round
+(:func:`freeze_batch_norm`): in training mode it normalises an example with its batch's statistics, so the
+example's output and gradient depend on the other examples and there is no per-example gradient whose clipping
+bounds the sensitivity. Frozen, it is a fixed per-channel affine map; the running statistics keep the package's
+values (not updated), and its affine weight and bias train only when the task trains them (exactly, per
+example). Freezing, not replacing it by GroupNorm, keeps the package's tensors and names unchanged.
 
 BERT-family models
 ------------------
@@ -169,9 +179,11 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     The objective is the batch mean of per-example losses (:class:`~fedclinic.privacy.per_example.PerExampleObjective`).
     ``mode``: ``"hooks"`` materialises one gradient per example and trained tensor (Opacus' GradSampleModule);
     ``"ghost"`` computes the per-example norms and the clipped sum without them, in one backward pass
-    (:mod:`fedclinic.privacy.ghost`), so memory and time stay near non-private training; ``"auto"`` (default)
+    (:mod:`fedclinic.privacy.ghost`), so memory and time stay near non-private training; ``"loop"``
+    differentiates each example alone (:mod:`fedclinic.privacy.per_example_clipping`); ``"auto"`` (default)
     uses ghost clipping for text and feature classification when every trained tensor is a Linear, LayerNorm or
-    Embedding parameter, and hooks otherwise. Both compute the same clipped sum (tested). Both take a Poisson
+    Embedding parameter or a LoRA adapter, the loop for :data:`LOOP_MODELS` and adapters elsewhere, and hooks
+    otherwise (the module docstring). All compute the same clipped sum (tested). All take a Poisson
     sample larger than ``cfg.batch_size`` in parts of at most that size (the clipped sum adds over examples), so
     memory follows the batch size, not the sample's. ``step_hook(optimizer)``
     is called after the noise of every step is drawn with an object carrying ``noise_multiplier``,
@@ -344,6 +356,9 @@ def _run_class(mode: str, loaded, unsupported: list[str]) -> type:
             mode = "loop"
         else:
             mode = "hooks"
+    if mode == "ghost" and unsupported:
+        raise ConfigError(f"ghost clipping has no layer rule for {unsupported[:4]}; use mode 'auto' (it picks "
+                          f"{'loop' if loop_model or lora else 'hooks'} for this model)")
     if mode == "hooks" and (lora or loop_model):
         what = "LoRA adapters (its Linear grad sampler covers a linear's own weight and bias only)" if lora else (
             f"the {loaded.architecture} architecture (torch's nn.LSTM / EmbeddingBag with per-token weights / "
