@@ -82,7 +82,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
-from fedclinic.spec.capabilities import ALTERNATIVE, REFUSED, SUPPORTED, check_supported  # noqa: F401  (re-exported)
+from fedclinic.spec.capabilities import ALTERNATIVE, LOOP_MODELS, REFUSED, SUPPORTED, check_supported  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -95,10 +95,6 @@ GHOST_FAMILIES = ("text-classification", "feature-classification")
 #: DP-SGD modes: per-example gradients materialised by Opacus' hooks, ghost clipping, each example differentiated
 #: alone (the loop), or the best exact one for the model
 MODES = ("auto", "hooks", "ghost", "loop")
-#: (family, architecture) whose private rounds run the per-example loop under ``auto`` (LSTMs over packed
-#: sequences, EmbeddingBag with per-token weights, a ResNet whose BatchNorm runs in inference mode)
-LOOP_MODELS = (("text-classification", "lstm"), ("text-classification", "logreg"),
-               ("token-classification", "cnn-bilstm-crf"), ("image-text-classification", "resnet-bilstm"))
 #: HF model types whose default position ids are 0..L-1 for right-padded input (see the module docstring)
 ARANGE_POSITIONS = ("bert", "distilbert", "electra", "gpt2", "llama")
 

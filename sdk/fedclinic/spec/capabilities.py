@@ -27,6 +27,12 @@ SUPPORTED = {"text-classification": ("transformer", "lstm", "logreg"), "feature-
 #: fedclinic.privacy.per_example_clipping and a batch norm frozen in inference mode)
 REFUSED: dict[tuple[str, str], str] = {}
 ALTERNATIVE = 'use client-level DP instead (privacy level "client" / strategy "dp-fedavg")'
+#: (family, architecture) whose private rounds run the per-example loop (fedclinic.privacy.per_example_clipping,
+#: picked by DP-SGD's ``auto`` mode): LSTMs over packed sequences, EmbeddingBag with per-token weights, a ResNet
+#: whose BatchNorm runs in inference mode. The loop clips each row as it differentiates it, so it cannot clip a
+#: patient's summed rows: per-patient DP (privacy.unit = "patient") is refused for these models.
+LOOP_MODELS = (("text-classification", "lstm"), ("text-classification", "logreg"),
+               ("token-classification", "cnn-bilstm-crf"), ("image-text-classification", "resnet-bilstm"))
 
 
 def check_supported(family: str, architecture: str) -> None:

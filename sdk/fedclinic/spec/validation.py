@@ -26,7 +26,7 @@ from fedclinic.proto import task_pb2
 from fedclinic.secagg import dp_plan
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.spec import safl_settings as safl
-from fedclinic.spec.capabilities import check_supported
+from fedclinic.spec.capabilities import LOOP_MODELS, check_supported
 from fedclinic.spec.selection import private_names, select_names
 from fedclinic.strategies import Strategy, make_strategy
 from fedclinic.transport import codec_wire, downlink
@@ -184,6 +184,10 @@ def privacy_problems(spec: task_pb2.TaskSpec) -> list[str]:
     if pc.unit not in ("", *PRIVACY_UNITS):
         p.append(f"privacy: unit must be \"example\" (one row) or \"patient\" (all of a patient's rows, for sites "
                  f"whose dataset declares a group_field), got {pc.unit!r}")
+    if pc.unit == "patient" and (spec.family or "text-classification", spec.architecture or "transformer") in LOOP_MODELS:
+        p.append(f"privacy: unit \"patient\" is not available for {spec.family} / {spec.architecture}: its sites clip "
+                 "each row as they differentiate it (no per-layer rule), so a patient's rows cannot be clipped as one; "
+                 "use unit \"example\", or a transformer architecture")
     if spec.strategy == "dp-fedavg":
         p.append('privacy level "sample" already noises at the sites; "dp-fedavg" is for level "client"')
     return p

@@ -166,3 +166,15 @@ def test_privacy_unit_patient_is_a_setting_of_sample_level_dp():
 
     assert any("needs level" in p for p in privacy_problems(task_pb2.TaskSpec(
         privacy=task_pb2.PrivacyConfig(unit="patient"))))
+
+
+def test_privacy_unit_patient_is_refused_for_models_clipped_one_row_at_a_time():
+    """The per-example loop (LSTM, bag-of-tokens, CNN-BiLSTM-CRF, ResNet + BiLSTM) clips each row as it
+    differentiates it: a per-patient task on such a model is refused at submit, naming the architecture."""
+    ok = {"level": "sample", "target_epsilon": 4.0}
+    with pytest.raises(ConfigError, match='unit "patient" is not available for text-classification / lstm'):
+        Task(name="t", dataset="notes", labels=["a", "b"], architecture="lstm", privacy={**ok, "unit": "patient"}
+             ).validate()
+    Task(name="t", dataset="notes", labels=["a", "b"], architecture="lstm", privacy={**ok, "unit": "example"}
+         ).validate()
+    Task(name="t", dataset="notes", labels=["a", "b"], privacy={**ok, "unit": "patient"}).validate()
