@@ -18,7 +18,7 @@ from fedclinic.proto import task_pb2
 
 from hospital_agent.approvals import ApprovalStore, TaskApproval
 from fedclinic.data.text import read_dataset
-from fedclinic.privacy.accounting import plan_task
+from fedclinic.privacy.accounting import plan_for_config
 from fedclinic.runtime.audit_log import AuditLog
 from hospital_agent.config import AgentConfig
 
@@ -59,10 +59,8 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
                             question_field=entry.question_field, answer_field=entry.answer_field,
                             context_field=entry.context_field, image_field=entry.image_field,
                             label_set=list(spec.labels), multi_label=spec.multi_label)
-        plan = plan_task(num_examples=len(rows), batch_size=spec.training.batch_size or 16,
-                         local_epochs=spec.training.local_epochs or 1, rounds=max(1, spec.rounds.num_rounds),
-                         delta=pc.target_delta or 1e-5, accountant=pc.accountant or "rdp",
-                         target_epsilon=pc.target_epsilon or None, noise_multiplier=pc.noise_multiplier or None)
+        plan = plan_for_config(pc, num_examples=len(rows), batch_size=spec.training.batch_size or 16,
+                               local_epochs=spec.training.local_epochs or 1, rounds=spec.rounds.num_rounds)
     except FedclinicError as exc:
         return f"not computable: {exc}"
     budget = ""
