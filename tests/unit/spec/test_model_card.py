@@ -102,8 +102,12 @@ def test_privacy_sections_only_when_set_and_non_finite_metrics_become_null():
                      secure_aggregation=task_pb2.SecureAggregationConfig(enabled=True, threshold=2, min_cohort=3))
     status.rounds[1].metrics["eval_loss"] = float("nan")
     card = build_card(META, model_hash="h2", status=status)
-    assert card["privacy"] == {"level": "client", "target_epsilon": 3.0, "target_delta": 1e-5, "max_grad_norm": 1.0,
-                               "noise_multiplier": 0.8, "accountant": "rdp"}
+    asked = {"level": "client", "target_epsilon": 3.0, "target_delta": 1e-5, "max_grad_norm": 1.0,
+             "noise_multiplier": 0.8, "accountant": "rdp"}
+    assert {k: card["privacy"][k] for k in asked} == asked
+    # every other PrivacyConfig field appears with its (default) value: the sampling settings of DP-SGD
+    assert {k: card["privacy"][k] for k in ("logical_batch_size", "steps_per_round", "sample_rate")} == {
+        "logical_batch_size": 0, "steps_per_round": 0, "sample_rate": 0.0}
     assert card["secure_aggregation"] == {"enabled": True, "threshold": 2, "min_cohort": 3, "clip": 1.0, "bits": 20,
                                           "rounding": "stochastic", "degree": 0, "weighting": "samples",
                                           "weight_cap": 65536, "metric_clip": 100.0}  # what ran: defaults filled in
