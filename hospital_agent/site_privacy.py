@@ -5,8 +5,8 @@ For a task whose spec asks for ``privacy.level = "sample"``:
 
 1. :meth:`SitePrivacy.admit` (before anything is downloaded or trained) plans DP-SGD for the whole task —
    sampling rate ``q = batch_size / n`` (or the privacy section's logical batch / sample rate),
-   ``local_epochs / q`` steps per round (or its ``steps_per_round``; ``plan_for_config``), the noise multiplier that meets
-   the task's ``target_epsilon`` over all its rounds (or the epsilon a given ``noise_multiplier`` spends) —
+   ``local_epochs / q`` steps per round (or its ``steps_per_round``; ``plan_for_config``), the noise multiplier
+   that meets the task's ``target_epsilon`` over all its rounds (or the epsilon a given ``noise_multiplier`` spends) —
    and reserves the planned epsilon in the privacy ledger. A task that would exceed the dataset's budget,
    or that asks for DP-SGD on a model without per-sample gradients, is refused with the reason.
 2. After local training, :meth:`SitePrivacy.charge` adds the round's steps to the task's accountant (restored

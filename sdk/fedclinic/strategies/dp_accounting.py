@@ -34,6 +34,8 @@ from typing import Any
 from fedclinic.errors import ConfigError
 
 ACCOUNTANTS = ("rdp", "prv")
+#: the most noisy steps a task's own sampling rate may imply per round (the bound of privacy.steps_per_round)
+MAX_STEPS_PER_ROUND = 100_000
 
 
 def _check_accountant(kind: str) -> str:
@@ -138,6 +140,9 @@ def plan_task(*, num_examples: int, batch_size: int, local_epochs: int, rounds: 
     _check_accountant(accountant)
     q = float(sample_rate) if sample_rate > 0 else min(1.0, (logical_batch_size or batch_size) / num_examples)
     steps = int(steps_per_round) if steps_per_round > 0 else local_epochs * math.ceil(1.0 / q)
+    if sample_rate > 0 and steps > MAX_STEPS_PER_ROUND:
+        raise ConfigError(f"sample_rate {sample_rate:g} means {steps} steps per round (local_epochs / q); give a "
+                          f"larger sample_rate or steps_per_round (at most {MAX_STEPS_PER_ROUND})")
     if target_epsilon is not None:
         sigma = noise_for_target(target_epsilon, delta, q, steps * rounds, accountant)
     else:

@@ -56,7 +56,7 @@ def test_logical_batch_sets_the_sampling_rate_and_steps():
 
 
 @pytest.mark.parametrize("kw", [dict(sample_rate=1.5), dict(sample_rate=-0.1), dict(logical_batch_size=-1),
-                                dict(steps_per_round=-2)])
+                                dict(steps_per_round=-2), dict(sample_rate=1e-9)])
 def test_bad_sampling_settings_are_refused(kw):
     with pytest.raises(ConfigError, match="sample_rate|logical_batch_size"):
         plan_task(num_examples=72, batch_size=16, local_epochs=1, rounds=5, delta=1e-5, noise_multiplier=2.0, **kw)
