@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test bench bench-secagg campaign protos clean
+.PHONY: install demo test bench bench-secagg bench-dp-utility campaign protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ bench: $(STAMP)
 # 2 cores): docs/results/secure-aggregation.md. `make test` runs its --smoke (tests/integration/test_secagg_round_bench.py).
 bench-secagg: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/secagg_round.py
+
+# What DP leaves of the demo's accuracy with the configurations `fedclinic privacy plan` proposes (issue 18): the
+# classification and NER demos over the real services, non-private and at epsilon 8 and 3 in the same run
+# (about 20 min each on 2 cores): docs/results/privacy.md. `make test` runs its --smoke
+# (tests/integration/test_dp_utility_bench.py).
+bench-dp-utility: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/dp_utility.py
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/dp_utility.py --task ner
 
 # The reliability campaign of issue 16 (fuzz, kills, network faults, disk full, load): under 60 min on 2 cores,
 # writes docs/results/reliability.md. `make test` runs a smoke of each part (tests/campaign/).

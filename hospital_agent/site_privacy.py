@@ -4,8 +4,9 @@ before its update leaves.
 For a task whose spec asks for ``privacy.level = "sample"``:
 
 1. :meth:`SitePrivacy.admit` (before anything is downloaded or trained) plans DP-SGD for the whole task —
-   sampling rate ``q = batch_size / n``, ``local_epochs / q`` steps per round, the noise multiplier that meets
-   the task's ``target_epsilon`` over all its rounds (or the epsilon a given ``noise_multiplier`` spends) —
+   sampling rate ``q = batch_size / n`` (or the privacy section's logical batch / sample rate),
+   ``local_epochs / q`` steps per round (or its ``steps_per_round``; ``plan_for_config``), the noise multiplier
+   that meets the task's ``target_epsilon`` over all its rounds (or the epsilon a given ``noise_multiplier`` spends) —
    and reserves the planned epsilon in the privacy ledger. A task that would exceed the dataset's budget,
    or that asks for DP-SGD on a model without per-sample gradients, is refused with the reason.
 2. After local training, :meth:`SitePrivacy.charge` adds the round's steps to the task's accountant (restored
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedclinic.errors import ConfigError
-from fedclinic.privacy.accounting import TaskAccountant, TaskPlan, plan_task
+from fedclinic.privacy.accounting import TaskAccountant, TaskPlan, plan_for_config
 from fedclinic.privacy.dp_sgd import DPSGD, check_supported
 from fedclinic.proto import agent_pb2, task_pb2
 
@@ -71,10 +72,8 @@ class SitePrivacy:
                                   f"{spec.dataset!r} declares no patient id column at this site; the site admin sets "
                                   f"group_field under [datasets.{spec.dataset}], or the task uses unit \"example\"")
             num_examples = num_patients
-        plan = plan_task(num_examples=num_examples, batch_size=batch_size, local_epochs=local_epochs,
-                         rounds=max(1, spec.rounds.num_rounds), delta=pc.target_delta or 1e-5,
-                         accountant=pc.accountant or "rdp",
-                         target_epsilon=pc.target_epsilon or None, noise_multiplier=pc.noise_multiplier or None)
+        plan = plan_for_config(pc, num_examples=num_examples, batch_size=batch_size, local_epochs=local_epochs,
+                               rounds=spec.rounds.num_rounds)
         self.ledger.admit(spec.dataset, task_id, plan.planned_epsilon, plan.delta,
                           accountant=TaskAccountant(plan.accountant, plan.delta, unit=unit).to_json())
         return PrivatePlan(plan, pc.max_grad_norm or 1.0, unit)

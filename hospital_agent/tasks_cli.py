@@ -19,7 +19,7 @@ from fedclinic.proto import task_pb2
 from hospital_agent.approvals import ApprovalStore, TaskApproval
 from fedclinic.data.patient_ids import patient_ids_for
 from fedclinic.data.text import read_dataset
-from fedclinic.privacy.accounting import plan_task
+from fedclinic.privacy.accounting import plan_for_config
 from fedclinic.runtime.audit_log import AuditLog
 from hospital_agent.config import AgentConfig
 
@@ -68,10 +68,8 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
             units = len(set(patient_ids_for(entry.path, group_field=entry.group_field, format=entry.format,
                                             rows=len(rows))))
             unit = f"local patients ({len(rows)} rows)"
-        plan = plan_task(num_examples=units, batch_size=spec.training.batch_size or 16,
-                         local_epochs=spec.training.local_epochs or 1, rounds=max(1, spec.rounds.num_rounds),
-                         delta=pc.target_delta or 1e-5, accountant=pc.accountant or "rdp",
-                         target_epsilon=pc.target_epsilon or None, noise_multiplier=pc.noise_multiplier or None)
+        plan = plan_for_config(pc, num_examples=units, batch_size=spec.training.batch_size or 16,
+                               local_epochs=spec.training.local_epochs or 1, rounds=spec.rounds.num_rounds)
     except FedclinicError as exc:
         return f"not computable: {exc}"
     budget = ""

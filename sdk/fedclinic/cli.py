@@ -3,6 +3,7 @@
     fedclinic pki init-ca | issue | request | renew | install | revoke | refresh-crl | list
     fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT | verify ID [--json]
     fedclinic demo [--report report.json]
+    fedclinic privacy plan --epsilon E --rows N [--rows N ...] --rounds R [--model FOLDER --labels K]
     fedclinic audit verify FILE [--expect-head SEQ:HASH]
 
 Connection settings for ``task`` commands come from flags or the environment:
@@ -22,6 +23,7 @@ from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
 from fedclinic.pki import add_pki_commands
+from fedclinic.privacy.plan_command import add_privacy_commands
 from fedclinic.runtime.audit_log import add_audit_commands
 from fedclinic.serving.http_server import add_serve_command
 from fedclinic.spec.task import Task
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
 
     add_audit_commands(sub)
+    add_privacy_commands(sub)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
     add_demo_arguments(demo)

@@ -51,10 +51,15 @@ DEMO_DATASET = "drugreviews"
 POOLER = r"bert\.pooler\..*"
 # MiniLM has 6 encoder layers; training the top two plus the pooler and the head keeps a round short on CPU.
 TRAINABLE = [r"classifier\..*", POOLER, r"bert\.encoder\.layer\.[45]\..*"]
+#: --layers head: the classification head only (a linear probe of the frozen encoder; with --pooling mean, of
+#: MiniLM's sentence embedding): the smallest trainable set, the one DP-SGD learns best with (docs/results/privacy.md)
+HEAD_ONLY = [r"classifier\..*"]
 #: --layers all: every encoder layer, the pooler and the head (the embeddings stay frozen)
 ALL_LAYERS = [r"classifier\..*", POOLER, r"bert\.encoder\.layer\.\d+\..*"]
 # NER: the same top layers, the tag head and the CRF (a token classifier has no pooler)
 NER_TRAINABLE = [r"classifier\..*", r"crf\..*", r"bert\.encoder\.layer\.[45]\..*"]
+#: NER --layers head: the tag head and the CRF on the frozen encoder
+NER_HEAD = [r"classifier\..*", r"crf\..*"]
 # QA: SmolLM2's top two decoder layers (of 30) and the final norm; the tied embedding/output matrix stays
 QA_TRAINABLE = [r"model\.layers\.(28|29)\..*", r"model\.norm\..*"]
 QA_QUESTIONS = {"condition": "Which condition is the reviewer treating?",
@@ -92,14 +97,25 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", help="local optimizer (adamw, sgd, ...); DP-SGD learns with "
                    "plain SGD at a large rate, e.g. --optimizer sgd --learning-rate 0.5")
     p.add_argument("--privacy-epsilon", type=float, default=None,
-                   help="classification: train with sample-level DP-SGD at every site, this epsilon (delta 1e-5) for "
-                        "the whole task; each site's dataset gets exactly that budget")
+                   help="classification and ner: train with sample-level DP-SGD at every site, this epsilon (delta "
+                        "1e-5) for the whole task; each site's dataset gets exactly that budget. `fedclinic privacy "
+                        "plan` proposes the settings below")
+    p.add_argument("--privacy-sample-rate", type=float, default=0.0,
+                   help="DP-SGD's Poisson sampling rate q at every site (1 = full-batch DP-GD; default: batch/rows)")
+    p.add_argument("--privacy-logical-batch", type=int, default=0,
+                   help="DP-SGD's expected rows per noisy step (q = this / rows; default: the batch size, 16)")
+    p.add_argument("--privacy-steps", type=int, default=0,
+                   help="DP-SGD's noisy steps per round (default: local epochs / q)")
     p.add_argument("--codec", default="raw", help="how deltas travel (fedclinic.codecs spec): raw, fp16, int8, "
                    "topk:0.01, topk:0.01+int8, ...")
     p.add_argument("--downlink-codec", default="", help="broadcast each round's change of the global model under "
                    "this dense codec (fp16, bf16, int8, int4; default: full tensors)")
-    p.add_argument("--layers", choices=("top2", "all"), default="top2",
-                   help="classification: train the top 2 encoder layers (default) or all 6 (+ pooler and head)")
+    p.add_argument("--layers", choices=("head", "top2", "all"), default="top2",
+                   help="train the head only (a linear probe of the frozen encoder; ner: tag head and CRF), the top 2 "
+                        "encoder layers with it (default) or all 6 (classification; + pooler and head)")
+    p.add_argument("--trainable", action="append", default=[], metavar="PATTERN",
+                   help="train exactly these tensors (regex, full match; repeatable) instead of --layers' set, e.g. "
+                        "the set `fedclinic privacy plan` proposes")
     p.add_argument("--pooling", choices=("cls", "mean"), default="cls",
                    help="classification: the head reads BERT's [CLS] pooler (default) or the mean of the last layer "
                         "over the real tokens, the pooling MiniLM was trained with; a mean-pooled model has no "
@@ -114,6 +130,17 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def _eval_size(n: int) -> int:
+    """Of a site's ``n`` reviews, the first this many are its local evaluation set (a fifth, at least one)."""
+    return max(1, n // 5)
+
+
+def site_training_rows(task: str = "classification", sites: int = 3, seed: int = 0, top_k: int = 5) -> list[int]:
+    """Each site's training rows in the demo (iid split): what its agent plans DP-SGD with."""
+    train = (_ner_data(seed)[1] if task == "ner" else condition_classification(top_k=top_k, seed=seed)[1])
+    return [len(idx) - _eval_size(len(idx)) for idx in iid(len(train), sites, seed)]
 
 
 def _write_jsonl(path: Path, examples) -> None:
@@ -207,6 +234,21 @@ def _export_and_check(model_dir: Path, bundle_dir: Path, test, signing: BundleSi
     return out
 
 
+def _site_plans(task: Task, rows: dict[str, int]) -> dict[str, dict]:
+    """Each site's DP-SGD plan (noise multiplier, sampling rate, steps per round, planned epsilon): the function
+    the agents plan with (:func:`fedclinic.privacy.accounting.plan_for_config`), on their training rows."""
+    from fedclinic.privacy.accounting import plan_for_config
+    from fedclinic.spec.task import privacy_config
+
+    out = {}
+    for name, n in rows.items():
+        plan = plan_for_config(privacy_config(task.privacy), num_examples=n, batch_size=task.batch_size,
+                               local_epochs=task.local_epochs, rounds=task.num_rounds)
+        out[name] = {"rows": n, "noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate,
+                     "steps_per_round": plan.steps_per_round, "planned_epsilon": plan.planned_epsilon}
+    return out
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import os
 
@@ -250,7 +292,7 @@ def run_demo(args: argparse.Namespace) -> int:
     sites = []
     for name, idx in zip(site_names, shards):
         rows = [train[i] for i in idx]
-        n_eval = max(1, len(rows) // 5)
+        n_eval = _eval_size(len(rows))
         site_train[name] = rows[n_eval:]
         _write_jsonl(out / "data" / name / "train.jsonl", rows[n_eval:])
         _write_jsonl(out / "data" / name / "eval.jsonl", rows[:n_eval])
@@ -273,15 +315,21 @@ def run_demo(args: argparse.Namespace) -> int:
         _say(f"  {name}: {len(rows) - n_eval} training {unit}, {n_eval} for local evaluation; {what} "
              + ", ".join(f"{lab} {n}" for lab, n in mix.items()))
 
-    trainable_patterns = {"classification": ALL_LAYERS if args.layers == "all" else TRAINABLE, "ner": NER_TRAINABLE,
-                          "qa": QA_TRAINABLE}[args.task]
-    if (args.safl_top_k or args.lora_rank or args.layers != "top2" or args.pooling != "cls") \
+    trainable_patterns = {"classification": {"all": ALL_LAYERS, "head": HEAD_ONLY}.get(args.layers, TRAINABLE),
+                          "ner": NER_HEAD if args.layers == "head" else NER_TRAINABLE, "qa": QA_TRAINABLE}[args.task]
+    if (args.safl_top_k or args.lora_rank or args.layers == "all" or args.pooling != "cls") \
             and args.task != "classification":
-        raise SystemExit("--layers, --pooling, --safl-top-k and --lora-rank apply to the classification demo")
+        raise SystemExit("--layers all, --pooling, --safl-top-k and --lora-rank apply to the classification demo")
+    if args.layers == "head" and args.task == "qa":
+        raise SystemExit("--layers head applies to the classification and ner demos")
     mean_pooled = args.task == "classification" and args.pooling == "mean"
     model_config = {"pooling": "mean"} if mean_pooled else {}
     if mean_pooled:
         trainable_patterns = [p for p in trainable_patterns if p != POOLER]
+    if args.trainable:
+        if args.lora_rank or args.safl_top_k:
+            raise SystemExit("--trainable replaces --layers; it does not combine with --lora-rank or --safl-top-k")
+        trainable_patterns = list(args.trainable)
     if args.safl_top_k and args.lora_rank:
         raise SystemExit("choose one of --safl-top-k and --lora-rank")
     family = {"ner": dict(family="token-classification", architecture="transformer-crf"),
@@ -303,11 +351,12 @@ def run_demo(args: argparse.Namespace) -> int:
     batch_size = 8 if qa else 16
     privacy = {}
     if args.privacy_epsilon is not None:
-        if args.task != "classification":
-            raise SystemExit("--privacy-epsilon applies to the classification demo (DP-SGD needs per-example "
-                             "gradients; see fedclinic.privacy.dp_sgd)")
+        if args.task == "qa":
+            raise SystemExit("--privacy-epsilon applies to the classification and ner demos (a 135 M-parameter "
+                             "generator's per-example gradients do not fit this demo's CPU budget)")
         privacy = {"level": "sample", "target_epsilon": args.privacy_epsilon, "target_delta": DP_DELTA,
-                   "max_grad_norm": 1.0}
+                   "max_grad_norm": 1.0, "sample_rate": args.privacy_sample_rate,
+                   "logical_batch_size": args.privacy_logical_batch, "steps_per_round": args.privacy_steps}
     task = Task(privacy=privacy, name=f"drug-review-{args.task}", dataset=DEMO_DATASET, labels=labels, model=str(model_dir),
                 model_config=model_config,
                 num_rounds=args.rounds, min_sites=args.sites, local_epochs=args.local_epochs, batch_size=batch_size,
@@ -322,9 +371,10 @@ def run_demo(args: argparse.Namespace) -> int:
         with fed.client() as client:
             status = client.submit(task, package=package)
             model_name = {"classification": "MiniLM-L6", "ner": "MiniLM-L6 + CRF", "qa": "SmolLM2-135M"}[args.task]
-            trained = (f"LoRA r={args.lora_rank} adapters and the head" if args.lora_rank else
+            trained = (f"the tensors of {', '.join(args.trainable)}" if args.trainable else
+                       f"LoRA r={args.lora_rank} adapters and the head" if args.lora_rank else
                        f"attention-selected top {args.safl_top_k} layers per site" if args.safl_top_k else
-                       "all 6 layers" if args.layers == "all" else "top 2 layers")
+                       {"all": "all 6 layers", "head": "the head only"}.get(args.layers, "top 2 layers"))
             _say(f"task {status.task_id} submitted: {model_name}, {args.rounds} rounds, {trained} trained, "
                  f"codec {args.codec}" + (f", downlink {args.downlink_codec}" if args.downlink_codec else ""))
             final = client.wait(status.task_id, progress=True, out=sys.stdout)
@@ -402,7 +452,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if privacy:
         spent = last.get("dp_epsilon")
         report["privacy"] = {"level": "sample", "target_epsilon": args.privacy_epsilon, "delta": DP_DELTA,
-                             "epsilon_spent": spent, "max_grad_norm": privacy["max_grad_norm"]}
+                             "epsilon_spent": spent, "max_grad_norm": privacy["max_grad_norm"],
+                             "site_plans": _site_plans(task, {n: len(r) for n, r in site_train.items()})}
         _say(f"privacy: DP-SGD at every site, epsilon {spent:.3f} of {args.privacy_epsilon} spent (delta {DP_DELTA}); "
              "the baselines above are not private")
     onnx_report = None

@@ -72,7 +72,8 @@ class SimulationResult:
 @dataclass(frozen=True)
 class SampleDP:
     """Sample-level DP-SGD for every simulated site, planned per site as an agent plans it
-    (:func:`fedclinic.privacy.accounting.plan_task` over the task's rounds): ``q = batch_size / n_i``,
+    (:func:`fedclinic.privacy.accounting.plan_task` over the task's rounds): ``q = batch_size / n_i`` (or the
+    logical batch / fixed rate below),
     ``local_epochs * ceil(1/q)`` steps per round, and the noise multiplier given or the one that meets
     ``target_epsilon`` at ``delta``; ``max_grad_norm`` is the per-example clip C."""
 
@@ -81,6 +82,11 @@ class SampleDP:
     target_epsilon: float | None = None
     delta: float = 1e-5
     accountant: str = "rdp"
+    #: the logical batch, fixed sampling rate and steps per round of the task's [privacy] section (0 = default;
+    #: :func:`fedclinic.strategies.dp_accounting.plan_task`)
+    logical_batch_size: int = 0
+    sample_rate: float = 0.0
+    steps_per_round: int = 0
     #: seed of DP-SGD's sampler and noise at every site and round (None: drawn from the OS, as at a site); a
     #: simulation protects nothing, so a fixed value only makes a private run reproducible
     entropy: int | None = None
@@ -97,7 +103,9 @@ class SampleDP:
 
         plan = plan_task(num_examples=num_examples, batch_size=train.batch_size, local_epochs=train.local_epochs,
                          rounds=rounds, delta=self.delta, accountant=self.accountant,
-                         target_epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier)
+                         target_epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier,
+                         logical_batch_size=self.logical_batch_size, sample_rate=self.sample_rate,
+                         steps_per_round=self.steps_per_round)
         return DPSGD(plan.noise_multiplier, self.max_grad_norm, plan.sample_rate, plan.steps_per_round)
 
 

@@ -13,7 +13,9 @@ from fedclinic.strategies.dp_accounting import (
     TaskPlan,
     epsilon_of,
     noise_for_target,
+    plan_for_config,
     plan_task,
 )
 
-__all__ = ["ACCOUNTANTS", "TaskAccountant", "TaskPlan", "epsilon_of", "noise_for_target", "plan_task"]
+__all__ = ["ACCOUNTANTS", "TaskAccountant", "TaskPlan", "epsilon_of", "noise_for_target", "plan_for_config",
+           "plan_task"]

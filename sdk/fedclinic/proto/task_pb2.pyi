@@ -94,7 +94,7 @@ class UpdateConfig(_message.Message):
     def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., codec: _Optional[str] = ..., trainable_patterns: _Optional[_Iterable[str]] = ..., frozen_patterns: _Optional[_Iterable[str]] = ..., private_patterns: _Optional[_Iterable[str]] = ..., select_top_k_layers: _Optional[int] = ..., selection: _Optional[str] = ..., safl_profile_samples: _Optional[int] = ..., safl_token: _Optional[str] = ..., downlink_codec: _Optional[str] = ...) -> None: ...
 
 class PrivacyConfig(_message.Message):
-    __slots__ = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit", "mechanism", "scale", "rounding_beta")
+    __slots__ = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit", "mechanism", "scale", "rounding_beta", "logical_batch_size", "steps_per_round", "sample_rate")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
     TARGET_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class PrivacyConfig(_message.Message):
     MECHANISM_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     ROUNDING_BETA_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     level: str
     target_epsilon: float
     target_delta: float
@@ -115,7 +118,10 @@ class PrivacyConfig(_message.Message):
     mechanism: str
     scale: float
     rounding_beta: float
-    def __init__(self, level: _Optional[str] = ..., target_epsilon: _Optional[float] = ..., target_delta: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., accountant: _Optional[str] = ..., unit: _Optional[str] = ..., mechanism: _Optional[str] = ..., scale: _Optional[float] = ..., rounding_beta: _Optional[float] = ...) -> None: ...
+    logical_batch_size: int
+    steps_per_round: int
+    sample_rate: float
+    def __init__(self, level: _Optional[str] = ..., target_epsilon: _Optional[float] = ..., target_delta: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., accountant: _Optional[str] = ..., unit: _Optional[str] = ..., mechanism: _Optional[str] = ..., scale: _Optional[float] = ..., rounding_beta: _Optional[float] = ..., logical_batch_size: _Optional[int] = ..., steps_per_round: _Optional[int] = ..., sample_rate: _Optional[float] = ...) -> None: ...
 
 class SecureAggregationConfig(_message.Message):
     __slots__ = ("enabled", "threshold", "min_cohort", "clip", "bits", "rounding", "degree", "weighting", "weight_cap", "metric_clip")

@@ -314,7 +314,7 @@ class Task:
 
 
 PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit",
-                "mechanism", "scale", "rounding_beta")
+                "mechanism", "scale", "rounding_beta", "logical_batch_size", "steps_per_round", "sample_rate")
 
 
 def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
@@ -328,6 +328,13 @@ def privacy_input_problems(privacy: dict[str, Any]) -> list[str]:
             p.append(f"privacy: {key} must be a positive number, got {v!r}")
     if "target_delta" in privacy and not _is_number(privacy["target_delta"]):
         p.append(f"privacy: target_delta must be a number in (0, 1), e.g. 1e-5, got {privacy['target_delta']!r}")
+    for key in ("logical_batch_size", "steps_per_round"):
+        v = privacy.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            p.append(f"privacy: {key} must be a whole number >= 0 (0 = the default), got {v!r}")
+    if "sample_rate" in privacy and not (_is_number(privacy["sample_rate"]) and 0 <= privacy["sample_rate"] <= 1):
+        p.append(f"privacy: sample_rate must be a number in [0, 1] (1 = full-batch DP-GD, 0 = from the logical "
+                 f"batch), got {privacy['sample_rate']!r}")
     if not privacy.get("level"):
         p.append('privacy: level is missing; set level = "sample" (DP-SGD at each site), "client" or "distributed"')
     for key in ("level", "accountant", "unit", "mechanism"):
@@ -383,7 +390,10 @@ def privacy_config(privacy: dict[str, Any]) -> task_pb2.PrivacyConfig:
                                   accountant=str(privacy.get("accountant", "rdp")),
                                   mechanism=str(privacy.get("mechanism", "")),
                                   scale=float(privacy.get("scale") or 0.0),
-                                  rounding_beta=float(privacy.get("rounding_beta") or 0.0))
+                                  rounding_beta=float(privacy.get("rounding_beta") or 0.0),
+                                  logical_batch_size=int(privacy.get("logical_batch_size") or 0),
+                                  steps_per_round=int(privacy.get("steps_per_round") or 0),
+                                  sample_rate=float(privacy.get("sample_rate") or 0.0))
 
 
 def _secure_aggregation_config(doc: dict[str, Any]) -> task_pb2.SecureAggregationConfig:

@@ -34,6 +34,8 @@ from typing import Any
 from fedclinic.errors import ConfigError
 
 ACCOUNTANTS = ("rdp", "prv")
+#: the most noisy steps a task's own sampling rate may imply per round (the bound of privacy.steps_per_round)
+MAX_STEPS_PER_ROUND = 100_000
 
 
 def _check_accountant(kind: str) -> str:
@@ -138,20 +140,32 @@ class TaskPlan:
 
 def plan_task(*, num_examples: int, batch_size: int, local_epochs: int, rounds: int, delta: float,
               accountant: str = "rdp", target_epsilon: float | None = None,
-              noise_multiplier: float | None = None) -> TaskPlan:
-    """Plan DP-SGD for a task: ``q = batch_size / num_examples``, ``local_epochs * ceil(1/q)`` steps per round
-    (one expected pass per epoch), and either the noise for ``target_epsilon`` over all rounds or the epsilon
-    a given ``noise_multiplier`` spends. Exactly one of the two must be given. ``num_examples`` counts the privacy
-    units: rows, or patients for a per-patient task (then ``batch_size`` is the expected patients per step)."""
+              noise_multiplier: float | None = None, logical_batch_size: int = 0, sample_rate: float = 0.0,
+              steps_per_round: int = 0) -> TaskPlan:
+    """Plan DP-SGD for a task and either the noise for ``target_epsilon`` over all rounds or the epsilon a given
+    ``noise_multiplier`` spends. Exactly one of the two must be given.
+
+    Sampling rate: ``sample_rate`` when given (1 = full-batch DP-GD: every row in every step), else
+    ``q = min(1, L / num_examples)`` with the logical batch ``L = logical_batch_size or batch_size`` (the
+    physical ``batch_size`` only bounds how many rows DP-SGD processes at once, :mod:`fedclinic.privacy.dp_sgd`).
+    Steps per round: ``steps_per_round`` when given, else ``local_epochs * ceil(1/q)`` (one expected pass per
+    epoch). ``num_examples`` counts the privacy units: rows, or patients for a per-patient task (then the batch
+    sizes count expected patients per step)."""
     if num_examples <= 0:
         raise ConfigError("the dataset is empty; nothing can be trained privately")
     if batch_size <= 0 or local_epochs <= 0 or rounds <= 0:
         raise ConfigError("batch_size, local_epochs and rounds must be positive for a private task")
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ConfigError("give either target_epsilon or noise_multiplier for a private task, not both or neither")
+    if logical_batch_size < 0 or steps_per_round < 0 or not (0.0 <= sample_rate <= 1.0):
+        raise ConfigError(f"logical_batch_size and steps_per_round must be >= 0 and sample_rate in [0, 1] (0 = the "
+                          f"default), got {logical_batch_size}, {steps_per_round}, {sample_rate}")
     _check_accountant(accountant)
-    q = min(1.0, batch_size / num_examples)
-    steps = local_epochs * math.ceil(1.0 / q)
+    q = float(sample_rate) if sample_rate > 0 else min(1.0, (logical_batch_size or batch_size) / num_examples)
+    steps = int(steps_per_round) if steps_per_round > 0 else local_epochs * math.ceil(1.0 / q)
+    if sample_rate > 0 and steps > MAX_STEPS_PER_ROUND:
+        raise ConfigError(f"sample_rate {sample_rate:g} means {steps} steps per round (local_epochs / q); give a "
+                          f"larger sample_rate or steps_per_round (at most {MAX_STEPS_PER_ROUND})")
     if target_epsilon is not None:
         sigma = noise_for_target(target_epsilon, delta, q, steps * rounds, accountant)
     else:
@@ -160,6 +174,18 @@ def plan_task(*, num_examples: int, batch_size: int, local_epochs: int, rounds: 
             raise ConfigError(f"noise_multiplier must be positive, got {noise_multiplier}")
     eps = epsilon_of([(sigma, q, steps * rounds)], delta, accountant)
     return TaskPlan(sigma, q, steps, rounds, delta, accountant, eps)
+
+
+def plan_for_config(privacy: Any, *, num_examples: int, batch_size: int, local_epochs: int,
+                    rounds: int) -> TaskPlan:
+    """:func:`plan_task` for a task's ``PrivacyConfig`` (level "sample") at a site with ``num_examples`` rows: the
+    one plan every site, ``fedclinic privacy plan`` and the simulator compute, so all show the same epsilon."""
+    return plan_task(num_examples=num_examples, batch_size=batch_size, local_epochs=local_epochs,
+                     rounds=max(1, rounds), delta=privacy.target_delta or 1e-5,
+                     accountant=privacy.accountant or "rdp", target_epsilon=privacy.target_epsilon or None,
+                     noise_multiplier=privacy.noise_multiplier or None,
+                     logical_batch_size=privacy.logical_batch_size, sample_rate=privacy.sample_rate,
+                     steps_per_round=privacy.steps_per_round)
 
 
 @dataclass
