@@ -62,3 +62,16 @@ def keep_aggregator_address(fed: LocalFederation) -> None:
     restore) it comes back where the agents reconnect."""
     port = fed.address.rsplit(":", 1)[1]
     fed.aggregator_settings["listen"] = f"127.0.0.1:{port}"
+
+
+def streams_open(fed: LocalFederation) -> set[str]:
+    """The sites whose work stream the aggregator has logged as opened (read from its JSON log)."""
+    sites = set()
+    for line in fed.log_text("aggregator").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("event") == "work stream opened":
+            sites.add(entry.get("site"))
+    return sites

@@ -25,6 +25,7 @@ from fedclinic.federation.local_federation import wait_until
 from fedclinic.secagg import dp_plan
 from fedclinic.secagg.task_config import floor_of
 
+from tests.helpers.federation import streams_open
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -32,17 +33,6 @@ pytestmark = pytest.mark.integration
 
 TARGET = 8.0
 
-
-def _streams_open(fed) -> set[str]:
-    sites = set()
-    for line in fed.log_text("aggregator").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("event") == "work stream opened":
-            sites.add(entry.get("site"))
-    return sites
 
 
 def test_a_crashed_site_leaves_the_survivors_noise_of_the_planned_variance_and_the_accountants_epsilon(
@@ -55,7 +45,7 @@ def test_a_crashed_site_leaves_the_survivors_noise_of_the_planned_variance_and_t
     monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "agent.secagg.before-masked-input")
     doomed = fed.start_agent("site-d")  # joins the session, shares keys, then dies before its masked input
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
-    wait_until(lambda: len(_streams_open(fed)) == 4, 120, "four agents' work streams")
+    wait_until(lambda: len(streams_open(fed)) == 4, 120, "four agents' work streams")
     task = make_task(architecture="lstm", num_rounds=2, min_sites=3, round_timeout_s=60, local_epochs=1,
                      learning_rate=1e-6, seed=1, secure_aggregation={"enabled": True, "weighting": "uniform"},
                      privacy={"level": "distributed", "target_epsilon": TARGET, "target_delta": 1e-5,

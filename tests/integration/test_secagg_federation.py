@@ -4,7 +4,6 @@ under the masks, issue 17), within the quantizer's documented bound. Tasks the p
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -15,7 +14,7 @@ from fedclinic.errors import ConfigError, FedclinicError
 from fedclinic.federation.local_federation import wait_until
 from fedclinic.spec.task import Task
 
-from tests.helpers.federation import keep_aggregator_address
+from tests.helpers.federation import keep_aggregator_address, streams_open
 from tests.helpers.replay import replay_site
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import make_examples, tiny_package
@@ -34,17 +33,6 @@ def _secure_task(**kw) -> Task:
     args.update(kw)
     return make_task(**args)
 
-
-def _streams_open(fed) -> set[str]:
-    sites = set()
-    for line in fed.log_text("aggregator").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("event") == "work stream opened":
-            sites.add(entry.get("site"))
-    return sites
 
 
 def _events(client, task_id) -> list[str]:
@@ -70,7 +58,7 @@ def test_secure_round_survives_a_killed_site_and_equals_weighted_fedavg_of_survi
     monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "agent.secagg.before-masked-input")
     doomed = fed.start_agent("site-e")  # advertises and shares keys, then dies before its masked input
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
-    wait_until(lambda: len(_streams_open(fed)) == 5, 120, "five agents' work streams")
+    wait_until(lambda: len(streams_open(fed)) == 5, 120, "five agents' work streams")
     package = tiny_package("logreg")
     with fed.client() as client:
         started = time.monotonic()
@@ -120,7 +108,7 @@ def test_an_aggregator_restart_mid_session_rekeys_the_round(federation_factory, 
     keep_aggregator_address(fed)  # agents reconnect to the same address
     for site in fed.sites:
         fed.start_agent(site)
-    wait_until(lambda: len(_streams_open(fed)) == 4, 120, "four agents' work streams")
+    wait_until(lambda: len(streams_open(fed)) == 4, 120, "four agents' work streams")
     package = tiny_package("logreg")
     with fed.client() as client:
         st = client.submit(_secure_task(min_sites=3), package=package)
@@ -156,7 +144,7 @@ def test_a_site_whose_policy_refuses_the_session_declines_with_the_reason(tmp_pa
         sites.append(SiteSetup(name, datasets={"notes": {"path": str(path), "format": "jsonl"}}, policy=policy))
     with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
         fed.start()
-        wait_until(lambda: len(_streams_open(fed)) == 4, 120, "four agents' work streams")
+        wait_until(lambda: len(streams_open(fed)) == 4, 120, "four agents' work streams")
         with fed.client() as client:
             st = client.submit(_secure_task(min_sites=3), package=tiny_package("logreg"))
             final = client.wait(st.task_id, timeout=300, progress=False)
