@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", choices=("classification", "ner"), default="classification")
     ap.add_argument("--epsilons", default="8,3", help="target epsilons, comma-separated (default: %(default)s)")
     ap.add_argument("--max-passes", type=int, default=None, help="the planner's compute cap for full batches (passes "
-                    "over the rows per epoch; default: none for classification, 2 for ner)")
+                    "over the rows per epoch; default: none for classification, 5 for ner)")
     ap.add_argument("--smoke", action="store_true", help="tiny transformer over the real services (seconds)")
     ap.add_argument("--out", type=Path, help="working folder (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dp-utility-") as tmp:
         out = args.out or Path(tmp)
         results = run_smoke(epsilons, out) if args.smoke else run_full(
-            args.task, epsilons, out, args.max_passes if args.max_passes is not None else 2 if args.task == "ner" else 0)
+            args.task, epsilons, out, args.max_passes if args.max_passes is not None else 5 if args.task == "ner" else 0)
     what = "strict F1" if results["task"] == "ner" else "accuracy"
     print(f"\n| run | configuration | sigma (per site) | q | steps/round | epsilon spent | {what} |")
     print("|---|---|---|---|---|---|---|")
