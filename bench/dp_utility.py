@@ -135,7 +135,8 @@ def run_full(task: str, epsilons: list[float], out: Path, max_passes: int = 0) -
 
 
 def run_smoke(epsilons: list[float], out: Path) -> dict[str, Any]:
-    """The same comparison over the real services with the tests' tiny transformer (3 sites, 2 rounds)."""
+    """The same comparison over the real services with the tests' tiny transformer (3 sites, 1 round each: a
+    smoke of the wiring for `make test`, not a measurement)."""
     from fedclinic.client import state_name
     from fedclinic.federation.local_federation import LocalFederation, SiteSetup
     from fedclinic.models import build_model
@@ -170,11 +171,11 @@ def run_smoke(epsilons: list[float], out: Path) -> dict[str, Any]:
                 results["last_dp_epsilon"] = final.rounds[-1].metrics.get("dp_epsilon")
                 return training.evaluate(loaded, training.encode(test, loaded, max_length=16))["accuracy"]
 
-            common = dict(architecture="transformer", num_rounds=2, local_epochs=1, batch_size=8, round_timeout_s=120)
+            common = dict(architecture="transformer", num_rounds=1, local_epochs=1, batch_size=8, round_timeout_s=120)
             results["runs"]["nonprivate"] = {"figure": accuracy(make_task(**common, trainable=[r"(?!.*embeddings).*"],
                                                                           learning_rate=0.05)), "config": "all, sgd"}
             for eps in epsilons:
-                best = _planner(rows, eps, 2, 1, 8, sets).propose()
+                best = _planner(rows, eps, 1, 1, 8, sets).propose()
                 optimizer, lr = SUGGESTED_OPTIMIZER[best.trainable.kind]
                 fig = accuracy(make_task(**common, trainable=list(best.trainable.patterns), optimizer=optimizer,
                                          learning_rate=lr, privacy=best.privacy))
