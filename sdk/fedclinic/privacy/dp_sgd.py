@@ -13,10 +13,15 @@ an observer that the sample was empty, an event whose probability depends on the
 (:mod:`fedclinic.privacy.accounting`) charges ``(sigma, q, steps)`` per round.
 
 Randomness: dropout is seeded from ``cfg.seed`` (the site round's seed) in a forked RNG, as in
-:func:`fedclinic.training.trainer.train_local`. The Poisson sampling and the Gaussian noise come from a generator seeded
-from the operating system's entropy every round, never from the task's seed (the data scientist knows that seed; noise they
-could regenerate would protect nothing). It is torch's Mersenne-Twister generator, not a cryptographic one:
-Opacus' ``secure_mode`` needs torchcsprng, which is not installed; SECURITY.md states the gap.
+:func:`fedclinic.training.trainer.train_local`. The Poisson sampling and the Gaussian noise -- both part of the
+privacy analysis -- come from fedclinic's CSPRNG, never from the task's seed (the data scientist knows that
+seed; noise they could regenerate would protect nothing): two ChaCha20 keystreams
+(:class:`~fedclinic.strategies.secure_random.SecureRandom`) keyed from ``os.urandom`` afresh every round, one for
+the sampling (example kept iff a 53-bit uniform is below ``q``) and one for the noise
+(:class:`~fedclinic.privacy.tensor_noise.TensorNoise`: the polar method in float64, rounded once to float32; see
+:mod:`fedclinic.strategies.secure_gaussian` for what that does against floating-point attacks). The ghost path
+adds that noise itself; the hooks path uses :class:`~fedclinic.privacy.secure_dp_optimizer.SecureDPOptimizer`,
+Opacus' DPOptimizer with only its noise draw replaced.
 
 Which models
 ------------
@@ -58,7 +63,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import secrets
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection
@@ -69,6 +73,7 @@ from fedclinic.spec.capabilities import ALTERNATIVE, REFUSED, SUPPORTED, check_s
 if TYPE_CHECKING:
     import torch
 
+    from fedclinic.privacy.tensor_noise import SecureRandom, TensorNoise
     from fedclinic.training.trainer import TrainConfig, TrainResult
 
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
@@ -160,9 +165,9 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     memory follows the batch size, not the sample's. ``step_hook(optimizer)``
     is called after the noise of every step is drawn with an object carrying ``noise_multiplier``,
     ``max_grad_norm``, ``expected_batch_size`` and ``accumulated_iterations`` (Opacus' accountant hook fits: the
-    caller can account what actually ran). ``entropy`` seeds the Poisson sampler and the noise; None (the default,
-    and what every site runs) draws 63 bits from the operating system (``secrets``); a test gives a value to replay
-    a round bit for bit."""
+    caller can account what actually ran). ``entropy`` keys the Poisson sampler's and the noise's keystreams; None
+    (the default, and what every site runs) keys them from the operating system (``os.urandom``); a test gives an
+    integer to replay a round bit for bit (:func:`~fedclinic.strategies.secure_gaussian.replay_key`)."""
     if mode not in ("auto", "hooks", "ghost"):
         raise ConfigError(f"DP-SGD mode must be auto, hooks or ghost, got {mode!r}")
     if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
@@ -171,6 +176,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
                           "this task")
     # lazy: torch and opacus load when a private round runs (the agent and the simulator import this module to
     # plan budgets, which needs neither)
+    import numpy as np
     import torch
 
     from fedclinic.training.optimizers import make_optimizer
@@ -198,9 +204,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     train_params = [p for _, p in named_train]
     for name, p in module.named_parameters():
         p.requires_grad_(name in wanted)
-    seed = secrets.randbits(63) if entropy is None else int(entropy)
-    sampler = torch.Generator().manual_seed(seed)
-    noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
+    sampler, noise = _randomness(entropy)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * n)))
     ghost = mode == "ghost" or (mode == "auto" and loaded.family in GHOST_FAMILIES
@@ -216,7 +220,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
                                                        optimizer, noisy, noise, step_hook)
             module.train()
             for step in range(1, dp.steps + 1):
-                idx = (torch.rand(n, generator=sampler) < dp.sample_rate).nonzero().flatten()
+                idx = torch.from_numpy(np.flatnonzero(sampler.uniform(n) < dp.sample_rate))
                 loss_sum += run.step(idx)
                 seen += len(idx)
                 if progress is not None:
@@ -236,6 +240,16 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     return TrainResult(num_samples=n, steps=dp.steps, loss=loss_sum / max(seen, 1))
 
 
+def _randomness(entropy: int | None) -> tuple["SecureRandom", "TensorNoise"]:
+    """The round's Poisson sampler (a :class:`SecureRandom`) and Gaussian noise (a :class:`TensorNoise`): keyed
+    from the OS, or replayed from a test's ``entropy``."""
+    from fedclinic.privacy.tensor_noise import SecureRandom, TensorNoise, replay_key  # lazy: torch
+
+    if entropy is None:
+        return SecureRandom(), TensorNoise()
+    return SecureRandom(replay_key(entropy, "dp-sgd sampler")), TensorNoise.replay(entropy, "dp-sgd noise")
+
+
 @dataclass(frozen=True)
 class NoisyStep:
     """What a step hook is shown of a ghost-clipping step: the attributes Opacus' accountant hook reads."""
@@ -248,7 +262,8 @@ class NoisyStep:
 
 class _GhostRun:
     """DP-SGD steps with :class:`~fedclinic.privacy.ghost.GhostClipping`: ``p.grad = (S + N(0, (sigma C)^2 I)) /
-    (q n)`` per trained tensor (noise drawn one tensor at a time), then the optimizer's step. ``S`` adds over
+    (q n)`` per trained tensor (noise from the CSPRNG, :class:`~fedclinic.privacy.tensor_noise.TensorNoise`, drawn
+    one tensor at a time), then the optimizer's step. ``S`` adds over
     examples, so the Poisson sample is processed in parts of at most the task's batch size: a sample larger than
     expected costs time, not memory beyond what non-private training at that batch size needs."""
 
@@ -266,8 +281,6 @@ class _GhostRun:
     def step(self, idx: "torch.Tensor") -> float:
         """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step, as the accountant assumes);
         returns the sample's summed loss."""
-        import torch
-
         self.optimizer.zero_grad(set_to_none=True)  # p.grad must hold only this step's clipped sum and noise
         total = 0.0
         for part in idx.split(self.part_size) if len(idx) else ():
@@ -279,7 +292,7 @@ class _GhostRun:
             del losses
         std = self.noisy.noise_multiplier * self.noisy.max_grad_norm
         for p in self.params:
-            noise = torch.empty_like(p).normal_(0.0, std, generator=self.noise)
+            noise = self.noise.like(p, std)
             p.grad = noise if p.grad is None else p.grad.add_(noise)
             p.grad.div_(self.noisy.expected_batch_size)
         if self.step_hook is not None:
@@ -304,17 +317,17 @@ class _OpacusRun:
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
                  noise, step_hook) -> None:
         from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
 
         from fedclinic.privacy.per_example import PerExampleObjective  # lazy: torch (see train_local_private)
+        from fedclinic.privacy.secure_dp_optimizer import SecureDPOptimizer
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Opacus' notes about secure_mode and full backward hooks
             self.gsm = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
-            self.optimizer = DPOptimizer(optimizer, noise_multiplier=noisy.noise_multiplier,
-                                         max_grad_norm=noisy.max_grad_norm,
-                                         expected_batch_size=noisy.expected_batch_size, loss_reduction="mean",
-                                         generator=noise)
+            self.optimizer = SecureDPOptimizer(optimizer, noise_multiplier=noisy.noise_multiplier,
+                                               max_grad_norm=noisy.max_grad_norm,
+                                               expected_batch_size=noisy.expected_batch_size, loss_reduction="mean",
+                                               noise=noise)
         if step_hook is not None:
             self.optimizer.attach_step_hook(step_hook)
         self.data, self.device, self.params, self.part_size = data, device, params, max(1, part_size)
