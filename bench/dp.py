@@ -16,6 +16,14 @@ Modes:
     noise.
 ``dp-hooks``
     the same with Opacus' per-example gradient hooks (one gradient per example and tensor in memory).
+``dp-mt`` (time only)
+    ``dp`` with the noise fedclinic drew before issue 18: torch's Mersenne-Twister ``normal_`` seeded from
+    ``secrets`` (:class:`MersenneNoise`, swapped in for the round's noise source), so the cost of the CSPRNG noise
+    (:class:`fedclinic.privacy.tensor_noise.TensorNoise`: ChaCha20 keystream, polar method in float64) is measured
+    against it in the same process. The Poisson sampling stays on the CSPRNG in both (160 uniforms a step).
+
+Noise draw: seconds to draw one step's noise for every trained tensor (the demo's 3.7 M parameters) with each
+source, median of 15 alternating draws, in the timing child.
 
 ``--lora-rank R``: the model gets LoRA adapters of rank R (alpha 2R) on every attention query and value, and
 only the adapters, the pooler and the head train (the demo's ``--lora-rank``); ``dp`` is then ghost clipping
@@ -35,7 +43,9 @@ it), so a change in the machine's load between rounds cancels; the per-round sec
 load average before and after. On a shared machine the seconds move with other work; DP rounds also vary
 with their Poisson samples (160 examples per round on average, standard deviation about 12).
 
-Target (issue #5): DP-SGD <= 1.5x the (wall) time and <= 1.2x the peak memory of non-private training.
+Target (issue #5, and issue 18 with the CSPRNG noise): DP-SGD <= 1.5x the (wall) time and <= 1.2x the peak
+memory of non-private training. ``secure_noise_time_ratio`` is the median over rounds of a ``dp`` round over the
+``dp-mt`` round next to it.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import time
 TRAINABLE = [r"classifier\..*", r"bert\.pooler\..*", r"bert\.encoder\.layer\.[45]\..*"]
 BATCH = 16
 MODES = ("plain", "dp", "dp-hooks")
+TIMED = ("plain", "dp", "dp-mt", "dp-hooks")
 
 
 def _rss_mb() -> float:
@@ -63,6 +74,29 @@ def _rss_mb() -> float:
     return float("nan")
 
 
+class MersenneNoise:
+    """The noise source before issue 18: torch's Mersenne Twister, seeded from ``secrets`` once per round (the
+    interface of :class:`fedclinic.privacy.tensor_noise.TensorNoise` that DP-SGD uses)."""
+
+    def __init__(self) -> None:
+        import secrets
+
+        import torch
+
+        self.generator = torch.Generator().manual_seed(secrets.randbits(63))
+
+    def like(self, reference, std: float):
+        import torch
+
+        return torch.empty_like(reference).normal_(0.0, std, generator=self.generator)
+
+
+def _mersenne_randomness(entropy):
+    from fedclinic.privacy.tensor_noise import SecureRandom
+
+    return SecureRandom(), MersenneNoise()
+
+
 def _setup(examples: int, all_layers: bool, threads: int, lora_rank: int = 0):
     import torch
 
@@ -70,6 +104,7 @@ def _setup(examples: int, all_layers: bool, threads: int, lora_rank: int = 0):
     from fedclinic.training import trainer as training
     from fedclinic.assets.drugreview import condition_classification, minilm_path
     from fedclinic.models import build_model, lora, package_pretrained
+    from fedclinic.privacy import dp_sgd
     from fedclinic.privacy.dp_sgd import DPSGD, train_local_private
 
     labels, train, _ = condition_classification(top_k=5, seed=0)
@@ -88,16 +123,39 @@ def _setup(examples: int, all_layers: bool, threads: int, lora_rank: int = 0):
 
     def run(mode: str) -> tuple[float, float]:
         """(wall seconds, process CPU seconds) of one round of ``mode``."""
+        secure = dp_sgd._randomness
+        if mode == "dp-mt":
+            dp_sgd._randomness = _mersenne_randomness
         t0, c0 = time.perf_counter(), time.process_time()
-        if mode.startswith("dp"):
-            per_example = "loop" if lora_rank else "hooks"  # Opacus' hooks do not cover adapters
-            train_local_private(loaded, data, cfg, dp, trainable=names,
-                                mode=per_example if mode == "dp-hooks" else "auto")
-        else:
-            training.train_local(loaded, data, cfg, trainable=names)
-        return time.perf_counter() - t0, time.process_time() - c0
+        try:
+            if mode.startswith("dp"):
+                per_example = "loop" if lora_rank else "hooks"  # Opacus' hooks do not cover adapters
+                train_local_private(loaded, data, cfg, dp, trainable=names,
+                                    mode=per_example if mode == "dp-hooks" else "auto")
+            else:
+                training.train_local(loaded, data, cfg, trainable=names)
+            return time.perf_counter() - t0, time.process_time() - c0
+        finally:
+            dp_sgd._randomness = secure
 
-    return run, {"steps": steps, "trained_tensors": len(names)}
+    trained = [p for n, p in loaded.module.named_parameters() if n in set(names)]
+    return run, {"steps": steps, "trained_tensors": len(names), "trained_parameters": sum(p.numel() for p in trained),
+                 "_trained": trained}
+
+
+def noise_draw_seconds(trained: list, repeats: int = 15) -> dict[str, float]:
+    """Median seconds to draw one step's noise (std 1) for every tensor in ``trained``, per source, alternating."""
+    from fedclinic.privacy.tensor_noise import TensorNoise
+
+    sources = {"secure": TensorNoise(), "mt": MersenneNoise()}
+    times: dict[str, list[float]] = {k: [] for k in sources}
+    for _ in range(repeats):
+        for name, source in sources.items():
+            t0 = time.perf_counter()
+            for p in trained:
+                source.like(p, 1.0)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def memory_child(mode: str, examples: int, all_layers: bool, threads: int, lora_rank: int = 0) -> dict:
@@ -106,6 +164,7 @@ def memory_child(mode: str, examples: int, all_layers: bool, threads: int, lora_
 
         noise_for_target(8.0, 1e-5, BATCH / examples, 10 * math.ceil(examples / BATCH))  # what the agent plans
     run, info = _setup(examples, all_layers, threads, lora_rank)
+    info.pop("_trained")
     before = _rss_mb()
     run("dp" if mode == "dp+accountant" else mode)  # warm-up (and the first peak)
     run("dp" if mode == "dp+accountant" else mode)
@@ -115,13 +174,16 @@ def memory_child(mode: str, examples: int, all_layers: bool, threads: int, lora_
 
 def timing_child(examples: int, repeats: int, all_layers: bool, threads: int, lora_rank: int = 0) -> dict:
     run, info = _setup(examples, all_layers, threads, lora_rank)
-    for mode in MODES:
+    trained = info.pop("_trained")
+    for mode in TIMED:
         run(mode)  # warm-up
-    rounds: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    rounds: dict[str, list[tuple[float, float]]] = {m: [] for m in TIMED}
     for _ in range(repeats):
-        for mode in MODES:
+        for mode in TIMED:
             rounds[mode].append(run(mode))
     out: dict = dict(info)
+    out["noise_draw_s"] = noise_draw_seconds(trained)
+    out["secure_noise_ratio"] = statistics.median(w / bw for (w, _), (bw, _) in zip(rounds["dp"], rounds["dp-mt"]))
     for m, r in rounds.items():
         base = rounds["plain"]
         out[m] = {"seconds": statistics.median(w for w, _ in r), "cpu_seconds": statistics.median(c for _, c in r),
@@ -161,7 +223,8 @@ def main() -> int:
     times = child("timing")
     load_after = os.getloadavg()[0]
     p, d, h, a = mem["plain"], mem["dp"], mem["dp-hooks"], mem["dp+accountant"]
-    tp, td, th = times["plain"], times["dp"], times["dp-hooks"]
+    tp, td, th, tm = times["plain"], times["dp"], times["dp-hooks"], times["dp-mt"]
+    draw, secure_ratio = times["noise_draw_s"], times["secure_noise_ratio"]
     time_ratio, cpu_ratio = td["ratio"], td["cpu_ratio"]
     mem_ratio = d["peak_mb"] / p["peak_mb"]
     acct_ratio = a["peak_mb"] / p["peak_mb"]
@@ -179,6 +242,11 @@ def main() -> int:
                   if t else "(time as dp)")
         print(f"  {r['mode']:<13}  peak RSS {r['peak_mb']:6.0f} MB (+{r['training_peak_mb']:4.0f} MB over the loaded "
               f"model and data)  {timing}")
+    print(f"  {'dp-mt':<13}  (Mersenne-Twister noise, time only)                      median {tm['seconds']:6.2f} s wall "
+          f"{tm['cpu_seconds']:6.2f} s CPU (rounds {tm['all_seconds']})")
+    print(f"  noise of one step for {times['trained_parameters'] / 1e6:.2f} M parameters: CSPRNG {draw['secure']:.3f} s, "
+          f"Mersenne Twister {draw['mt']:.3f} s ({draw['secure'] / draw['mt']:.1f}x); a DP-SGD round with CSPRNG noise "
+          f"/ with Mersenne-Twister noise: {secure_ratio:.2f}x; Mersenne-Twister DP-SGD / plain: {tm['ratio']:.2f}x")
     print(f"  DP-SGD (ghost clipping) / plain: time {time_ratio:.2f}x wall, {cpu_ratio:.2f}x CPU (fastest round "
           f"over fastest round: {td['min_ratio']:.2f}x); peak memory "
           f"{mem_ratio:.2f}x (training's own increase {train_mem_ratio:.2f}x; {acct_ratio:.2f}x with the "
@@ -188,7 +256,9 @@ def main() -> int:
     print(f"RESULT dp lora_rank={args.lora_rank} time_ratio={time_ratio:.2f} cpu_time_ratio={cpu_ratio:.2f} peak_memory_ratio={mem_ratio:.2f} "
           f"training_memory_ratio={train_mem_ratio:.2f} accountant_memory_ratio={acct_ratio:.2f} "
           f"plain_s={tp['seconds']:.2f} dp_s={td['seconds']:.2f} hooks_time_ratio={th['ratio']:.2f} "
-          f"hooks_memory_ratio={h['peak_mb'] / p['peak_mb']:.2f} load={load_before:.1f}-{load_after:.1f} "
+          f"hooks_memory_ratio={h['peak_mb'] / p['peak_mb']:.2f} secure_noise_time_ratio={secure_ratio:.2f} "
+          f"mt_time_ratio={tm['ratio']:.2f} noise_draw_secure_s={draw['secure']:.3f} noise_draw_mt_s={draw['mt']:.3f} "
+          f"load={load_before:.1f}-{load_after:.1f} "
           f"target=time<=1.5x,memory<=1.2x met={'yes' if met else 'no'}")
     return 0
 

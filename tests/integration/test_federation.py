@@ -169,13 +169,13 @@ def test_client_level_dp_through_the_service_adds_calibrated_noise_and_accounts(
     assert metrics["client_dp_clip_norm"] == pytest.approx(0.05)
 
     class _NoNoise:
-        def standard_normal(self, size, dtype=np.float64):
-            return np.zeros(size, dtype)
+        def sample(self, shape, std, dtype=np.float32):
+            return np.zeros(shape, dtype)
 
     from fedclinic.strategies import client_dp
 
-    real = client_dp._noise_generator
-    client_dp._noise_generator = _NoNoise
+    real = client_dp._noise_source
+    client_dp._noise_source = _NoNoise
     try:
         s = make_strategy("dp-fedavg", params)
         s.begin(start.tensors)
@@ -184,7 +184,7 @@ def test_client_level_dp_through_the_service_adds_calibrated_noise_and_accounts(
             s.accept(delta, s.weight_for(n, {}), site=f"site-{'abc'[i]}")
         noise_free = s.finalize()
     finally:
-        client_dp._noise_generator = real
+        client_dp._noise_source = real
     residual = np.concatenate([(released.tensors[k] - v).ravel() for k, v in noise_free.items()])
     expected_std = 0.5 * 0.05 / 3
     assert 0.5 * expected_std < residual.std() < 2.0 * expected_std, (residual.std(), expected_std)

@@ -17,10 +17,15 @@ an observer that the sample was empty, an event whose probability depends on the
 (:mod:`fedclinic.privacy.accounting`) charges ``(sigma, q, steps)`` per round.
 
 Randomness: dropout is seeded from ``cfg.seed`` (the site round's seed) in a forked RNG, as in
-:func:`fedclinic.training.trainer.train_local`. The Poisson sampling and the Gaussian noise come from a generator seeded
-from the operating system's entropy every round, never from the task's seed (the data scientist knows that seed; noise they
-could regenerate would protect nothing). It is torch's Mersenne-Twister generator, not a cryptographic one:
-Opacus' ``secure_mode`` needs torchcsprng, which is not installed; SECURITY.md states the gap.
+:func:`fedclinic.training.trainer.train_local`. The Poisson sampling and the Gaussian noise -- both part of the
+privacy analysis -- come from fedclinic's CSPRNG, never from the task's seed (the data scientist knows that
+seed; noise they could regenerate would protect nothing): two ChaCha20 keystreams
+(:class:`~fedclinic.strategies.secure_random.SecureRandom`) keyed from ``os.urandom`` afresh every round, one for
+the sampling (example kept iff a 53-bit uniform is below ``q``) and one for the noise
+(:class:`~fedclinic.privacy.tensor_noise.TensorNoise`: the polar method in float64, rounded once to float32; see
+:mod:`fedclinic.strategies.secure_gaussian` for what that does against floating-point attacks). The ghost path
+adds that noise itself; the hooks path uses :class:`~fedclinic.privacy.secure_dp_optimizer.SecureDPOptimizer`,
+Opacus' DPOptimizer with only its noise draw replaced.
 
 Which models
 ------------
@@ -76,7 +81,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import secrets
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection
@@ -88,6 +92,7 @@ if TYPE_CHECKING:
     import torch
 
     from fedclinic.privacy.patient_groups import PatientGroups
+    from fedclinic.privacy.tensor_noise import SecureRandom, TensorNoise
     from fedclinic.training.trainer import TrainConfig, TrainResult
 
 #: families that may use ghost clipping (their models: Linear, LayerNorm and Embedding layers, no tied parameters)
@@ -184,12 +189,12 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     memory follows the batch size, not the sample's. ``step_hook(optimizer)``
     is called after the noise of every step is drawn with an object carrying ``noise_multiplier``,
     ``max_grad_norm``, ``expected_batch_size`` and ``accumulated_iterations`` (Opacus' accountant hook fits: the
-    caller can account what actually ran). ``entropy`` seeds the Poisson sampler and the noise; None (the default,
-    and what every site runs) draws 63 bits from the operating system (``secrets``); a test gives a value to replay
-    a round bit for bit. ``groups`` (one group per row of ``data``: the patients) makes the unit a group: groups are
-    Poisson-sampled with rate ``dp.sample_rate`` (each kept with all of its rows), each group's summed gradient is
-    clipped once, the sum is divided by the expected number of groups, and parts are whole groups of at most
-    ``cfg.batch_size`` rows (a larger group is a part alone)."""
+    caller can account what actually ran). ``entropy`` keys the Poisson sampler's and the noise's keystreams; None
+    (the default, and what every site runs) keys them from the operating system (``os.urandom``); a test gives an
+    integer to replay a round bit for bit (:func:`~fedclinic.strategies.secure_gaussian.replay_key`). ``groups`` (one group per row of ``data``: the
+    patients) makes the unit a group: groups are Poisson-sampled with rate ``dp.sample_rate`` (each kept with all of
+    its rows), each group's summed gradient is clipped once, the sum is divided by the expected number of groups, and
+    parts are whole groups of at most ``cfg.batch_size`` rows (a larger group is a part alone)."""
     if mode not in MODES:
         raise ConfigError(f"DP-SGD mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "ghost" and loaded.family not in GHOST_FAMILIES:
@@ -225,9 +230,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     train_params = [p for _, p in named_train]
     for name, p in module.named_parameters():
         p.requires_grad_(name in wanted)
-    seed = secrets.randbits(63) if entropy is None else int(entropy)
-    sampler = torch.Generator().manual_seed(seed)
-    noise = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
+    sampler, noise = _randomness(entropy)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * units)))
     run_class = _run_class(mode, loaded, unsupported_parameters(module, train_params))
@@ -243,7 +246,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
             module.train()
             freeze_batch_norm(module)
             for step in range(1, dp.steps + 1):
-                keep = torch.rand(units, generator=sampler) < dp.sample_rate
+                keep = torch.from_numpy(sampler.uniform(units) < dp.sample_rate)
                 idx = keep.nonzero().flatten() if groups is None else groups.sample(keep)
                 loss_sum += run.step(idx)
                 seen += len(idx)
@@ -264,6 +267,16 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     return TrainResult(num_samples=n, steps=dp.steps, loss=loss_sum / max(seen, 1))
 
 
+def _randomness(entropy: int | None) -> tuple["SecureRandom", "TensorNoise"]:
+    """The round's Poisson sampler (a :class:`SecureRandom`) and Gaussian noise (a :class:`TensorNoise`): keyed
+    from the OS, or replayed from a test's ``entropy``."""
+    from fedclinic.privacy.tensor_noise import SecureRandom, TensorNoise, replay_key  # lazy: torch
+
+    if entropy is None:
+        return SecureRandom(), TensorNoise()
+    return SecureRandom(replay_key(entropy, "dp-sgd sampler")), TensorNoise.replay(entropy, "dp-sgd noise")
+
+
 @dataclass(frozen=True)
 class NoisyStep:
     """What a step hook is shown of a ghost-clipping step: the attributes Opacus' accountant hook reads."""
@@ -276,7 +289,8 @@ class NoisyStep:
 
 class _GhostRun:
     """DP-SGD steps with :class:`~fedclinic.privacy.ghost.GhostClipping`: ``p.grad = (S + N(0, (sigma C)^2 I)) /
-    (q n)`` per trained tensor (noise drawn one tensor at a time), then the optimizer's step. ``S`` adds over
+    (q n)`` per trained tensor (noise from the CSPRNG, :class:`~fedclinic.privacy.tensor_noise.TensorNoise`, drawn
+    one tensor at a time), then the optimizer's step. ``S`` adds over
     examples, so the Poisson sample is processed in parts of at most the task's batch size: a sample larger than
     expected costs time, not memory beyond what non-private training at that batch size needs."""
 
@@ -297,8 +311,6 @@ class _GhostRun:
     def step(self, idx: "torch.Tensor") -> float:
         """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step, as the accountant assumes);
         returns the sample's summed loss."""
-        import torch
-
         self.optimizer.zero_grad(set_to_none=True)  # p.grad must hold only this step's clipped sum and noise
         total = 0.0
         for part, local in _parts(idx, self.part_size, self.groups):
@@ -310,7 +322,7 @@ class _GhostRun:
             del losses
         std = self.noisy.noise_multiplier * self.noisy.max_grad_norm
         for p in self.params:
-            noise = torch.empty_like(p).normal_(0.0, std, generator=self.noise)
+            noise = self.noise.like(p, std)
             p.grad = noise if p.grad is None else p.grad.add_(noise)
             p.grad.div_(self.noisy.expected_batch_size)
         if self.step_hook is not None:
@@ -391,17 +403,17 @@ class _OpacusRun:
     def __init__(self, loaded, module, data, device, part_size: int, params: list, optimizer, noisy: NoisyStep,
                  noise, step_hook, groups: "PatientGroups | None" = None) -> None:
         from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
 
         from fedclinic.privacy.per_example import PerExampleObjective  # lazy: torch (see train_local_private)
+        from fedclinic.privacy.secure_dp_optimizer import SecureDPOptimizer
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Opacus' notes about secure_mode and full backward hooks
             self.gsm = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
-            self.optimizer = DPOptimizer(optimizer, noise_multiplier=noisy.noise_multiplier,
-                                         max_grad_norm=noisy.max_grad_norm,
-                                         expected_batch_size=noisy.expected_batch_size, loss_reduction="mean",
-                                         generator=noise)
+            self.optimizer = SecureDPOptimizer(optimizer, noise_multiplier=noisy.noise_multiplier,
+                                               max_grad_norm=noisy.max_grad_norm,
+                                               expected_batch_size=noisy.expected_batch_size, loss_reduction="mean",
+                                               noise=noise)
         if step_hook is not None:
             self.optimizer.attach_step_hook(step_hook)
         self.data, self.device, self.params, self.part_size = data, device, params, max(1, part_size)

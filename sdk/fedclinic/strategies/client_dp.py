@@ -29,26 +29,29 @@ Accounting: every round is one Gaussian mechanism with multiplier z on the set o
 :meth:`ClientDP.epsilon` answers epsilon at ``delta`` after the rounds run so far. The state carried between
 rounds (and across aggregator restarts) is the clip norm and the round count.
 
-The noise comes from a generator seeded from the operating system's entropy on every round and is never
-stored: whoever knows it could subtract it from the released model.
+The noise -- of the update sum and of the clip count -- comes from fedclinic's CSPRNG: a
+:class:`~fedclinic.strategies.secure_gaussian.SecureGaussian` (Marsaglia's polar method in float64 over a ChaCha20
+keystream keyed from ``os.urandom``, rounded once to the float32 accumulators; see that module for the
+floating-point attacks it answers and what remains) made afresh every round and never stored: whoever could
+replay it could subtract it from the released model.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 from typing import ClassVar, Mapping
 
 import numpy as np
 
 from fedclinic.strategies.dp_accounting import epsilon_of
 from fedclinic.strategies.fedavg import FedAvg, check_update
+from fedclinic.strategies.secure_gaussian import SecureGaussian
 from fedclinic.strategies.tensorsource import TensorLike, squared_norm
 
 
-def _noise_generator() -> np.random.Generator:
-    """A fresh generator per round from OS entropy (tests replace this function to make noise reproducible)."""
-    return np.random.default_rng(secrets.randbits(128))
+def _noise_source() -> SecureGaussian:
+    """A fresh CSPRNG-backed sampler per round, keyed from the OS (tests replace this function to replay noise)."""
+    return SecureGaussian()
 
 
 class ClientDP(FedAvg):
@@ -123,13 +126,13 @@ class ClientDP(FedAvg):
         m = self._count
         if m == 0:
             return super().finalize()
-        rng = _noise_generator()
-        std = np.float32(self.update_noise_multiplier(m) * self.clip_norm)
+        noise = _noise_source()
+        std = self.update_noise_multiplier(m) * self.clip_norm
         for name, acc in self._acc.items():
-            acc += rng.standard_normal(acc.size, dtype=np.float32) * std
+            acc += noise.sample(acc.shape, std, acc.dtype)
             self._weight[name] = float(m)  # the mean over the m accepted updates, whoever sent the tensor
         if self.adaptive:
-            noisy_share = (self._unclipped + rng.normal(0.0, self.count_sigma(m))) / m
+            noisy_share = (self._unclipped + float(noise.sample((), self.count_sigma(m), np.float64))) / m
             self.clip_norm *= math.exp(-self.clip_lr * (noisy_share - self.target_quantile))
         self.rounds_done += 1
         return super().finalize()

@@ -11,11 +11,12 @@ from fedclinic.errors import ConfigError
 from fedclinic.privacy.accounting import epsilon_of
 from fedclinic.strategies import client_dp, make_strategy
 from fedclinic.strategies.client_dp import ClientDP
+from fedclinic.strategies.secure_gaussian import SecureGaussian
 
 
 @pytest.fixture
 def seeded(monkeypatch):
-    monkeypatch.setattr(client_dp, "_noise_generator", lambda: np.random.default_rng(1234))
+    monkeypatch.setattr(client_dp, "_noise_source", lambda: SecureGaussian.replay(1234, "test"))
 
 
 def _round(strategy, updates, global_tensors):
@@ -31,8 +32,8 @@ def test_clipping_equal_weights_and_noise_are_exact(seeded):
                {"w": np.full(1000, 0.01, np.float32), "b": np.zeros(3, np.float32)}]  # norm ~0.32: kept
     s = ClientDP(clip_norm=2.0, noise_multiplier=0.5)
     out = _round(s, updates, g)
-    rng = np.random.default_rng(1234)
-    noise = {n: rng.standard_normal(g[n].size, dtype=np.float32) * np.float32(0.5 * 2.0) for n in ("w", "b")}
+    src = SecureGaussian.replay(1234, "test")
+    noise = {n: src.sample(g[n].size, 0.5 * 2.0, np.float32) for n in ("w", "b")}
     clipped = updates[0]["w"] * (2.0 / np.linalg.norm(updates[0]["w"].astype(np.float64)))
     want_w = (clipped + updates[1]["w"] + noise["w"]) / 2  # equal weights, whatever the sample counts
     np.testing.assert_allclose(out["w"], want_w, rtol=1e-5, atol=1e-6)
@@ -67,9 +68,9 @@ def test_adaptive_clipping_moves_towards_the_target_quantile(seeded):
     assert all(b < a for a, b in zip(down[:10], down[1:11]))  # none clipped (b~=1 > 0.5): C shrinks
     assert 2.0 <= down[-1] <= 4.0
     # one step from a known state: C * exp(-0.2 * (b~ - 0.5)) with b~ = (5 + count noise) / 5
-    rng = np.random.default_rng(1234)
-    rng.standard_normal(4, dtype=np.float32)  # the update noise is drawn first
-    share = (5 + rng.normal(0.0, 0.2)) / 5
+    src = SecureGaussian.replay(1234, "test")
+    src.sample(4, 1.0, np.float32)  # the update noise is drawn first
+    share = (5 + float(src.sample((), 0.2, np.float64))) / 5
     assert down[1] == pytest.approx(50.0 * math.exp(-0.2 * (share - 0.5)), rel=1e-6)
 
 

@@ -124,11 +124,8 @@ def _run(name, params, g, ds, w, order=None, files=None):
 
 
 class _ZeroNoise:
-    def standard_normal(self, size, dtype=np.float64):
-        return np.zeros(size, dtype)
-
-    def normal(self, loc=0.0, scale=1.0):
-        return loc
+    def sample(self, shape, std, dtype=np.float32):
+        return np.zeros(shape, dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +134,7 @@ def _no_dp_noise(monkeypatch):
     (tests/unit/strategies/test_client_dp checks the noise itself)."""
     from fedclinic.strategies import client_dp
 
-    monkeypatch.setattr(client_dp, "_noise_generator", _ZeroNoise)
+    monkeypatch.setattr(client_dp, "_noise_source", _ZeroNoise)
 
 
 sites_st = st.integers(5, 8)
