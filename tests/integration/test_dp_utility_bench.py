@@ -4,21 +4,17 @@ target, and the RESULT line the full run prints."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.helpers.benches import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "dp_utility.py"
+pytestmark = pytest.mark.integration
 
 
 def test_dp_utility_bench_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("dp_utility_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("dp_utility")
     out = tmp_path / "figures.json"
     assert bench.main(["--smoke", "--out", str(tmp_path / "work"), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())

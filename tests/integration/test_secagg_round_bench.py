@@ -3,21 +3,17 @@ real services, and the RESULT line the full run prints."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.helpers.benches import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "secagg_round.py"
+pytestmark = pytest.mark.integration
 
 
 def test_secagg_round_bench_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("secagg_round_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("secagg_round")
     out = tmp_path / "figures.json"
     assert bench.main(["--smoke", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
