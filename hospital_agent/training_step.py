@@ -28,7 +28,7 @@ from fedclinic.training.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2
 from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
 
-from hospital_agent.config import AgentConfig
+from hospital_agent.config import AgentConfig, DatasetEntry
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import feedback_path
@@ -67,11 +67,7 @@ class TrainingStep:
         from fedclinic.data.text import read_dataset  # with the data modules' dependencies, when a task first needs them
 
         entry = self.config.datasets[a.spec.dataset]
-        kwargs = dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
-                      entities_field=entry.entities_field, question_field=entry.question_field,
-                      answer_field=entry.answer_field, context_field=entry.context_field,
-                      image_field=entry.image_field, label_set=list(a.spec.labels),
-                      multi_label=a.spec.multi_label)
+        kwargs = reader_kwargs(entry, a.spec)
         if state.raw_train is None:
             state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
             state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
@@ -148,7 +144,17 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep"]
+__all__ = ["Trained", "TrainingStep", "reader_kwargs"]
+
+
+def reader_kwargs(entry: DatasetEntry, spec) -> dict:
+    """The keyword arguments of ``fedclinic.data.text.read_dataset`` for a registry entry and a task spec: the
+    entry's format and column names, the task's label set (the one way the agent reads a dataset: training here,
+    statistics in hospital_agent.site_statistics)."""
+    return dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
+                entities_field=entry.entities_field, question_field=entry.question_field,
+                answer_field=entry.answer_field, context_field=entry.context_field,
+                image_field=entry.image_field, label_set=list(spec.labels), multi_label=spec.multi_label)
 
 
 def per_patient(spec) -> bool:

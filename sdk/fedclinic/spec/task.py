@@ -156,6 +156,10 @@ class Task:
     #: fetch it, so that `fedclinic task verify` recomputes each plain round's model from them (a new exposure:
     #: the owner then sees each site's update, not only aggregates; sites may refuse such tasks). Default off.
     verification: dict[str, Any] = field(default_factory=dict)
+    #: ``[statistics]``: epsilon = the privacy loss of each site's answer to a statistics task (discrete Laplace
+    #: noise on every released count, charged to the site's privacy ledger; fedclinic.evaluation.statistics).
+    #: Empty = exact counts (small cells are suppressed either way).
+    statistics: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError listing every problem (and how to fix it): first the checks of this Python/TOML
@@ -194,6 +198,7 @@ class Task:
         p.extend(privacy_input_problems(self.privacy))
         p.extend(secure_aggregation_input_problems(self.secure_aggregation))
         p.extend(verification_input_problems(self.verification))
+        p.extend(statistics_input_problems(self.statistics))
         p.extend(problem for _, problem in self._number_problems())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 63):
             p.append(f"seed must be a whole number (64-bit), got {self.seed!r}")
@@ -274,6 +279,7 @@ class Task:
             verification=task_pb2.VerificationConfig(
                 publish_updates=self.verification.get("publish_updates") is True
                 if isinstance(self.verification, dict) else False),
+            statistics=statistics_config(self.statistics),
             tokenizer_sha256=tokenizer_sha256)
 
     @classmethod
@@ -361,6 +367,28 @@ def verification_input_problems(doc: Any) -> list[str]:
     if "publish_updates" in doc and not isinstance(doc["publish_updates"], bool):
         p.append(f"verification: publish_updates must be true or false, got {doc['publish_updates']!r}")
     return p
+
+
+STATISTICS_KEYS = ("epsilon",)
+
+
+def statistics_input_problems(doc: Any) -> list[str]:
+    """What a ``[statistics]`` table holds that a StatisticsConfig cannot (its bounds are the spec's:
+    ``statistics.epsilon`` in fedclinic.spec.validation.BOUNDS)."""
+    if not isinstance(doc, dict):
+        return ["statistics must be a table (e.g. [statistics] epsilon = 1.0)"]
+    p = [f"statistics: unknown setting {k!r} (known: {', '.join(STATISTICS_KEYS)})" for k in doc
+         if k not in STATISTICS_KEYS]
+    if "epsilon" in doc and not _is_number(doc["epsilon"]):
+        p.append(f"statistics: epsilon must be a number (0.01-100; 0 = no noise), got {doc['epsilon']!r}")
+    return p
+
+
+def statistics_config(doc: Any) -> task_pb2.StatisticsConfig:
+    """The StatisticsConfig of a ``[statistics]`` table; what it cannot hold travels as the default (reported by
+    :func:`statistics_input_problems`)."""
+    eps = doc.get("epsilon", 0.0) if isinstance(doc, dict) else 0.0
+    return task_pb2.StatisticsConfig(epsilon=float(eps) if _is_number(eps) else 0.0)
 
 
 def secure_aggregation_input_problems(doc: dict[str, Any]) -> list[str]:

@@ -87,6 +87,8 @@ BOUNDS: dict[str, Bound] = {
     "secure_aggregation.clip": Bound(0, 1e6),
     "secure_aggregation.weight_cap": Bound(0, 1 << 24, integer=True),
     "secure_aggregation.metric_clip": Bound(0, 1e9),
+    "statistics.epsilon": Bound(0.01, 100.0, zero_default=True,
+                                hint="the epsilon of a statistics answer at each site; 0 = no noise"),
 }
 #: the largest magnitude of a numeric strategy parameter (server_lr, beta, byzantine, ...); each must be finite
 MAX_STRATEGY_PARAM = 1e6
