@@ -75,6 +75,11 @@ def _print_status(st, as_json: bool) -> None:
     others = [s for s in waiting if s not in held]
     if others:
         print(f"    waiting for: {', '.join(others)} (no update or refusal yet: still training or offline)")
+    if st.site_statistics:  # a statistics task: the sites' values as a table, with what to act on
+        from fedclinic.evaluation.statistics_table import statistics_report
+
+        print(statistics_report({s: dict(v.values) for s, v in st.site_statistics.items()},
+                                dict(st.pooled_statistics), list(st.spec.labels), multi_label=st.spec.multi_label))
 
 
 def _task_command(args) -> int:

@@ -22,6 +22,7 @@ A site answers a statistics task with :func:`site_statistics` (the hospital agen
 ``suppressed/<key>`` = 1            the cell ``<key>`` is withheld (small-cell rule below); the key is absent
 ``partial/<key>`` = n               pooled only: n sites withheld ``<key>``; the pooled value leaves them out
 ``sites``                           pooled only: the sites whose ``rows`` the pool holds
+``min_cell_rows``                   the k of the small-cell rule the values were released under
 ==================================  ===========================================================================
 
 The token keys need the task's tokenizer; without one they are absent. A site without valid rows reports
@@ -96,7 +97,9 @@ def site_statistics(examples: Sequence[Any], tokenizer: Any, spec: Any, *, min_c
                      max_length=int(spec.training.max_length), problems=problems)
     epsilon = float(spec.statistics.epsilon) if spec.HasField("statistics") else 0.0
     values = noisy_release(counts, epsilon, sampler) if epsilon > 0 else exact_release(counts)
-    return suppress_site(values, labels=counts.labels_in_order, multi_label=counts.multi_label, min_cell=min_cell)
+    out = suppress_site(values, labels=counts.labels_in_order, multi_label=counts.multi_label, min_cell=min_cell)
+    out["min_cell_rows"] = float(min_cell)
+    return out
 
 
 def exact_release(counts: SiteCounts) -> dict[str, float]:
@@ -173,7 +176,7 @@ def pool_statistics(per_site: Mapping[str, Mapping[str, float]], *, min_cell: in
     min_cell`` withheld."""
     sites = list(per_site.values())
     count_keys = sorted({key for v in sites for key in _keys(v) if _is_count(key)})
-    out: dict[str, float] = {"sites": float(sum(1 for v in sites if "rows" in v))}
+    out: dict[str, float] = {"sites": float(sum(1 for v in sites if "rows" in v)), "min_cell_rows": float(min_cell)}
     for key in count_keys:
         published = [v[key] for v in sites if key in v]
         left = sum(1 for v in sites if SUPPRESSED + key in v)
