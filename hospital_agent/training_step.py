@@ -27,6 +27,7 @@ from fedclinic.codecs import ErrorFeedback
 from fedclinic.training.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2
 from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
+from fedclinic.evaluation.statistics_counts import unk_rate
 
 from hospital_agent.config import AgentConfig, DatasetEntry
 from hospital_agent.metrics import AgentMetrics
@@ -132,6 +133,11 @@ class TrainingStep:
             state.private_values = out.private_values
             self.private_store.save(a.task_id, a.round, state.private_values)
         metrics = {**out.metrics, "train_seconds": time.monotonic() - started}
+        if not state.coverage_reported:  # the site's first update of the task says how well the tokenizer covers it
+            rate = coverage_rate(loaded, state.raw_train)
+            if rate is not None:
+                metrics["tokenizer_unk_rate"] = rate
+            state.coverage_reported = True
         return Trained(out, metrics, {k: float(v) for k, v in eval_metrics.items()})
 
     def stage_feedback(self, task_id: str, trained: Trained) -> None:
@@ -144,7 +150,18 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep", "reader_kwargs"]
+__all__ = ["Trained", "TrainingStep", "coverage_rate", "reader_kwargs"]
+
+
+def coverage_rate(loaded, rows: list | None) -> float | None:
+    """The share of the content tokens of the site's training texts that are the task tokenizer's unknown token
+    (``fedclinic.evaluation.statistics_counts.unk_rate``): a rate, never text; None for rows without a text (a
+    question-answering task) or a model without a tokenizer."""
+    tokenizer = getattr(loaded, "tokenizer", None)
+    texts = [ex.text for ex in rows or () if isinstance(getattr(ex, "text", None), str)]
+    if tokenizer is None or not texts:
+        return None
+    return unk_rate(tokenizer, texts)
 
 
 def reader_kwargs(entry: DatasetEntry, spec) -> dict:

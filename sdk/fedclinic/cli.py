@@ -19,6 +19,7 @@ import sys
 from google.protobuf import json_format
 
 from fedclinic.errors import FedclinicError
+from fedclinic.evaluation.statistics_table import statistics_report
 from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
@@ -76,8 +77,6 @@ def _print_status(st, as_json: bool) -> None:
     if others:
         print(f"    waiting for: {', '.join(others)} (no update or refusal yet: still training or offline)")
     if st.site_statistics:  # a statistics task: the sites' values as a table, with what to act on
-        from fedclinic.evaluation.statistics_table import statistics_report
-
         print(statistics_report({s: dict(v.values) for s, v in st.site_statistics.items()},
                                 dict(st.pooled_statistics), list(st.spec.labels), multi_label=st.spec.multi_label))
 

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import grpc
 
+from fedclinic.evaluation.statistics_table import coverage_warning
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.pki.common import PkiError
 from fedclinic.pki.model_signatures import check_aggregator_statement, countersign
@@ -301,6 +302,7 @@ class ProgressDisplay:
     def __init__(self, out, *, tty: bool) -> None:
         self.out = out
         self.tty = tty
+        self._coverage_warned: set[str] = set()  # sites whose tokenizer coverage warning is shown
 
     def update(self, event: control_pb2.TaskEvent) -> None:
         st = event.status
@@ -333,7 +335,22 @@ class ProgressDisplay:
         else:
             suffix = acc_txt if event.kind == "round-closed" else ""
             self.out.write(f"[{st.task_id}] {event.kind}: {event.message}{suffix}\n")
+        for warning in self._coverage_warnings(st):
+            self.out.write(f"\n  warning: {warning}\n" if self.tty else f"[{st.task_id}] warning: {warning}\n")
         self.out.flush()
+
+    def _coverage_warnings(self, st: control_pb2.TaskStatus) -> list[str]:
+        """Once per site: the warning for the tokenizer coverage (``tokenizer_unk_rate``) it reported with its
+        first update, when above 5 % (fedclinic.evaluation.statistics_table.coverage_warning)."""
+        out = []
+        for r in st.rounds:
+            for rep in r.reports:
+                rate = rep.metrics.get("tokenizer_unk_rate")
+                warning = coverage_warning(rep.site_id, rate) if rate is not None else None
+                if warning and rep.site_id not in self._coverage_warned:
+                    self._coverage_warned.add(rep.site_id)
+                    out.append(warning)
+        return out
 
     def close(self) -> None:
         if self.tty:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from fedclinic.evaluation.statistics import pool_statistics
 from fedclinic.evaluation.statistics_counts import QUANTILES, label_key, pair_key
 
 #: a site whose share of unknown tokens is above this gets a warning
@@ -111,8 +112,6 @@ def statistics_report(per_site: Mapping[str, Mapping[str, float]], pooled: Mappi
     ``pooled`` (an aggregator that sends none) the pool is computed here from the sites' values, with the
     largest k any site reported."""
     if not pooled and per_site:
-        from fedclinic.evaluation.statistics import pool_statistics  # the pool only where the status lacks it
-
         k = max(int(v.get("min_cell_rows", DEFAULT_MIN_CELL)) for v in per_site.values())
         pooled = pool_statistics(per_site, min_cell=k)
     lines = statistics_table(per_site, pooled, labels, multi_label=multi_label).splitlines()
