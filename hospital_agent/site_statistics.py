@@ -2,8 +2,9 @@
 
 :func:`answer_statistics` is the one entry point the agent's dispatcher calls::
 
-    dataset  = the site's registry entry the spec names, read as training reads it (training_step.reader_kwargs),
-               tolerantly: bad rows are counted (missing / invalid), never sent
+    dataset  = the site's registry entry the spec names (its training file, ``path``; not ``eval_path``), read as
+               training reads it (training_step.reader_kwargs), tolerantly for text classification: bad rows are
+               counted (missing / invalid), never sent; the other families' readers stop at the first bad row
     values   = fedclinic.evaluation.statistics.site_statistics(rows, the task's tokenizer, spec, min_cell = k)
                (small cells withheld; discrete Laplace noise when spec.statistics.epsilon > 0)
     noise    -> the privacy ledger: admit epsilon (delta 0) for (dataset, task) *before* reading, charge it before

@@ -85,14 +85,16 @@ PARTIAL = "partial/"
 def site_statistics(examples: Sequence[Any], tokenizer: Any, spec: Any, *, min_cell: int,
                     problems: RowProblems | None = None,
                     sampler: SecureDiscreteLaplace | None = None) -> dict[str, float]:
-    """One site's released statistics (the keys above) of ``examples`` for the task ``spec`` (a ``TaskSpec``:
-    its labels, ``multi_label``, ``training.max_length`` and ``statistics.epsilon``), small cells withheld with
+    """One site's released statistics (the keys above) of ``examples`` for the task ``spec`` (a ``TaskSpec``, or
+    a ``Task``: its labels, ``multi_label``, ``training.max_length`` and ``statistics.epsilon``), small cells withheld with
     ``min_cell`` = k. ``tokenizer``: the task's (``tokenizers.Tokenizer`` or a ``transformers`` fast tokenizer), or
     None to leave out the token keys. ``problems``: the rows the reader skipped (its ``on_bad_row``). With
     ``spec.statistics.epsilon`` > 0 the counts carry discrete Laplace noise from ``sampler`` (a fresh CSPRNG one
     when None; a test passes a replayable one)."""
     if min_cell < 1:
         raise ValueError(f"min_cell must be >= 1, got {min_cell}")
+    if hasattr(spec, "to_spec"):  # a fedclinic.spec.task.Task (the simulator, a notebook): its validated spec
+        spec = spec.to_spec()
     counts = measure(examples, tokenizer, list(spec.labels), multi_label=bool(spec.multi_label),
                      max_length=int(spec.training.max_length), problems=problems)
     epsilon = float(spec.statistics.epsilon) if spec.HasField("statistics") else 0.0

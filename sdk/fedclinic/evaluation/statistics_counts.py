@@ -71,6 +71,9 @@ class SiteCounts:
     tokens: np.ndarray | None = None
     content: np.ndarray | None = None
     unk: np.ndarray | None = None
+    #: the most labels one row can carry: 1 in a single-label task, every label in a multi-label one or for NER
+    #: rows (a row carries each entity type it holds); what the label counts' sensitivity is built on
+    labels_per_row: int = 1
 
 
 def label_key(label: str, index: int) -> str:
@@ -80,9 +83,9 @@ def label_key(label: str, index: int) -> str:
 
 
 def pair_key(a: str, ia: int, b: str, ib: int) -> str:
-    """The values key of a co-occurring label pair (``a`` before ``b`` in label order): ``label_pair/<a>|<b>``,
-    with ``#<index>`` for a name :func:`label_key` would not use."""
-    if _fits(a, len("label_pair/|") + len(b)) and _fits(b, 0):
+    """The values key of a co-occurring label pair (``a`` before ``b`` in label order): ``label_pair/<a>|<b>``, or
+    ``label_pair/#<ia>|#<ib>`` when a name is not printable ASCII, holds ``|`` or makes the key too long."""
+    if _fits(a, len("label_pair/|") + len(b)) and _fits(b, 0) and "|" not in a + b:
         return f"label_pair/{a}|{b}"
     return f"label_pair/#{ia}|#{ib}"
 
@@ -113,6 +116,9 @@ def measure(examples: Sequence[Any], tokenizer: Any, labels: Sequence[str], *, m
         counts.pairs = {pair: 0 for pair in combinations(labels, 2)}
     order = {lab: i for i, lab in enumerate(labels)}
     texts: list[str] = []
+    examples = list(examples)
+    if multi_label or any(hasattr(ex, "entities") for ex in examples):
+        counts.labels_per_row = len(labels)
     for ex in examples:
         text = getattr(ex, "text", None)
         row_labels = _row_labels(ex)

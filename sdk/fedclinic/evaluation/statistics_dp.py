@@ -11,7 +11,8 @@ the CSPRNG of :mod:`fedclinic.strategies.secure_random`), so the whole answer is
 group                  counts                                                  Delta (one row changes at most)
 =====================  ======================================================  =================================
 rows                   ``rows``, ``missing_rows``, ``invalid_rows``            1 (a row is in exactly one class)
-labels                 ``label/*`` (and ``label_pair/*``, multi-label)         1 single-label; L + L(L-1)/2
+labels                 ``label/*`` (and ``label_pair/*``, multi-label)         1 single-label; L (NER rows: one
+                                                                               per entity type); L + L(L-1)/2
                                                                                multi-label (L labels)
 char lengths           a histogram of row lengths in characters over           1 (one bin)
                        :data:`LENGTH_EDGES` (quantiles ``chars_q*``)
@@ -52,9 +53,11 @@ LENGTH_EDGES = np.concatenate([[0], np.unique(np.floor(2.0 ** (np.arange(0, 69) 
 CHARS_PER_TOKEN_CLIP = 16
 
 
-def label_sensitivity(num_labels: int, multi_label: bool) -> int:
-    """The L1 sensitivity of the label group: how many label and pair counts one row can change."""
-    return num_labels + num_labels * (num_labels - 1) // 2 if multi_label else 1
+def label_sensitivity(labels_per_row: int, pairs: bool) -> int:
+    """The L1 sensitivity of the label group: how many label (and, with ``pairs``, label-pair) counts one row can
+    change, when it carries at most ``labels_per_row`` labels."""
+    m = labels_per_row
+    return m + (m * (m - 1) // 2 if pairs else 0)
 
 
 def noisy_release(counts: SiteCounts, epsilon: float, sampler: SecureDiscreteLaplace | None = None
@@ -68,7 +71,7 @@ def noisy_release(counts: SiteCounts, epsilon: float, sampler: SecureDiscreteLap
     label_values = [counts.labels[lab] for lab in labels] + [counts.pairs[p] for p in counts.pairs]
     groups: list[tuple[list[str], np.ndarray, int]] = [
         (["rows", "missing_rows", "invalid_rows"], np.array([counts.rows, counts.missing, counts.invalid]), 1),
-        (keys, np.array(label_values, np.int64), label_sensitivity(len(labels), counts.multi_label)),
+        (keys, np.array(label_values, np.int64), label_sensitivity(counts.labels_per_row, bool(counts.pairs))),
         (["hist/chars"], histogram(counts.chars), 1),
     ]
     if counts.tokens is not None:

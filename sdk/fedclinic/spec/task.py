@@ -37,7 +37,8 @@ check the same): local_epochs 1-1000, batch_size 1-65536, 0 < learning_rate <= 1
 max_grad_norm 0-1e6, max_steps 0-1e7, proximal_mu 0-1000, max_length 8-32768, num_rounds 1-1000, min_sites
 1-1000, 0 < participation_fraction <= 1, 0 < round_timeout_s <= 604800 (7 days), max_round_retries 0-100,
 safl_top_k 0-1000, safl_profile_samples 0-100000, strategy parameters of magnitude <= 1e6; [privacy] numbers
-0-1e6; [secure_aggregation] min_cohort, threshold and degree 0-1000, bits 0-62, clip 0-1e6.
+0-1e6; [secure_aggregation] min_cohort, threshold and degree 0-1000, bits 0-62, clip 0-1e6; [statistics] epsilon
+0.01-100 (0 = exact statistics).
 """
 
 from __future__ import annotations

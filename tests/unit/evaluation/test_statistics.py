@@ -105,7 +105,7 @@ def test_missing_and_invalid_rows_come_from_the_tolerant_reader(tmp_path, minilm
 
 def test_a_site_under_k_rows_withholds_everything_about_its_rows(minilm):
     v = site_statistics(rows(ENGLISH, "ab", K - 1), minilm, spec(), min_cell=K)
-    assert set(v) == {"missing_rows", "invalid_rows"} | {k for k in v if k.startswith("suppressed/")}
+    assert set(v) == {"missing_rows", "invalid_rows", "min_cell_rows"} | {k for k in v if k.startswith("suppressed/")}
     for key in ("rows", "label/a", "chars_q50", "tokens_q95", "unk_rate", "truncated_rate", "count/tokens"):
         assert key not in v and v[f"suppressed/{key}"] == 1
     assert site_statistics(rows(ENGLISH, "ab", K), minilm, spec(), min_cell=K)["rows"] == K
@@ -162,6 +162,7 @@ def test_a_label_name_that_is_not_printable_ascii_uses_its_index(minilm):
     v = site_statistics([Example("a", ("fièvre",))] * 12 + [Example("b", ("toux",))] * 12, minilm, s, min_cell=K)
     assert v["label/#0"] == 12 and v["label/toux"] == 12
     assert label_keys(["x" * 300, "y"], True) == ["label/#0", "label/y", "label_pair/#0|#1"]
+    assert label_keys(["a|b", "c"], True) == ["label/a|b", "label/c", "label_pair/#0|#1"]
 
 
 def test_pooling_sums_what_sites_published_and_marks_what_they_withheld(minilm):
@@ -193,3 +194,12 @@ def test_the_pool_reveals_nothing_the_published_values_do_not():
     assert p1["label/a"] == 40 and p1["partial/label/a"] == 1 and p1["rows"] == 80
     for combo in itertools.permutations([base, hidden_small]):
         assert pool_statistics(dict(zip("xy", combo)), min_cell=K) == p1
+
+
+def test_a_task_object_gives_the_same_answer_as_its_spec(minilm):
+    from fedclinic.spec.task import Task
+
+    task = Task(name="s", dataset="notes", labels=["a", "b", "c"], max_length=16)
+    examples = rows(ENGLISH, "ab", 30)
+    assert site_statistics(examples, minilm, task, min_cell=K) == site_statistics(examples, minilm, spec(),
+                                                                                   min_cell=K)

@@ -51,8 +51,10 @@ def test_each_group_gets_the_scale_of_its_sensitivity_over_its_share_of_epsilon(
 
 
 def test_the_label_group_sensitivity_counts_every_label_and_pair_a_row_can_change():
-    assert label_sensitivity(5, False) == 1
-    assert label_sensitivity(5, True) == 5 + 10
+    assert label_sensitivity(1, False) == 1
+    assert label_sensitivity(5, True) == 5 + 10 and label_sensitivity(5, False) == 5  # NER: entity types, no pairs
+    ner_row = type("NerRow", (), {"text": "x", "entities": ()})()
+    assert measure([ner_row], None, "abc", multi_label=False, max_length=8).labels_per_row == 3
     counts = measure([Example("fever", ("a", "b"))] * 200, None, "abc", multi_label=True, max_length=8)
     n, eps = 2000, 3.0
     sampler = SecureDiscreteLaplace()
