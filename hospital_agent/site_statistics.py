@@ -10,6 +10,9 @@
     noise    -> the privacy ledger: admit epsilon (delta 0) for (dataset, task) *before* reading, charge it before
                the values are returned, finish the task: a site answers a noisy statistics task once (a second
                answer would be a second noisy sample of the same counts; the ledger refuses it)
+    patients -> a dataset with a patient id column (``group_field``) is protected per patient: the noise covers
+               the most rows one patient has in the file (fedclinic.evaluation.statistics_dp), and the ledger
+               records the unit "patient", as a per-patient DP-SGD task does
 
 Every refusal raises :class:`StatisticsDeclined` (or :class:`~hospital_agent.privacy_ledger.BudgetExceeded`),
 a :class:`~fedclinic.errors.FedclinicError` whose message is the decline reason and holds no value from the data
@@ -19,6 +22,8 @@ a :class:`~fedclinic.errors.FedclinicError` whose message is the decline reason 
 from __future__ import annotations
 
 import hashlib
+import json
+from collections import Counter
 from typing import Any
 
 from fedclinic.errors import DatasetError, FedclinicError
@@ -59,10 +64,14 @@ def answer_statistics(spec: task_pb2.TaskSpec, *, task_id: str, config: AgentCon
     tok = _tokenizer(tokenizer, spec)
     epsilon = float(spec.statistics.epsilon) if spec.HasField("statistics") else 0.0
     book = _ledger(ledger) if epsilon > 0 else None
+    per_unit = _rows_per_patient(spec, entry) if book is not None else 1
     if book is not None:
-        book.admit(spec.dataset, task_id, epsilon, 0.0)  # BudgetExceeded names the budget left
+        unit = "patient" if entry.group_field else "example"
+        book.admit(spec.dataset, task_id, epsilon, 0.0,  # BudgetExceeded names the budget left
+                   accountant=json.dumps({"mechanism": "discrete-laplace", "kind": "statistics", "unit": unit,
+                                          "epsilon": epsilon}))
     try:
-        values = _compute(spec, entry, tok, min_cell, sampler)
+        values = _compute(spec, entry, tok, min_cell, sampler, per_unit)
         if book is not None:
             book.charge(spec.dataset, task_id, 1, epsilon)  # before anything leaves; refused if answered already
     finally:
@@ -71,8 +80,24 @@ def answer_statistics(spec: task_pb2.TaskSpec, *, task_id: str, config: AgentCon
     return values
 
 
+def _rows_per_patient(spec: task_pb2.TaskSpec, entry) -> int:
+    """The most rows one patient has in the dataset file (every row, bad ones too); 1 for a dataset without a
+    patient id column (each row its own unit)."""
+    if not entry.group_field:
+        return 1
+    from fedclinic.data.patient_ids import read_patient_ids  # with the data modules, as _compute reads
+
+    try:
+        ids = read_patient_ids(entry.path, group_field=entry.group_field, format=entry.format)
+    except DatasetError as exc:
+        raise StatisticsDeclined(f"dataset {spec.dataset!r} protects patients but its patient ids cannot be read: "
+                                 f"{exc.public or 'they do not meet the data contract'}; noisy statistics need "
+                                 "every row's patient id") from None
+    return max(Counter(ids).values(), default=1)
+
+
 def _compute(spec: task_pb2.TaskSpec, entry, tokenizer: Any, min_cell: int,
-             sampler: SecureDiscreteLaplace | None) -> dict[str, float]:
+             sampler: SecureDiscreteLaplace | None, rows_per_unit: int = 1) -> dict[str, float]:
     from fedclinic.data.text import read_dataset  # with the data modules' dependencies, as training_step reads
 
     problems = RowProblems()
@@ -81,7 +106,8 @@ def _compute(spec: task_pb2.TaskSpec, entry, tokenizer: Any, min_cell: int,
     except DatasetError as exc:
         raise StatisticsDeclined(f"dataset {spec.dataset!r} cannot be read: "
                                  f"{exc.public or 'it does not meet the task data contract'}") from None
-    return site_statistics(rows, tokenizer, spec, min_cell=min_cell, problems=problems, sampler=sampler)
+    return site_statistics(rows, tokenizer, spec, min_cell=min_cell, problems=problems, sampler=sampler,
+                           rows_per_unit=rows_per_unit)
 
 
 def _tokenizer(tokenizer: Any, spec: task_pb2.TaskSpec) -> Any:

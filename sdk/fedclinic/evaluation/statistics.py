@@ -83,14 +83,15 @@ PARTIAL = "partial/"
 
 
 def site_statistics(examples: Sequence[Any], tokenizer: Any, spec: Any, *, min_cell: int,
-                    problems: RowProblems | None = None,
-                    sampler: SecureDiscreteLaplace | None = None) -> dict[str, float]:
+                    problems: RowProblems | None = None, sampler: SecureDiscreteLaplace | None = None,
+                    rows_per_unit: int = 1) -> dict[str, float]:
     """One site's released statistics (the keys above) of ``examples`` for the task ``spec`` (a ``TaskSpec``, or
     a ``Task``: its labels, ``multi_label``, ``training.max_length`` and ``statistics.epsilon``), small cells withheld with
     ``min_cell`` = k. ``tokenizer``: the task's (``tokenizers.Tokenizer`` or a ``transformers`` fast tokenizer), or
     None to leave out the token keys. ``problems``: the rows the reader skipped (its ``on_bad_row``). With
     ``spec.statistics.epsilon`` > 0 the counts carry discrete Laplace noise from ``sampler`` (a fresh CSPRNG one
-    when None; a test passes a replayable one)."""
+    when None; a test passes a replayable one), for a privacy unit of up to ``rows_per_unit`` rows (1: a row; a
+    patient's most rows to protect patients)."""
     if min_cell < 1:
         raise ValueError(f"min_cell must be >= 1, got {min_cell}")
     if hasattr(spec, "to_spec"):  # a fedclinic.spec.task.Task (the simulator, a notebook): its validated spec
@@ -98,7 +99,8 @@ def site_statistics(examples: Sequence[Any], tokenizer: Any, spec: Any, *, min_c
     counts = measure(examples, tokenizer, list(spec.labels), multi_label=bool(spec.multi_label),
                      max_length=int(spec.training.max_length), problems=problems)
     epsilon = float(spec.statistics.epsilon) if spec.HasField("statistics") else 0.0
-    values = noisy_release(counts, epsilon, sampler) if epsilon > 0 else exact_release(counts)
+    values = (noisy_release(counts, epsilon, sampler, rows_per_unit=rows_per_unit) if epsilon > 0
+              else exact_release(counts))
     out = suppress_site(values, labels=counts.labels_in_order, multi_label=counts.multi_label, min_cell=min_cell)
     out["min_cell_rows"] = float(min_cell)
     return out

@@ -23,7 +23,9 @@ coverage               ``count/tokens``, ``count/unk_tokens``,                 2
                        T unknown tokens, 16 T characters
 =====================  ======================================================  =================================
 
-The last three are released only with a tokenizer. Noisy counts are rounded to integers by the mechanism itself and
+The last three are released only with a tokenizer. **Per patient**: when one privacy unit (a patient) may hold up
+to m rows (``rows_per_unit``, from the site's patient id column), every sensitivity is multiplied by m (group
+privacy: m rows change each count vector by at most m times what one row does), so the answer protects patients. Noisy counts are rounded to integers by the mechanism itself and
 clipped at 0; the quantiles come from the noisy histogram (linear within a bin: log-spaced bins, 4 per doubling,
 so a quantile is within about 19 % of the length it estimates, plus the noise: the running sum over ~60 bins
 carries noise of about sqrt(2 * 60) * 6 / epsilon rows at the top, so a site needs some hundreds of rows for
@@ -60,11 +62,14 @@ def label_sensitivity(labels_per_row: int, pairs: bool) -> int:
     return m + (m * (m - 1) // 2 if pairs else 0)
 
 
-def noisy_release(counts: SiteCounts, epsilon: float, sampler: SecureDiscreteLaplace | None = None
-                  ) -> dict[str, float]:
-    """The values of ``counts`` under ``epsilon``-DP (see the module docstring), before suppression."""
+def noisy_release(counts: SiteCounts, epsilon: float, sampler: SecureDiscreteLaplace | None = None, *,
+                  rows_per_unit: int = 1) -> dict[str, float]:
+    """The values of ``counts`` under ``epsilon``-DP (see the module docstring), before suppression; with
+    ``rows_per_unit`` = m the unit is a group of up to m rows (a patient)."""
     if not epsilon > 0:
         raise ValueError(f"epsilon must be > 0, got {epsilon}")
+    if rows_per_unit < 1:
+        raise ValueError(f"rows_per_unit must be >= 1, got {rows_per_unit}")
     sampler = sampler or SecureDiscreteLaplace()
     labels = list(counts.labels_in_order)
     keys = label_keys(labels, counts.multi_label)
@@ -85,7 +90,7 @@ def noisy_release(counts: SiteCounts, epsilon: float, sampler: SecureDiscreteLap
     eps_group = epsilon / len(groups)
     out: dict[str, float] = {}
     for names, true, delta in groups:
-        noisy = true.astype(np.int64) + sampler.sample(len(true), delta / eps_group)
+        noisy = true.astype(np.int64) + sampler.sample(len(true), rows_per_unit * delta / eps_group)
         if names[0].startswith("hist/"):
             if noisy.sum() > 0:
                 out.update(zip(quantile_keys(names[0][len("hist/"):]), histogram_quantiles(noisy)))

@@ -7,13 +7,19 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from fedclinic.data.text import Example
+from fedclinic.evaluation.statistics_counts import measure
+from fedclinic.evaluation.statistics_dp import noisy_release
 from fedclinic.proto import task_pb2
+from fedclinic.strategies.secure_laplace import SecureDiscreteLaplace
 from hospital_agent.config import AgentConfig
 from hospital_agent.privacy_ledger import BudgetExceeded, PrivacyLedger
 from hospital_agent.site_privacy import SitePrivacy
 from hospital_agent.site_statistics import StatisticsDeclined, answer_statistics
+from tests.helpers.distribution import dkw_margin, laplace_distance
 
 THAI = ["ผู้ป่วยมีไข้สูงและไอ", "ปวดศีรษะรุนแรง"]
 
@@ -97,3 +103,26 @@ def test_declines_say_why_and_hold_no_value_from_the_data(tmp_path):
         answer_statistics(_spec(), task_id="n1", config=config, min_cell=10, ledger=None)
     assert "not valid UTF-8" in str(info.value) and "secret" not in str(info.value) and str(tmp_path) not in str(
         info.value)
+
+
+def test_a_dataset_with_patient_ids_is_protected_per_patient(tmp_path):
+    # 3 rows per patient: the noise scale is 3x the per-row one (group privacy), and the ledger records "patient".
+    # The DKW test fails with probability <= 1e-6 for a correct mechanism, and rejects the per-row scale.
+    rows = [json.dumps({"text": "fever", "label": "ab"[i % 2], "pid": f"p{i // 3}"}) for i in range(60)]
+    config = _config(tmp_path, rows, group_field="pid", privacy_epsilon=5.0, privacy_delta=1e-5)
+    privacy = SitePrivacy(tmp_path / "ledger.sqlite", config.datasets)
+    answer_statistics(_spec(1.0), task_id="p1", config=config, min_cell=10, ledger=privacy)
+    (task,) = privacy.ledger.status()[0].tasks
+    assert task.unit == "patient" and task.spent_epsilon == 1.0
+    counts = measure([Example("fever", ("a",))] * 60, None, "ab", multi_label=False, max_length=16)
+    sampler, n = SecureDiscreteLaplace(), 1000
+    draws = np.array([noisy_release(counts, 1.5, sampler, rows_per_unit=3)["rows"] for _ in range(n)]) - 60
+    assert laplace_distance(draws.astype(np.int64), 3 * 3 / 1.5) < dkw_margin(n)  # 3 groups, 3 rows per patient
+    assert laplace_distance(draws.astype(np.int64), 3 / 1.5) > dkw_margin(n)
+    # a row without a patient id: the site cannot bound a patient's rows, and declines
+    (tmp_path / "b").mkdir()
+    bad = _config(tmp_path / "b", rows + ['{"text": "x", "label": "a"}'], group_field="pid", privacy_epsilon=5.0,
+                  privacy_delta=1e-5)
+    with pytest.raises(StatisticsDeclined, match="row 61: a row has no patient id"):
+        answer_statistics(_spec(1.0), task_id="p2", config=bad, min_cell=10,
+                          ledger=SitePrivacy(tmp_path / "l2.sqlite", bad.datasets))
