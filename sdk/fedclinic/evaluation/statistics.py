@@ -10,7 +10,8 @@ A site answers a statistics task with :func:`site_statistics` (the hospital agen
 ``missing_rows``, ``invalid_rows``  rows without text or label / rows the reader refuses otherwise (unparsable,
                                     unknown label, ...; :mod:`fedclinic.evaluation.statistics_counts`)
 ``label/<label>``                   rows carrying the label (``label/#<i>`` for a name that is not printable ASCII)
-``label_pair/<a>|<b>``              multi-label: rows carrying both (``a`` before ``b`` in label order)
+``label_pair/<a>|<b>``              multi-label: rows carrying both (``a`` before ``b`` in label order); not
+                                    for more than 90 labels (the transport's key limit)
 ``chars_q<PP>``, ``tokens_q<PP>``   text length quantiles, PP in 05 25 50 75 95; in characters, and in tokens
                                     with the special tokens, as the model reads it
 ``truncated_rate``                  share of rows longer than the task's max_length tokens

@@ -37,6 +37,9 @@ MISSING_RULES = frozenset({"the text field is missing", "the text is empty", "th
 DEFAULT_MAX_LENGTH = 128
 _KEY_SAFE = re.compile(r"[\x20-\x7e]+")
 MAX_KEY_CHARS = 200
+#: a multi-label task with more labels reports no label pairs: L(L-1)/2 pair keys would pass the transport's
+#: 8,192 keys per site result (90 labels: 4,005 pairs)
+MAX_PAIR_LABELS = 90
 
 
 @dataclass
@@ -94,10 +97,15 @@ def _fits(name: str, prefix: int) -> bool:
     return bool(_KEY_SAFE.fullmatch(name)) and prefix + len(name) <= MAX_KEY_CHARS
 
 
+def with_pairs(labels: Sequence[str], multi_label: bool) -> bool:
+    """Whether a task's statistics count label pairs: multi-label with at most :data:`MAX_PAIR_LABELS` labels."""
+    return multi_label and len(labels) <= MAX_PAIR_LABELS
+
+
 def label_keys(labels: Sequence[str], multi_label: bool) -> list[str]:
-    """Every label (and, multi-label, label-pair) key of a task, in label order."""
+    """Every label (and, multi-label, label-pair: :func:`with_pairs`) key of a task, in label order."""
     keys = [label_key(lab, i) for i, lab in enumerate(labels)]
-    if multi_label:
+    if with_pairs(labels, multi_label):
         keys += [pair_key(a, i, b, j) for (i, a), (j, b) in combinations(enumerate(labels), 2)]
     return keys
 
@@ -112,7 +120,7 @@ def measure(examples: Sequence[Any], tokenizer: Any, labels: Sequence[str], *, m
     counts = SiteCounts(labels, multi_label, max_length or DEFAULT_MAX_LENGTH,
                         missing=problems.missing if problems else 0, invalid=problems.invalid if problems else 0)
     counts.labels = {lab: 0 for lab in labels}
-    if multi_label:
+    if with_pairs(labels, multi_label):
         counts.pairs = {pair: 0 for pair in combinations(labels, 2)}
     order = {lab: i for i, lab in enumerate(labels)}
     texts: list[str] = []
@@ -133,7 +141,7 @@ def measure(examples: Sequence[Any], tokenizer: Any, labels: Sequence[str], *, m
         found = sorted(set(row_labels), key=order.__getitem__)
         for lab in found:
             counts.labels[lab] += 1
-        if multi_label:
+        if counts.pairs:
             for pair in combinations(found, 2):
                 counts.pairs[pair] += 1
         texts.append(text)

@@ -203,3 +203,12 @@ def test_a_task_object_gives_the_same_answer_as_its_spec(minilm):
     examples = rows(ENGLISH, "ab", 30)
     assert site_statistics(examples, minilm, task, min_cell=K) == site_statistics(examples, minilm, spec(),
                                                                                    min_cell=K)
+
+
+def test_a_multi_label_task_with_many_labels_reports_no_pairs_and_stays_within_the_key_limit():
+    labels = [f"finding{i}" for i in range(200)]
+    v = site_statistics([Example("x", ("finding0", "finding1"))] * 20, None, spec(labels=labels, multi_label=True),
+                        min_cell=K)
+    assert v["label/finding0"] == 20 and not any(k.startswith(("label_pair/", "suppressed/label_pair/")) for k in v)
+    assert len(v) < 8192
+    assert len(label_keys(labels[:90], True)) == 90 + 90 * 89 // 2
