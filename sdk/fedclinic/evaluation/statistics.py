@@ -32,8 +32,8 @@ The token keys need the task's tokenizer; without one they are absent. A site wi
 **Small-cell suppression** (k = ``min_cell``, the site's ``min_cell_rows``): a count of rows ``c`` with
 ``0 < c < k`` is withheld. (1) A site with ``0 < rows < k`` withholds everything about its rows (all keys but
 ``missing_rows`` and ``invalid_rows``): quantiles and rates of a group under k rows are never shown.
-(2) ``missing_rows``, ``invalid_rows`` and ``count/truncated_rows`` alone (a withheld truncation count withholds
-``truncated_rate`` too). (3) The label table -- ``label/*`` with, multi-label, ``label_pair/*`` -- is one group,
+(2) ``missing_rows`` and ``invalid_rows`` alone; ``count/truncated_rows`` with ``truncated_rate`` when the
+truncated rows or the untruncated ones (``rows`` minus them) are 1 to k-1. (3) The label table -- ``label/*`` with, multi-label, ``label_pair/*`` -- is one group,
 because its cells add up to published totals (single-label: the labels sum to ``rows``; two labels a, b
 multi-label: ``rows = a + b - ab``). *Complementary suppression*: when a cell of the group is withheld, further
 cells are withheld, the smallest non-zero ones first, until at least two are withheld **and** together they hold
@@ -75,8 +75,6 @@ from fedclinic.evaluation.statistics_counts import (
 from fedclinic.evaluation.statistics_dp import noisy_release
 from fedclinic.strategies.secure_laplace import SecureDiscreteLaplace
 
-#: the keys that are counts of rows (subject to the small-cell rule) besides the label table
-ROW_COUNT_KEYS = ("missing_rows", "invalid_rows", "count/truncated_rows")
 #: keys a pool sums (with the label table)
 _SUMMED = ("rows", "missing_rows", "invalid_rows", *SUM_KEYS)
 SUPPRESSED = "suppressed/"
@@ -149,7 +147,8 @@ def suppress_site(values: Mapping[str, float], *, labels: Sequence[str], multi_l
     else:
         table = [key for key in label_keys(labels, multi_label) if key in out]
         hidden = _complementary([key for key in table if small(key)], table, out, k)
-        if small("count/truncated_rows"):
+        truncated = out.get("count/truncated_rows")
+        if truncated is not None and (0 < truncated < k or 0 < rows - truncated < k):  # its complement too
             hidden += ["count/truncated_rows", "truncated_rate"]
     hidden += [key for key in ("missing_rows", "invalid_rows") if small(key)]
     return _withhold(out, hidden)
@@ -219,5 +218,5 @@ def _is_count(key: str) -> bool:
     return key in _SUMMED or key.startswith(("label/", "label_pair/"))
 
 
-__all__ = ["PARTIAL", "ROW_COUNT_KEYS", "SUPPRESSED", "RowProblems", "exact_release", "pool_statistics",
+__all__ = ["PARTIAL", "SUPPRESSED", "RowProblems", "exact_release", "pool_statistics",
            "site_statistics", "suppress_site"]

@@ -212,3 +212,11 @@ def test_a_multi_label_task_with_many_labels_reports_no_pairs_and_stays_within_t
     assert v["label/finding0"] == 20 and not any(k.startswith(("label_pair/", "suppressed/label_pair/")) for k in v)
     assert len(v) < 8192
     assert len(label_keys(labels[:90], True)) == 90 + 90 * 89 // 2
+
+
+def test_truncation_is_withheld_when_the_truncated_or_the_untruncated_rows_are_few():
+    base = {"rows": 100.0, "count/truncated_rows": 95.0, "truncated_rate": 0.95}
+    out = suppress_site(base, labels=[], multi_label=False, min_cell=K)  # 5 untruncated rows: rows - 95
+    assert "truncated_rate" not in out and out["suppressed/count/truncated_rows"] == 1
+    base.update({"count/truncated_rows": 50.0, "truncated_rate": 0.5})
+    assert suppress_site(base, labels=[], multi_label=False, min_cell=K)["truncated_rate"] == 0.5
