@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from fedclinic.errors import DatasetError, FedclinicError
@@ -51,8 +53,8 @@ def answer_statistics(spec: task_pb2.TaskSpec, *, task_id: str, config: AgentCon
 
     ``min_cell``: the site policy's ``min_cell_rows``. ``ledger``: the agent's privacy ledger (or its
     SitePrivacy); needed only when the spec asks for noise. ``tokenizer``: the task's tokenizer -- the bytes of
-    the model's ``tokenizer.json`` (checked against ``spec.tokenizer_sha256`` when the spec pins one) or a
-    loaded ``tokenizers.Tokenizer``; None leaves out the token keys (unk_rate, tokens_q*, truncated_rate,
+    the model's ``tokenizer.json``, that file's path or the synced model folder holding it (checked against
+    ``spec.tokenizer_sha256`` when the spec pins one), or a loaded ``tokenizers.Tokenizer``; None leaves out the token keys (unk_rate, tokens_q*, truncated_rate,
     tokens_per_char). ``sampler``: for tests that replay the noise; None draws it from a fresh CSPRNG."""
     if spec.family in UNSUPPORTED_FAMILIES:
         raise StatisticsDeclined(f"statistics of a {spec.family} dataset are not supported (its rows have no "
@@ -111,6 +113,14 @@ def _compute(spec: task_pb2.TaskSpec, entry, tokenizer: Any, min_cell: int,
 
 
 def _tokenizer(tokenizer: Any, spec: task_pb2.TaskSpec) -> Any:
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = Path(tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            tokenizer = path.read_bytes()
+        except OSError:
+            raise StatisticsDeclined("the task's model has no readable tokenizer.json at this site; statistics "
+                                     "need the tokenizer the task declares") from None
     if not isinstance(tokenizer, (bytes, bytearray)):
         return tokenizer
     if spec.tokenizer_sha256 and hashlib.sha256(tokenizer).hexdigest() != spec.tokenizer_sha256:

@@ -62,6 +62,15 @@ def test_an_exact_answer_reads_the_registry_dataset_with_the_task_tokenizer(tmp_
         answer_statistics(_spec(tokenizer_sha256="0" * 64), task_id="t1", config=config, min_cell=10,
                           ledger=None, tokenizer=minilm_json)
     assert "unk_rate" not in answer_statistics(_spec(), task_id="t1", config=config, min_cell=10, ledger=None)
+    # the synced model folder (or its tokenizer.json) does as well as the bytes
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(minilm_json)
+    for where in (folder, folder / "tokenizer.json", str(folder)):
+        assert answer_statistics(_spec(tokenizer_sha256=sha), task_id="t1", config=config, min_cell=10, ledger=None,
+                                 tokenizer=where)["unk_rate"] == v["unk_rate"]
+    with pytest.raises(StatisticsDeclined, match="no readable tokenizer.json"):
+        answer_statistics(_spec(), task_id="t1", config=config, min_cell=10, ledger=None, tokenizer=tmp_path / "x")
 
 
 def test_a_noisy_answer_is_charged_once_to_the_dataset_ledger(tmp_path):
