@@ -99,6 +99,10 @@ class Client:
         aggregator nor anyone else can alter the task, swap its model or run it under another task id.
         """
         task.validate()
+        if isinstance(task.pos_weight, str):  # "from-statistics:<task id>": weights from that task's label counts
+            from fedclinic.evaluation.class_weights import resolve_task_pos_weight
+
+            task = resolve_task_pos_weight(task, self.status)
         if package is None:
             # lazy: the model families (and torch, when packaging) load only when a task is packaged here
             from fedclinic.models import package_for_task
