@@ -103,8 +103,12 @@ def _task_command(args) -> int:
         elif args.task_cmd == "cancel":
             _print_status(client.cancel(args.task_id, args.reason), False)
         elif args.task_cmd == "download":
-            path = client.download(args.task_id, args.out, round=args.round, allow_unsigned=args.allow_unsigned)
+            path = client.download(args.task_id, args.out, round=args.round, allow_unsigned=args.allow_unsigned,
+                                   thresholds=args.thresholds)
             print(f"model written to {path} (model card: {path / 'MODEL_CARD.md'})")
+            if args.thresholds:
+                print(f"per-label thresholds set in the model card ({args.thresholds}); `fedclinic export onnx` "
+                      "carries them into the bundle")
     return 0
 
 
@@ -151,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unsigned", action="store_true",
                    help="accept a model the aggregator sent no signature for (an older aggregator); a signature "
                         "that does not verify is refused regardless")
+    p.add_argument("--thresholds", metavar="FILE|tuned",
+                   help="multi-label models: per-label decision thresholds for the card, the ONNX bundle and serve: "
+                        "'tuned' (F1-best from the final model's evaluation at the sites) or a JSON file (a list in "
+                        "label order, or an object label -> threshold); default: 0.5 for every label")
     _connection_args(p)
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)

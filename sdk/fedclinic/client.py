@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -221,7 +221,8 @@ class Client:
             raise explain_rpc_error(exc, self.address) from None
 
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
-                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False) -> Path:
+                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False,
+                 thresholds: Any = None) -> Path:
         """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card
         (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.spec.model_card`) and its signatures
         (``SIGNATURES.json``, :mod:`fedclinic.pki.model_signatures`) beside the files.
@@ -231,7 +232,10 @@ class Client:
         round or model), then countersigned with this client's key. ``allow_unsigned`` accepts a model the
         aggregator sent no signature for (an older aggregator); the folder then has no ``SIGNATURES.json``.
         The card is built from ``status`` when given, else from the task's status fetched after the model (so
-        it knows every round that went into it).
+        it knows every round that went into it). ``thresholds`` (multi-label models) sets the per-label decision
+        thresholds the card, the ONNX bundle and ``serve`` carry: ``"tuned"`` (F1-best from the final model's pooled
+        evaluation in the status), a JSON file, a list in label order or a mapping label -> threshold
+        (:func:`fedclinic.evaluation.thresholds.write_model_thresholds`).
         """
         package, model_hash, statement = self._fetch(task_id, round, allow_unsigned=allow_unsigned)
         signatures = None
@@ -246,6 +250,13 @@ class Client:
         if status is None:
             status = self.status(task_id)
         write_card(folder, build_card(package.meta, model_hash=model_hash, status=status, requested_round=round))
+        if thresholds is not None:
+            # lazy: numpy metrics load only when thresholds are set
+            from fedclinic.evaluation.thresholds import write_model_thresholds
+
+            write_model_thresholds(folder, thresholds, status=status,
+                                   source=f"the final model's evaluation at the sites of task {task_id}"
+                                   if thresholds == "tuned" else "")
         return folder
 
 

@@ -4,24 +4,27 @@ Why: a multi-label model trained on skewed sites often ranks a rare label well (
 never reaches 0.5, so the fixed cut-off never predicts it. Each label gets its own threshold, the one with the
 best F1 on validation rows; the rows never move: every site sends only a histogram of its scores.
 
-Bins (fixed, the same at every site): a probability ``p = sigmoid(logit)`` in [0, 1] falls in bin
+Bins (fixed, the same at every site): the ``B - 1`` inner edges are probabilities evenly spaced in logit::
 
-    bin(p) = #{k in 1..B-1 : p >= k / B}          (B = :data:`BINS` = 50, so bin b holds [b/B, (b+1)/B))
+    t_k = sigmoid(L * (2k / B - 1)),  k = 1..B-1           B = :data:`BINS` = 50, L = :data:`LOGIT_RANGE` = 8
 
-A site reports, per label ``i`` and bin ``b``, ``count/thr/<i>/<b>/pos`` and ``count/thr/<i>/<b>/neg``: how many of
-its evaluation rows carrying / not carrying the label scored in that bin (:func:`threshold_histogram`; bins with
-no row are left out, a missing key reads as 0). Keys starting ``count/`` are raw counts that pooling *sums*
-(the contract of the evaluation pool), so the pooled histogram is exactly the histogram of all sites' rows.
+so ``t_25 = 0.5`` exactly, ``t_1 = 0.00046`` and ``t_49 = 0.99954``, with the finest steps near 0 and 1, where a
+rare label's probabilities sit (equal steps of 0.02 would put every score of a 1 %-label into one or two bins).
+A probability ``p`` falls in bin ``bin(p) = #{k : p >= t_k}`` (0..B-1). A site reports, per label ``i`` and bin
+``b``, ``count/thr/<i>/<b>/pos`` and ``count/thr/<i>/<b>/neg``: how many of its evaluation rows carrying / not
+carrying the label scored in that bin (:func:`threshold_histogram`; bins with no row are left out, a missing key
+reads as 0). Keys starting ``count/`` are raw counts that pooling *sums* (the contract of the evaluation pool), so
+the pooled histogram is exactly the histogram of all sites' rows.
 
-Tuning (:func:`tune_thresholds`): the candidate thresholds are the inner bin edges ``t_k = k / B``, k = 1..B-1
-(0.02 .. 0.98). Predicting the label when ``p >= t_k`` selects exactly the rows of bins ``>= k``, so with ``P``
-positive rows::
+Tuning (:func:`tune_thresholds`): the candidate thresholds are the inner edges ``t_k``. Predicting the label
+when ``p >= t_k`` selects exactly the rows of bins ``>= k``, so with ``P`` positive rows::
 
     TP(k) = sum_{b >= k} pos_b      FP(k) = sum_{b >= k} neg_b      FN(k) = P - TP(k)
     F1(k) = 2 TP / (2 TP + FP + FN) = 2 TP(k) / (TP(k) + FP(k) + P)
 
 and the label's threshold is ``t_k`` of the best F1. Tie rule: among the candidates with the best F1 the one
-closest to 0.5 wins (0.5 itself when it is among them), and of two equally close the higher one. A label with no
+closest to 0.5 in bins (``|k - B/2|``) wins (0.5 itself when it is among them), and of two equally close the
+higher one. A label with no
 positive row in the pool keeps :data:`DEFAULT_THRESHOLD` (0.5): F1 is 0 everywhere, nothing to tune.
 The same bins are used by :func:`tune_thresholds_from_scores` (one site's rows, or the simulator's), so the
 federated tuning equals the tuning on the concatenated rows exactly (a test checks this).
@@ -31,14 +34,24 @@ Serving applies the same rule, ``p >= t``, with the thresholds the bundle carrie
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-#: histogram bins over the sigmoid probability [0, 1]
+from fedclinic.errors import ConfigError
+from fedclinic.spec.card_thresholds import check_thresholds
+from fedclinic.spec.model_card import read_card, set_card_thresholds
+from fedclinic.transport.package import ModelPackage
+
+#: histogram bins over the sigmoid probability [0, 1] (edges evenly spaced in logit, see the module doc)
 BINS = 50
+#: the logit of the highest inner edge (the lowest is its negative)
+LOGIT_RANGE = 8.0
 #: the threshold of a label that cannot be tuned (no positive row), and of models without tuned thresholds
 DEFAULT_THRESHOLD = 0.5
 #: prefix of the histogram keys in an evaluation's values
@@ -46,9 +59,18 @@ HISTOGRAM_PREFIX = "count/thr/"
 _KEY = re.compile(r"count/thr/(\d+)/(\d+)/(pos|neg)")
 
 
+def bin_edges(bins: int = BINS) -> np.ndarray:
+    """The inner edges ``t_1 .. t_{bins-1}`` (module doc), float64, increasing; the candidate thresholds."""
+    k = np.arange(1, bins, dtype=np.float64)
+    edges = sigmoid(LOGIT_RANGE * (2.0 * k / bins - 1.0))
+    if bins % 2 == 0:
+        edges[bins // 2 - 1] = 0.5  # exactly, whatever the rounding of sigmoid(0.0)
+    return edges
+
+
 def probability_bins(probs: np.ndarray, bins: int = BINS) -> np.ndarray:
-    """The bin of each probability (module doc): ``#{k in 1..bins-1 : p >= k / bins}``, int64, same shape."""
-    edges = np.arange(1, bins, dtype=np.float64) / bins
+    """The bin of each probability (module doc): ``#{k : p >= t_k}``, int64, same shape."""
+    edges = bin_edges(bins)
     p = np.asarray(probs, dtype=np.float64)
     if not np.isfinite(p).all():
         raise ValueError("probabilities must be finite")
@@ -117,8 +139,8 @@ def best_threshold(pos: np.ndarray, neg: np.ndarray) -> float:
     f1 = 2.0 * tp[k] / (tp[k] + fp[k] + positives)
     best = f1.max()
     candidates = k[f1 == best]
-    distance = np.abs(2 * candidates - bins)  # 2 * bins * |k / bins - 0.5|, in exact integers
-    return float(candidates[distance == distance.min()].max() / bins)
+    distance = np.abs(2 * candidates - bins)  # |k - bins/2|, doubled to stay in integers
+    return float(bin_edges(bins)[candidates[distance == distance.min()].max() - 1])
 
 
 def tune_thresholds(pooled: Mapping[str, float], labels: Sequence[str], *, bins: int = BINS) -> list[float]:
@@ -179,25 +201,40 @@ def evaluation_values(evaluation: Any) -> dict[str, float]:
                      "of the final evaluation's pooled values")
 
 
-def check_thresholds(values: Any, labels: Sequence[str]) -> list[float]:
-    """``values`` as one threshold per label in label order: a list (label order) or a mapping label -> threshold
-    (every label named, no other). ValueError unless each is a finite number strictly between 0 and 1."""
-    if isinstance(values, Mapping):
-        unknown = sorted(set(map(str, values)) - set(labels))
-        missing = [lab for lab in labels if lab not in values]
-        if unknown or missing:
-            raise ValueError(f"thresholds must name every label exactly: unknown {unknown}, missing {missing}")
-        values = [values[lab] for lab in labels]
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != len(labels):
-        raise ValueError(f"thresholds must be one number per label ({len(labels)}), got {values!r}")
-    out = []
-    for lab, v in zip(labels, values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 < v < 1.0):
-            raise ValueError(f"threshold of label {lab!r} must be a probability strictly between 0 and 1, got {v!r}")
-        out.append(float(v))
-    return out
+def write_model_thresholds(folder: str | Path, choice: Any, *, status: Any = None, source: str = "") -> list[float]:
+    """Set the per-label thresholds of the model downloaded into ``folder`` (its card's ``thresholds`` section,
+    which ``fedclinic export onnx`` carries into the bundle); returns them in label order.
+
+    ``choice``: ``"tuned"`` (F1-best from the pooled final-model evaluation in ``status``:
+    :func:`thresholds_from_evaluation`; the card records the rows and sites tuned on), a path to a JSON file
+    holding a list (label order) or an object label -> threshold, or such a list or mapping itself.
+    ConfigError when they do not fit the model's labels or the evaluation holds no histograms."""
+    card = read_card(folder) or {}
+    labels = list(card.get("labels") or ModelPackage.load(folder).meta.get("labels") or [])
+    if isinstance(choice, str) and choice == "tuned":
+        if status is None:
+            raise ConfigError("tuned thresholds need the task's status with its final evaluation")
+        try:
+            values = thresholds_from_evaluation(status, labels)
+        except ValueError as exc:
+            raise ConfigError(f"cannot tune thresholds: {exc}") from None
+        pooled = evaluation_values(status)
+        sites = sorted(getattr(getattr(status, "final_evaluation", None), "sites", None) or card.get("sites") or [])
+        set_card_thresholds(folder, values, source=source or "the final model's evaluation at the sites",
+                            rows=tuned_rows(pooled, len(labels)), sites=sites, bins=BINS)
+        return values
+    if isinstance(choice, (str, os.PathLike)):
+        path = Path(choice)
+        try:
+            choice = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--thresholds {path}: not a readable JSON file ({exc}); give a list (label order) or "
+                              "an object label -> threshold, or 'tuned'") from None
+        source = source or str(path)
+    card = set_card_thresholds(folder, choice, source=source or "set by hand")
+    return check_thresholds(card["thresholds"]["values"], labels)
 
 
-__all__ = ["BINS", "DEFAULT_THRESHOLD", "HISTOGRAM_PREFIX", "best_threshold", "check_thresholds", "evaluation_values",
+__all__ = ["BINS", "DEFAULT_THRESHOLD", "HISTOGRAM_PREFIX", "LOGIT_RANGE", "best_threshold", "bin_edges", "check_thresholds", "evaluation_values",
            "pooled_histograms", "probability_bins", "sigmoid", "threshold_histogram", "thresholds_from_evaluation",
-           "tune_thresholds", "tune_thresholds_from_scores", "tuned_rows"]
+           "tune_thresholds", "tune_thresholds_from_scores", "tuned_rows", "write_model_thresholds"]

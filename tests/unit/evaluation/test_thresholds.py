@@ -15,6 +15,7 @@ from fedclinic.evaluation.thresholds import (
     BINS,
     DEFAULT_THRESHOLD,
     best_threshold,
+    bin_edges,
     check_thresholds,
     probability_bins,
     threshold_histogram,
@@ -50,13 +51,15 @@ def _pool(values_per_site):
 
 
 def test_bins_are_the_thresholds_serving_applies():
-    edges = np.arange(1, BINS) / BINS
-    probs = np.array([0.0, 0.0199, 0.02, 0.5, 0.52, 0.9999, 1.0, *edges])
+    edges = bin_edges()
+    assert len(edges) == BINS - 1 and np.all(np.diff(edges) > 0) and edges[BINS // 2 - 1] == 0.5
+    assert edges[0] == pytest.approx(1 / (1 + np.exp(8 * 48 / 50)))  # logit -7.68: fine steps near 0
+    probs = np.array([0.0, edges[0] / 2, edges[0], 0.4999, 0.5, 1.0, *edges, *(edges - 1e-12)])
     b = probability_bins(probs)
-    assert list(b[:7]) == [0, 0, 1, 25, 26, 49, 49]
-    # predicting p >= k/B selects exactly the rows of bins >= k, for every edge
+    assert list(b[:6]) == [0, 0, 1, 24, 25, 49]
+    # predicting p >= t_k selects exactly the rows of bins >= k, for every edge
     for k in range(1, BINS):
-        assert np.array_equal(probs >= k / BINS, b >= k)
+        assert np.array_equal(probs >= edges[k - 1], b >= k)
 
 
 def test_summed_site_histograms_tune_exactly_as_the_concatenated_rows():
@@ -73,35 +76,36 @@ def test_summed_site_histograms_tune_exactly_as_the_concatenated_rows():
     assert tuned[1] < 0.45
     rare = truth[:, 1] == 1
     assert (probs[rare, 1] >= tuned[1]).mean() > 0.5 and not (probs[:, 1] >= 0.5).any()
-    # at bin resolution it is the F1-best threshold of the rows themselves: no finer cut beats it by much
+    # at bin resolution it is the F1-best threshold of the rows themselves: no bin edge does better on them
     def f1(cut):
         pred = probs[:, 1] >= cut
         tp = (pred & rare).sum()
         return 2 * tp / (2 * tp + (pred & ~rare).sum() + (~pred & rare).sum())
-    assert f1(tuned[1]) >= max(f1(c) for c in np.unique(probs[:, 1])) - 0.1
+    assert f1(tuned[1]) == max(f1(c) for c in bin_edges()) > f1(0.5) == 0.0
     assert tune_thresholds_from_scores(truth, np.log(probs / (1 - probs + 1e-12) + 1e-12), logits=True) == tuned
 
 
 def test_tuning_by_hand_and_the_tie_rule():
+    t = bin_edges()  # t[k - 1] is the cut at the lower edge of bin k
     pos = np.zeros(BINS)
     neg = np.zeros(BINS)
     pos[20] = 3
     neg[5] = 10
-    # every cut in (0.1, 0.4] keeps the 3 positives and drops the 10 negatives (F1 1.0): the one closest to 0.5
-    assert best_threshold(pos, neg) == pytest.approx(0.4)
+    # every cut at edges 6..20 keeps the 3 positives and drops the 10 negatives (F1 1.0): the one closest to 0.5
+    assert best_threshold(pos, neg) == t[20 - 1]
     pos[:] = 0
     pos[30] = 2
     neg[:] = 0
     neg[10] = 4
-    # F1 1.0 for every cut in (0.2, 0.6]: 0.5 is among them, so it stays
+    # F1 1.0 for every cut at edges 11..30: 0.5 (edge 25) is among them, so it stays
     assert best_threshold(pos, neg) == DEFAULT_THRESHOLD
     # equal distance from 0.5: the higher cut wins. 1 positive in bin 20 and 1 in bin 30, 2 negatives in bin 29, 10
-    # in bin 5: F1 2/3 for cuts 0.12..0.40 (TP 2, FP 2) and at 0.60 (TP 1, FP 0), 0.4 between; 0.40 and 0.60 are
-    # both 0.1 from 0.5
+    # in bin 5: F1 2/3 for cuts at edges 6..20 (TP 2, FP 2) and at edge 30 (TP 1, FP 0), 0.4 between; edges 20 and
+    # 30 are both 5 bins from 0.5
     pos[:] = 0
     neg[:] = 0
     pos[20], pos[30], neg[29], neg[5] = 1, 1, 2, 10
-    assert best_threshold(pos, neg) == 0.6
+    assert best_threshold(pos, neg) == t[30 - 1]
     # a label without positives keeps 0.5; a histogram key out of range is refused
     assert tune_thresholds({"count/thr/0/3/neg": 7.0}, ["a", "b"]) == [DEFAULT_THRESHOLD, DEFAULT_THRESHOLD]
     with pytest.raises(ValueError, match="outside 2 labels"):
@@ -121,7 +125,7 @@ def test_thresholds_from_an_evaluation_and_their_checks():
         thresholds_from_evaluation({"macro_f1": 0.3}, ["a", "b"])
     assert check_thresholds({"b": 0.2, "a": 0.7}, ["a", "b"]) == [0.7, 0.2]
     for bad in ([0.5], [0.5, 1.0], [0.5, float("nan")], {"a": 0.5}, "0.5,0.5", [0.5, True]):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError):
             check_thresholds(bad, ["a", "b"])
 
 

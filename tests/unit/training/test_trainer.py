@@ -298,9 +298,9 @@ def test_evaluate_multi_label_exact_match_and_absent_labels_score_zero():
     assert m["f1/resp"] == 1.0 and m["f1/skin"] == pytest.approx(2 / 3) and m["f1/gi"] == 0.0
     assert m["micro_f1"] == pytest.approx(2 * 3 / (2 * 3 + 0 + 1))  # TP 2+1, FP 0, FN 1
     assert np.isnan(m["auc/gi"]) and np.isnan(m["auc/skin"])  # one class only in the rows: AUC undefined (NaN)
-    # the threshold histograms: logits 4 / -1 -> probabilities 0.982 (bin 49) and 0.269 (bin 13)
-    assert m["count/thr/0/49/pos"] == 2 and m["count/thr/1/49/pos"] == 1 and m["count/thr/1/13/pos"] == 1
-    assert m["count/thr/2/13/neg"] == 2 and sum(v for k, v in m.items() if k.startswith("count/thr/2/")) == 2
+    # the threshold histograms: bin(z) = #{k : z >= 8 (2k/50 - 1)}, so logit 4 -> bin 37 and logit -1 -> bin 21
+    assert m["count/thr/0/37/pos"] == 2 and m["count/thr/1/37/pos"] == 1 and m["count/thr/1/21/pos"] == 1
+    assert m["count/thr/2/21/neg"] == 2 and sum(v for k, v in m.items() if k.startswith("count/thr/2/")) == 2
 
 
 def test_pos_weight_changes_the_loss_as_bce_with_pos_weight_should():
