@@ -62,7 +62,11 @@ def _print_status(st, as_json: bool) -> None:
     if st.error:
         print(f"  error: {st.error}")
     for r in st.rounds:
-        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
+        # per-label figures (eval_f1/<label>, eval_auc/<label>) stay in --json and the model card
+        per_label = sum(1 for k in r.metrics if "/" in k)
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()) if "/" not in k)
+        if per_label:
+            metrics += f" (+{per_label} per-label: --json)"
         print(f"  round {r.round}: {len(r.reports)}/{r.sites_target} sites, up {r.uplink_bytes} B, "
               f"down {r.downlink_bytes} B {metrics}")
         for d in r.declined:

@@ -297,6 +297,8 @@ HEADLINE_METRICS = (("eval_macro_auc", "site-eval macro AUC"), ("eval_accuracy",
 def _headline(metrics) -> str:
     """The round's headline metric, then its privacy spend when the task is private."""
     text = next((f" {name} {metrics[key]:.3f}" for key, name in HEADLINE_METRICS if key in metrics), "")
+    if "eval_macro_auc" in metrics and "eval_macro_f1" in metrics:  # multi-label: exact match says little
+        text = f" site-eval macro-F1 {metrics['eval_macro_f1']:.3f} macro-AUC {metrics['eval_macro_auc']:.3f}"
     if "dp_epsilon" in metrics:  # sample-level DP: the largest cumulative spend of any site
         text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
     elif "client_dp_epsilon" in metrics:

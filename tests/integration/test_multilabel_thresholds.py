@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 from fedclinic import pki
