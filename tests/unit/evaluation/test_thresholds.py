@@ -168,3 +168,17 @@ def test_task_pos_weight_from_a_statistics_task_is_resolved_at_submit():
         Task(name="t", dataset="d", labels=["a", "b"], architecture="logreg", pos_weight=[2.0, 1.0]).validate()
     with pytest.raises(ConfigError, match="list of numbers"):
         Task(name="t", dataset="d", labels=["a", "b"], multi_label=True, pos_weight="heavy").validate()
+
+
+def test_pos_weight_in_a_task_file(tmp_path):
+    from fedclinic.spec.task import Task
+
+    path = tmp_path / "task.toml"
+    path.write_text('name = "t"\ndataset = "d"\nlabels = ["a", "b", "c"]\nmulti_label = true\narchitecture = "logreg"\n'
+                    '[training]\npos_weight = [1, 2.5, 40]\n')
+    assert list(Task.from_toml(path).to_spec().training.pos_weight) == [1.0, 2.5, 40.0]
+    path.write_text(path.read_text().replace("[1, 2.5, 40]", '"from-statistics:abc"'))
+    assert Task.from_toml(path).pos_weight == "from-statistics:abc"
+    path.write_text(path.read_text().replace('"from-statistics:abc"', "[1, 2]"))
+    with pytest.raises(ConfigError, match=r"needs one number per label \(3\), got 2"):
+        Task.from_toml(path)
