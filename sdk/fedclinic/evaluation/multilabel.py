@@ -64,11 +64,12 @@ def midranks(values: np.ndarray) -> np.ndarray:
 
 
 def multilabel_scores(truth: np.ndarray, scores: np.ndarray, labels: Sequence[str], *,
-                      threshold: float | Sequence[float] = 0.0) -> dict[str, float]:
+                      threshold: float | Sequence[float] = 0.0, at_least: bool = False) -> dict[str, float]:
     """Per-label and overall metrics of a multi-label prediction (module doc for the definitions).
 
     A label is predicted when its score is > ``threshold`` (one value, or one per label in ``labels`` order; in
-    the units of ``scores``). Returns ``f1/<label>``, ``auc/<label>`` for every label, ``macro_f1``,
+    the units of ``scores``), or >= it with ``at_least`` (how ``serve`` applies tuned thresholds to probabilities:
+    ``multilabel_scores(y, probs, labels, threshold=tuned, at_least=True)`` is what the served model scores). Returns ``f1/<label>``, ``auc/<label>`` for every label, ``macro_f1``,
     ``macro_auc``, ``micro_f1``, ``exact_match`` and ``label_accuracy`` (the IU-CXR notebook's element-wise
     accuracy, without its "normal excludes every disease" rule).
     """
@@ -83,7 +84,7 @@ def multilabel_scores(truth: np.ndarray, scores: np.ndarray, labels: Sequence[st
     cut = np.asarray(threshold, dtype=np.float64)
     if cut.ndim not in (0, 1) or (cut.ndim == 1 and cut.shape[0] != len(labels)):
         raise ValueError(f"threshold must be one number or one per label ({len(labels)})")
-    pred = s > cut
+    pred = s >= cut if at_least else s > cut
     tp = (pred & t).sum(axis=0).astype(np.float64)
     fp = (pred & ~t).sum(axis=0)
     fn = (~pred & t).sum(axis=0)

@@ -10,7 +10,7 @@ import pytest
 
 from fedclinic.errors import ConfigError
 from fedclinic.evaluation.class_weights import POS_WEIGHT_CAP, pos_weight_from_statistics, resolve_task_pos_weight
-from fedclinic.evaluation.multilabel import round_report_metrics
+from fedclinic.evaluation.multilabel import multilabel_scores, round_report_metrics
 from fedclinic.evaluation.thresholds import (
     BINS,
     DEFAULT_THRESHOLD,
@@ -82,6 +82,9 @@ def test_summed_site_histograms_tune_exactly_as_the_concatenated_rows():
         tp = (pred & rare).sum()
         return 2 * tp / (2 * tp + (pred & ~rare).sum() + (~pred & rare).sum())
     assert f1(tuned[1]) == max(f1(c) for c in bin_edges()) > f1(0.5) == 0.0
+    served = multilabel_scores(truth, probs, ["common", "rare"], threshold=tuned, at_least=True)
+    assert served["f1/rare"] == f1(tuned[1]) > multilabel_scores(truth, probs, ["common", "rare"],
+                                                                 threshold=0.5)["f1/rare"] == 0.0
     assert tune_thresholds_from_scores(truth, np.log(probs / (1 - probs + 1e-12) + 1e-12), logits=True) == tuned
 
 
