@@ -91,3 +91,44 @@ def test_tuned_thresholds_travel_through_the_signed_bundle_into_serve(tmp_path):
     (bundle / "fedclinic_model.json").write_text(json.dumps({**meta, "thresholds": [0.5, 0.5, 0.01]}))
     code, out = ServeProcesses.refused(bundle, "--trust-ca", str(scientist.ca_path))
     assert code == 2 and "fedclinic_model.json" in out, out
+
+
+def test_a_weighted_multi_label_task_runs_at_real_agents_and_downloads_with_thresholds(tmp_path):
+    from fedclinic.client import _headline, state_name
+    from fedclinic.federation.local_federation import LocalFederation, SiteSetup
+    from fedclinic.models import package_from_config
+    from fedclinic.spec.task import Task
+
+    from tests.helpers.text_models import tiny_tokenizer_json
+
+    sites = []
+    for i, (name, (n, rare)) in enumerate(SITES.items()):
+        folder = tmp_path / "data" / name
+        folder.mkdir(parents=True)
+        for split, seed in (("train", i), ("val", 10 + i)):
+            (folder / f"{split}.jsonl").write_text("".join(
+                json.dumps({"text": ex.text, "label": list(ex.labels)}) + "\n" for ex in rows(n // 2, seed, rare)))
+        sites.append(SiteSetup(name, datasets={"notes": {"path": str(folder / "train.jsonl"), "format": "jsonl",
+                                                         "eval_path": str(folder / "val.jsonl")}}))
+    task = Task(name="ml", dataset="notes", labels=LABELS, multi_label=True, architecture="logreg", num_rounds=2,
+                min_sites=3, local_epochs=1, batch_size=8, learning_rate=0.05, optimizer="sgd", max_length=16,
+                round_timeout_s=120, on_quorum_miss="fail", pos_weight=[1.0, 1.0, 30.0])
+    package = package_from_config(architecture="logreg", labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
+                                  config={}, multi_label=True, max_length=16)
+    (tmp_path / "thresholds.json").write_text(json.dumps({"cardio": 0.5, "neuro": 0.5, "seizure": 0.2}))
+    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            st = client.submit(task, package=package)
+            final = client.wait(st.task_id, timeout=300, progress=False)
+            assert state_name(final.state) == "completed", final.error
+            folder = client.download(st.task_id, tmp_path / "final", thresholds=str(tmp_path / "thresholds.json"))
+    assert list(final.spec.training.pos_weight) == [1.0, 1.0, 30.0]
+    metrics = final.rounds[-1].metrics
+    # the round reports per-label figures and macro-F1/AUC, never the histograms (they would overflow an update)
+    assert {"eval_macro_f1", "eval_macro_auc", "eval_micro_f1", "eval_f1/seizure"} <= set(metrics)
+    assert not any(k.startswith("eval_count/") for k in metrics) and "eval_accuracy" not in metrics
+    assert _headline(metrics).startswith(" site-eval macro-F1 ")
+    card = read_card(folder)
+    assert card["training"]["pos_weight"] == [1.0, 1.0, 30.0]
+    assert card["thresholds"]["values"]["seizure"] == 0.2 and card["thresholds"]["tuned_on"] is None
