@@ -44,8 +44,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedclinic.errors import ConfigError
-from fedclinic.spec.card_thresholds import check_thresholds
-from fedclinic.spec.model_card import read_card, set_card_thresholds
+from fedclinic.spec.card_thresholds import check_thresholds, thresholds_section
+from fedclinic.spec.model_card import Card, build_card, read_card, write_card
 from fedclinic.transport.package import ModelPackage
 
 #: histogram bins over the sigmoid probability [0, 1] (edges evenly spaced in logit, see the module doc)
@@ -201,6 +201,24 @@ def evaluation_values(evaluation: Any) -> dict[str, float]:
                      "of the final evaluation's pooled values")
 
 
+def set_card_thresholds(folder: str | os.PathLike[str], values: Any, *, source: str, rows: int | None = None,
+                        sites: Sequence[str] | None = None, bins: int | None = None) -> Card:
+    """Write per-label decision thresholds (a list in label order or a mapping label -> threshold) into the card of
+    the model in ``folder`` (made from its ``fedclinic_model.json`` when it has none); returns the new card.
+    ConfigError for a model that is not multi-label, or thresholds that do not fit its labels."""
+    root = Path(folder)
+    card = read_card(root)
+    if card is None:
+        package = ModelPackage.load(root)
+        card = build_card(package.meta, model_hash=package.manifest().model_hash)
+    if not card.get("multi_label"):
+        raise ConfigError(f"the model in {root} is not multi-label: per-label thresholds do not apply")
+    card = {**card, "thresholds": thresholds_section(values, list(card.get("labels") or []), source=source, rows=rows,
+                                                     sites=sites, bins=bins)}
+    write_card(root, card)
+    return card
+
+
 def write_model_thresholds(folder: str | Path, choice: Any, *, status: Any = None, source: str = "") -> list[float]:
     """Set the per-label thresholds of the model downloaded into ``folder`` (its card's ``thresholds`` section,
     which ``fedclinic export onnx`` carries into the bundle); returns them in label order.
@@ -237,4 +255,5 @@ def write_model_thresholds(folder: str | Path, choice: Any, *, status: Any = Non
 
 __all__ = ["BINS", "DEFAULT_THRESHOLD", "HISTOGRAM_PREFIX", "LOGIT_RANGE", "best_threshold", "bin_edges", "check_thresholds", "evaluation_values",
            "pooled_histograms", "probability_bins", "sigmoid", "threshold_histogram", "thresholds_from_evaluation",
-           "tune_thresholds", "tune_thresholds_from_scores", "tuned_rows", "write_model_thresholds"]
+           "set_card_thresholds", "tune_thresholds", "tune_thresholds_from_scores", "tuned_rows",
+           "write_model_thresholds"]

@@ -79,11 +79,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedclinic.runtime.durable_file import write_atomically
-from fedclinic.spec.card_thresholds import card_markdown_lines, is_per_label_metric, thresholds_section
+from fedclinic.spec.card_thresholds import card_markdown_lines, is_per_label_metric
 from fedclinic.spec.safl_settings import SaflConfig
 from fedclinic.version import __version__
 from fedclinic.errors import ConfigError
-from fedclinic.transport.package import CARD_FILE, CARD_MARKDOWN_FILE, META_FILE, ModelPackage
+from fedclinic.transport.package import CARD_FILE, CARD_MARKDOWN_FILE, META_FILE
 
 SCHEMA_VERSION = 1
 EVAL_NOTE = ("eval_* metrics of a round are the sites' evaluation of the model that round started from (the "
@@ -248,24 +248,6 @@ def read_card(folder: str | os.PathLike[str]) -> Card | None:
         raise ConfigError(f"{path} is not valid JSON ({exc}); delete it or download the model again") from None
     if not isinstance(card, dict):
         raise ConfigError(f"{path} is not a JSON object; delete it or download the model again")
-    return card
-
-
-def set_card_thresholds(folder: str | os.PathLike[str], values: Any, *, source: str, rows: int | None = None,
-                        sites: Sequence[str] | None = None, bins: int | None = None) -> Card:
-    """Write per-label decision thresholds (a list in label order or a mapping label -> threshold) into the card of
-    the model in ``folder`` (made from its ``fedclinic_model.json`` when it has none); returns the new card.
-    ConfigError for a model that is not multi-label, or thresholds that do not fit its labels."""
-    root = Path(folder)
-    card = read_card(root)
-    if card is None:
-        package = ModelPackage.load(root)
-        card = build_card(package.meta, model_hash=package.manifest().model_hash)
-    if not card.get("multi_label"):
-        raise ConfigError(f"the model in {root} is not multi-label: per-label thresholds do not apply")
-    card = {**card, "thresholds": thresholds_section(values, list(card.get("labels") or []), source=source, rows=rows,
-                                                     sites=sites, bins=bins)}
-    write_card(root, card)
     return card
 
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from fedclinic.errors import ConfigError
-from fedclinic.evaluation.thresholds import write_model_thresholds
+from fedclinic.evaluation.thresholds import set_card_thresholds, write_model_thresholds
 from fedclinic.proto import control_pb2, task_pb2
 from fedclinic.spec.card_thresholds import card_thresholds
-from fedclinic.spec.model_card import build_card, read_card, render_markdown, set_card_thresholds, write_card
+from fedclinic.spec.model_card import build_card, read_card, render_markdown, write_card
 
 from tests.helpers.multilabel_models import LABELS
 
