@@ -24,12 +24,18 @@ when ``p >= t_k`` selects exactly the rows of bins ``>= k``, so with ``P`` posit
 
 and the label's threshold is ``t_k`` of the best F1. Tie rule: among the candidates with the best F1 the one
 closest to 0.5 in bins (``|k - B/2|``) wins (0.5 itself when it is among them), and of two equally close the
-higher one. A label with no
-positive row in the pool keeps :data:`DEFAULT_THRESHOLD` (0.5): F1 is 0 everywhere, nothing to tune.
+higher one. A label with no positive row in the pool keeps :data:`DEFAULT_THRESHOLD` (0.5): F1 is 0 everywhere,
+nothing to tune.
 The same bins are used by :func:`tune_thresholds_from_scores` (one site's rows, or the simulator's), so the
 federated tuning equals the tuning on the concatenated rows exactly (a test checks this).
 
 Serving applies the same rule, ``p >= t``, with the thresholds the bundle carries (:mod:`fedclinic.serving.bundle`).
+:func:`write_model_thresholds` / :func:`set_card_thresholds` put them into a downloaded model's card, from which
+``fedclinic export onnx`` copies them into the signed bundle.
+
+What leaves a site: per label and bin, two counts of its evaluation rows (no row, no score). A bin holding one
+row says that one row scored in that range; the evaluation pool's small-cell rule (``eval_rows`` below the site's
+``min_cell_rows``) applies to the whole evaluation, not to single bins.
 """
 
 from __future__ import annotations
