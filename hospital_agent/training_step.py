@@ -24,6 +24,7 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.codecs import ErrorFeedback
+from fedclinic.evaluation.multilabel import round_report_metrics
 from fedclinic.training.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2
 from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
@@ -100,7 +101,10 @@ class TrainingStep:
         from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
 
         loaded = state.loaded
-        eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
+        # the round's report leaves out the threshold histograms (for the final-model evaluation) and, for very
+        # many labels, the per-label figures: an update carries at most 256 evaluation values
+        eval_metrics = (round_report_metrics(training.evaluate(loaded, state.eval_data))
+                        if state.eval_data is not None else {})
         started = time.monotonic()
 
         def progress(step: int, total: int, loss: float) -> None:

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -100,6 +100,10 @@ class Client:
         aggregator nor anyone else can alter the task, swap its model or run it under another task id.
         """
         task.validate()
+        if isinstance(task.pos_weight, str):  # "from-statistics:<task id>": weights from that task's label counts
+            from fedclinic.evaluation.class_weights import resolve_task_pos_weight
+
+            task = resolve_task_pos_weight(task, self.status)
         if package is None:
             # lazy: the model families (and torch, when packaging) load only when a task is packaged here
             from fedclinic.models import package_for_task
@@ -218,7 +222,8 @@ class Client:
             raise explain_rpc_error(exc, self.address) from None
 
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
-                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False) -> Path:
+                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False,
+                 thresholds: Any = None) -> Path:
         """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card
         (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.spec.model_card`) and its signatures
         (``SIGNATURES.json``, :mod:`fedclinic.pki.model_signatures`) beside the files.
@@ -228,7 +233,10 @@ class Client:
         round or model), then countersigned with this client's key. ``allow_unsigned`` accepts a model the
         aggregator sent no signature for (an older aggregator); the folder then has no ``SIGNATURES.json``.
         The card is built from ``status`` when given, else from the task's status fetched after the model (so
-        it knows every round that went into it).
+        it knows every round that went into it). ``thresholds`` (multi-label models) sets the per-label decision
+        thresholds the card, the ONNX bundle and ``serve`` carry: ``"tuned"`` (F1-best from the final model's pooled
+        evaluation in the status), a JSON file, a list in label order or a mapping label -> threshold
+        (:func:`fedclinic.evaluation.thresholds.write_model_thresholds`).
         """
         package, model_hash, statement = self._fetch(task_id, round, allow_unsigned=allow_unsigned)
         signatures = None
@@ -243,6 +251,13 @@ class Client:
         if status is None:
             status = self.status(task_id)
         write_card(folder, build_card(package.meta, model_hash=model_hash, status=status, requested_round=round))
+        if thresholds is not None:
+            # lazy: numpy metrics load only when thresholds are set
+            from fedclinic.evaluation.thresholds import write_model_thresholds
+
+            write_model_thresholds(folder, thresholds, status=status,
+                                   source=f"the final model's evaluation at the sites of task {task_id}"
+                                   if thresholds == "tuned" else "")
         return folder
 
 
@@ -283,6 +298,8 @@ HEADLINE_METRICS = (("eval_macro_auc", "site-eval macro AUC"), ("eval_accuracy",
 def _headline(metrics) -> str:
     """The round's headline metric, then its privacy spend when the task is private."""
     text = next((f" {name} {metrics[key]:.3f}" for key, name in HEADLINE_METRICS if key in metrics), "")
+    if "eval_macro_auc" in metrics and "eval_macro_f1" in metrics:  # multi-label: exact match says little
+        text = f" site-eval macro-F1 {metrics['eval_macro_f1']:.3f} macro-AUC {metrics['eval_macro_auc']:.3f}"
     if "dp_epsilon" in metrics:  # sample-level DP: the largest cumulative spend of any site
         text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
     elif "client_dp_epsilon" in metrics:

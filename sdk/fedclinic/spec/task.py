@@ -104,6 +104,12 @@ class Task:
     measure_gradient_change: bool = False  # sites report gradient_change_rate (dynamic-weighting, "code")
     max_length: int = 128
     seed: int = 0
+    #: ``[training] pos_weight``: multi-label BCE weight of each label's positives (one positive number per label,
+    #: label order), or "from-statistics:<task id>" (resolved at submit from that statistics task's label counts,
+    #: fedclinic.evaluation.class_weights); empty = unweighted
+    pos_weight: list[float] | str = field(default_factory=list)
+    #: where pos_weight came from (set when "from-statistics:..." is resolved; recorded in the spec and the card)
+    pos_weight_source: str = ""
     # rounds
     num_rounds: int = 3
     min_sites: int = 2
@@ -196,6 +202,7 @@ class Task:
         if len(set(self.labels)) != len(self.labels):
             p.append("labels contains duplicates")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        p.extend(_pos_weight_input_problems(self.pos_weight))
         p.extend(privacy_input_problems(self.privacy))
         p.extend(secure_aggregation_input_problems(self.secure_aggregation))
         p.extend(verification_input_problems(self.verification))
@@ -231,6 +238,10 @@ class Task:
 
     def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
         self.validate()
+        if isinstance(self.pos_weight, str):
+            raise ConfigError(f"pos_weight {self.pos_weight!r} is resolved when the task is submitted (Client.submit "
+                              "reads the statistics task); or compute it with fedclinic.evaluation.class_weights."
+                              "pos_weight_from_statistics")
         return self._build_spec(tokenizer_sha256, checked=True)
 
     def _build_spec(self, tokenizer_sha256: str, *, checked: bool) -> task_pb2.TaskSpec:
@@ -258,7 +269,10 @@ class Task:
         return task_pb2.TaskSpec(
             name=self.name, family=self.family, architecture=self.architecture, dataset=self.dataset,
             labels=self.labels, multi_label=self.multi_label, description=self.description, sites=self.sites,
-            training=task_pb2.TrainingConfig(**{k: v[k] for k in _TRAIN}),
+            training=task_pb2.TrainingConfig(**{k: v[k] for k in _TRAIN},
+                                             pos_weight=[] if _pos_weight_input_problems(self.pos_weight)
+                                             or isinstance(self.pos_weight, str) else self.pos_weight,
+                                             pos_weight_source=self.pos_weight_source),
             rounds=task_pb2.RoundConfig(num_rounds=v["num_rounds"], min_sites=v["min_sites"],
                                         participation_fraction=v["participation_fraction"],
                                         round_timeout_s=v["round_timeout_s"],
@@ -290,7 +304,7 @@ class Task:
         flat: dict[str, Any] = {}
         for key, value in doc.items():
             if key == "training":
-                flat.update(_section(value, _TRAIN, "training"))
+                flat.update(_section(value, (*_TRAIN, "pos_weight"), "training"))
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
@@ -318,6 +332,19 @@ class Task:
             raise ConfigError(f"{path}: {exc}") from None
         task.validate()
         return task
+
+
+def _pos_weight_input_problems(value: Any) -> list[str]:
+    """What is wrong with a task's ``pos_weight`` as written (a list of numbers or "from-statistics:<task id>");
+    its length and values are the spec's rules (fedclinic.spec.validation.pos_weight_problems)."""
+    if isinstance(value, str):
+        if not value.startswith("from-statistics:") or not value[len("from-statistics:"):].strip():
+            return [f"pos_weight {value!r} must be a list of numbers (one per label) or \"from-statistics:<task id>\""]
+        return []
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                                   for v in value):
+        return [f"pos_weight must be a list of numbers (one per label), got {value!r}"]
+    return []
 
 
 PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit",

@@ -207,6 +207,25 @@ def rounds_problems(spec: task_pb2.TaskSpec) -> list[str]:
     return p
 
 
+def pos_weight_problems(spec: task_pb2.TaskSpec) -> list[str]:
+    """``training.pos_weight`` (multi-label BCE class weights): empty, or one positive finite number per label of a
+    multi-label text-classification task trained without sample-level DP (whose per-example loss is unweighted)."""
+    weights = list(spec.training.pos_weight)
+    if not weights:
+        return []
+    p = []
+    if spec.family != "text-classification" or not spec.multi_label:
+        p.append("training.pos_weight applies to multi-label text-classification tasks only (multi_label = true)")
+    if len(weights) != len(spec.labels):
+        p.append(f"training.pos_weight needs one number per label ({len(spec.labels)}), got {len(weights)}")
+    bad = [w for w in weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        p.append(f"training.pos_weight values must be positive finite numbers, got {bad[:3]}")
+    if spec.privacy.level == "sample":
+        p.append("training.pos_weight is not supported with sample-level differential privacy yet; remove one")
+    return p
+
+
 def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
     """Every problem of the spec on its own (see the module docstring); empty when there is none."""
     p = []
@@ -219,6 +238,7 @@ def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
     bounds = bounds_problems(spec)
     p.extend(bounds)
     p.extend(rounds_problems(spec))
+    p.extend(pos_weight_problems(spec))
     if not bounds:  # it builds a session for the smallest cohort: not from absurd numbers
         p.extend(secure_aggregation_problems(spec))
     p.extend(privacy_problems(spec))
