@@ -3,6 +3,7 @@
     fedclinic pki init-ca | issue | request | renew | install | revoke | refresh-crl | list
     fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT | verify ID [--json]
     fedclinic demo [--report report.json]
+    fedclinic simulate task.toml --site NAME=TRAIN[:EVAL] ... [--eval TEST] [--json FILE]
     fedclinic privacy plan --epsilon E --rows N [--rows N ...] --rounds R [--model FOLDER --labels K]
     fedclinic audit verify FILE [--expect-head SEQ:HASH]
 
@@ -22,6 +23,7 @@ from fedclinic.errors import FedclinicError
 from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
+from fedclinic.federation.simulate_command import add_simulate_command
 from fedclinic.pki import add_pki_commands
 from fedclinic.privacy.plan_command import add_privacy_commands
 from fedclinic.runtime.audit_log import add_audit_commands
@@ -161,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify_command)
 
     add_experiment_commands(sub)
+    add_simulate_command(sub)
     add_export_commands(sub)
     add_serve_command(sub)
 
