@@ -99,6 +99,13 @@ def _task_command(args) -> int:
                 _print_status(st, args.json)
             if not tasks and not args.json:
                 print("no tasks" if args.all else "no queued or running tasks (--all lists finished ones too)")
+        elif args.task_cmd == "watch" and args.eval:
+            from fedclinic.client import ProgressDisplay
+            from fedclinic.federation.round_scoring import watch_and_score  # torch loads when a model is scored
+
+            events = ProgressDisplay(sys.stderr, tty=False)  # a line per event: the scores go to stdout between them
+            st = watch_and_score(client, args.task_id, args.eval, out=sys.stdout, on_event=events.update).status
+            _print_status(st, False)
         elif args.task_cmd == "watch":
             st = client.wait(args.task_id, progress=True)
             _print_status(st, False)
@@ -142,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true")
         if name == "cancel":
             p.add_argument("--reason", default="")
+        if name == "watch":
+            p.add_argument("--eval", metavar="TEST", help="score every round's model on your own test file (JSONL, "
+                                                          "CSV or TSV) as the round closes, beside the sites' figures")
     p = tsub.add_parser("list")
     p.add_argument("--all", action="store_true", help="include finished tasks")
     p.add_argument("--json", action="store_true")

@@ -28,6 +28,7 @@ from fedclinic.federation.baselines import CENTRALIZED
 from fedclinic.federation.site_round import site_key
 
 if TYPE_CHECKING:
+    from fedclinic.proto import task_pb2
     from fedclinic.spec.task import Task
 
 #: separates the held-out permutation from every other seed derived from (seed, site)
@@ -82,13 +83,13 @@ def check_names(sites: Sequence[SiteFiles]) -> None:
         raise ConfigError(f"site name(s) {dup} given more than once; every --site needs its own name")
 
 
-def read_rows(task: "Task", path: str | os.PathLike[str]) -> list:
-    """The examples of one file for ``task`` (its family, labels, multi_label), read as an agent reads its
-    dataset; a DatasetError naming the file and row for a bad one."""
+def read_rows(task: "Task | task_pb2.TaskSpec", path: str | os.PathLike[str]) -> list:
+    """The examples of one file for ``task`` (a Task or a TaskSpec: its family, labels, multi_label), read as an
+    agent reads its dataset; a DatasetError naming the file and row for a bad one."""
     # lazy: the data readers' dependencies load when a file is read (the CLI imports this module for its parser)
     from fedclinic.data.text import read_dataset
 
-    return read_dataset(task.family, path, label_set=task.labels or None, multi_label=task.multi_label)
+    return read_dataset(task.family, path, label_set=list(task.labels) or None, multi_label=task.multi_label)
 
 
 def holdout_split(rows: Sequence, fraction: float, *, seed: int, site: str) -> tuple[list, list]:
