@@ -91,7 +91,9 @@ def test_json_figures_equal_the_shared_functions(ran):
     pooled = doc["models"]["centralized"]["pooled"]
     by_site = doc["models"]["centralized"]["sites"]
     assert pooled == pool_by_rows(by_site)
-    assert pooled["accuracy"] == pytest.approx(sum(m["accuracy"] * m["eval_rows"] for m in by_site.values()) / 18)
+    for key in ("accuracy", "loss", "macro_f1"):
+        assert pooled[key] == pytest.approx(sum(m[key] * m["eval_rows"] for m in by_site.values()) / 18)
+    assert pooled["eval_rows"] == 18
 
 
 def test_a_bad_site_file_gives_the_agents_error(tmp_path, capsys):
