@@ -131,6 +131,9 @@ def simulate_task(task: "Task", sites: Sequence[SiteRows], *, tests: Mapping[str
                          for prefix, where in (("sites", "pooled"), *((t, t) for t in tests)) if f"{prefix}/{key}" in m)
         say(f"federated round {r.round}/{rounds_total}: train loss {r.train_loss:.4f} {shown} ({r.seconds:.1f} s)")
 
+    if len(sites) < task.min_sites:
+        say(f"note: the task asks for min_sites = {task.min_sites}; with {len(sites)} sites a federation would not "
+            "start its rounds (the simulation runs them anyway)")
     say(f"federated: {len(sites)} sites, {rounds_total} rounds, strategy {task.strategy}, codec {task.codec}")
     result = simulate(
         package, [encoded(s.train) for s in sites], rounds=rounds_total, train=train, strategy=task.strategy,

@@ -45,6 +45,7 @@ def test_prints_federated_centralized_and_local_only_side_by_side(ran):
     assert [line.split()[0] for line in table[1:]] == ["federated", "centralized", "local-only/a", "local-only/b",
                                                        "local-only/c"]
     assert "federated round 2/2" in err and "local-only c: training on 24 rows" in err  # progress, on stderr
+    assert "min_sites" not in err  # three sites: the task's quorum
     assert [s["eval_rows"] for s in doc["sites"]] == [6, 4, 8]
     assert doc["sites"][2]["eval_source"].endswith("c-eval.jsonl")
     # the same number of optimizer steps: federated = sum over sites and rounds; centralized over the pooled rows
@@ -141,3 +142,16 @@ def test_baseline_steps_rule():
     assert capped.max_steps == 60
     # local-only: exactly the steps the site takes over the federated run
     assert planned_steps(19, 8, 6) == 3 * planned_steps(19, 8, 2)
+
+
+def test_fewer_sites_than_the_quorum_are_noted_and_no_baselines_means_federated_only(tmp_path):
+    from fedclinic.federation.own_files import SiteFiles
+    from fedclinic.federation.task_simulation import simulate_task
+
+    files = own_files(tmp_path)
+    task = Task.from_toml(files["task"])
+    lines: list[str] = []
+    result = simulate_task(task, [read_site(task, SiteFiles("a", files["a"])), read_site(task, SiteFiles(
+        "b", files["b"]))], baselines=False, progress=lines.append)
+    assert any("min_sites = 3; with 2 sites" in line for line in lines)
+    assert list(result.models()) == ["federated"] and set(result.federated.sites) == {"a", "b"}
