@@ -100,6 +100,7 @@ def simulate_task(task: "Task", sites: Sequence[SiteRows], *, tests: Mapping[str
     # lazy: torch only when a simulation runs (the CLI imports this module to build its parser)
     from fedclinic.federation.simulate import simulate
     from fedclinic.models import build_model, load_tensors, package_for_task
+    from fedclinic.secagg.task_config import effective_config
     from fedclinic.spec.safl_settings import SaflConfig
     from fedclinic.training.trainer import TrainConfig, encode, select_tensors
 
@@ -142,7 +143,7 @@ def simulate_task(task: "Task", sites: Sequence[SiteRows], *, tests: Mapping[str
         site_eval_data=[site_eval[n] for n in names] if every_site_evaluates else None,
         participation=task.participation_fraction, seed=task.seed, progress=on_round,
         safl=SaflConfig.from_spec(spec), codec=spec.update.codec or "raw", dp=sample_dp(task),
-        secure_aggregation=spec.secure_aggregation if spec.secure_aggregation.enabled else None,
+        secure_aggregation=effective_config(spec.secure_aggregation) if spec.secure_aggregation.enabled else None,
         site_names=names, task_id=f"simulation:{task.name}")
     fed_seconds = time.monotonic() - started
 

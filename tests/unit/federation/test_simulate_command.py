@@ -155,3 +155,34 @@ def test_fewer_sites_than_the_quorum_are_noted_and_no_baselines_means_federated_
         "b", files["b"]))], baselines=False, progress=lines.append)
     assert any("min_sites = 3; with 2 sites" in line for line in lines)
     assert list(result.models()) == ["federated"] and set(result.federated.sites) == {"a", "b"}
+
+
+def test_the_tasks_privacy_becomes_the_simulators_dp_sgd_or_a_clear_refusal():
+    from fedclinic.federation.task_simulation import sample_dp
+
+    base = dict(name="p", dataset="d", labels=["cardio", "neuro"], architecture="logreg")
+    dp = sample_dp(Task(**base, privacy={"level": "sample", "target_epsilon": 4.0, "max_grad_norm": 0.5,
+                                         "logical_batch_size": 12}))
+    assert (dp.target_epsilon, dp.noise_multiplier, dp.max_grad_norm, dp.delta, dp.logical_batch_size) == \
+        (4.0, None, 0.5, 1e-5, 12)
+    assert sample_dp(Task(**base)) is None
+    with pytest.raises(ConfigError, match="patient id column"):
+        sample_dp(Task(**base, privacy={"level": "sample", "target_epsilon": 4.0, "unit": "patient"}))
+    with pytest.raises(ConfigError, match="runs over the services only"):
+        sample_dp(Task(**base, privacy={"level": "distributed", "target_epsilon": 4.0}))
+
+
+def test_a_secure_aggregation_task_simulates_with_the_aggregators_defaults(tmp_path):
+    """[secure_aggregation] enabled = true with nothing else: the defaults the aggregator fills in (clip, bits,
+    cohort) run; the masked, uniformly weighted mean lands near the plain sample-weighted one."""
+    from fedclinic.federation.own_files import SiteFiles
+    from fedclinic.federation.task_simulation import simulate_task
+
+    files = own_files(tmp_path)
+    task = Task.from_toml(files["task"])
+    sites = [read_site(task, SiteFiles(n, files[n])) for n in ("a", "b", "c")]
+    plain = simulate_task(task, sites, baselines=False)
+    task.secure_aggregation = {"enabled": True}
+    secure = simulate_task(task, sites, baselines=False)
+    assert secure.federated.pooled["loss"] == pytest.approx(plain.federated.pooled["loss"], abs=0.02)
+    assert secure.federated.pooled["loss"] != plain.federated.pooled["loss"]
