@@ -1,7 +1,7 @@
 """``fedclinic``: the data scientist's and administrator's command line.
 
     fedclinic pki init-ca | issue | request | renew | install | revoke | refresh-crl | list
-    fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT | verify ID [--json]
+    fedclinic task submit task.toml | status ID | list | watch ID [--eval TEST] | cancel ID | download ID OUT | verify ID [--json]
     fedclinic demo [--report report.json]
     fedclinic simulate task.toml --site NAME=TRAIN[:EVAL] ... [--eval TEST] [--json FILE]
     fedclinic privacy plan --epsilon E --rows N [--rows N ...] --rounds R [--model FOLDER --labels K]
