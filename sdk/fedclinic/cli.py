@@ -1,8 +1,9 @@
 """``fedclinic``: the data scientist's and administrator's command line.
 
     fedclinic pki init-ca | issue | request | renew | install | revoke | refresh-crl | list
-    fedclinic task submit task.toml | status ID | list | watch ID | cancel ID | download ID OUT | verify ID [--json]
+    fedclinic task submit task.toml | status ID | list | watch ID [--eval TEST] | cancel ID | download ID OUT | verify ID [--json]
     fedclinic demo [--report report.json]
+    fedclinic simulate task.toml --site NAME=TRAIN[:EVAL] ... [--eval TEST] [--json FILE]
     fedclinic privacy plan --epsilon E --rows N [--rows N ...] --rounds R [--model FOLDER --labels K]
     fedclinic audit verify FILE [--expect-head SEQ:HASH]
 
@@ -23,6 +24,7 @@ from fedclinic.evaluation.statistics_table import statistics_report
 from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
+from fedclinic.federation.simulate_command import add_simulate_command
 from fedclinic.pki import add_pki_commands
 from fedclinic.privacy.plan_command import add_privacy_commands
 from fedclinic.runtime.audit_log import add_audit_commands
@@ -105,6 +107,13 @@ def _task_command(args) -> int:
                 _print_status(st, args.json)
             if not tasks and not args.json:
                 print("no tasks" if args.all else "no queued or running tasks (--all lists finished ones too)")
+        elif args.task_cmd == "watch" and args.eval:
+            from fedclinic.client import ProgressDisplay
+            from fedclinic.federation.round_scoring import watch_and_score  # torch loads when a model is scored
+
+            events = ProgressDisplay(sys.stderr, tty=False)  # a line per event: the scores go to stdout between them
+            st = watch_and_score(client, args.task_id, args.eval, out=sys.stdout, on_event=events.update).status
+            _print_status(st, False)
         elif args.task_cmd == "watch":
             st = client.wait(args.task_id, progress=True)
             _print_status(st, False)
@@ -152,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true")
         if name == "cancel":
             p.add_argument("--reason", default="")
+        if name == "watch":
+            p.add_argument("--eval", metavar="TEST", help="score every round's model on your own test file (JSONL, "
+                                                          "CSV or TSV) as the round closes, beside the sites' figures")
     p = tsub.add_parser("list")
     p.add_argument("--all", action="store_true", help="include finished tasks")
     p.add_argument("--json", action="store_true")
@@ -177,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify_command)
 
     add_experiment_commands(sub)
+    add_simulate_command(sub)
     add_export_commands(sub)
     add_serve_command(sub)
 

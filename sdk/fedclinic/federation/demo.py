@@ -37,6 +37,7 @@ from fedclinic.data.partition import dirichlet_label_skew, iid
 from fedclinic.data.qa import QAExample
 from fedclinic.export.bundle_signing import BundleSigning
 from fedclinic.export.onnx_export import export_onnx
+from fedclinic.federation.baselines import CENTRALIZED, mean_of, run_baselines
 from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 from fedclinic.models import build_model, lora, package_pretrained
 from fedclinic.models.causal_lm import package_qa_pretrained
@@ -411,30 +412,27 @@ def run_demo(args: argparse.Namespace) -> int:
              f"{r.downlink_bytes:>14,}")
 
     epochs = args.rounds * args.local_epochs
-    cfg = training.TrainConfig(local_epochs=epochs, batch_size=batch_size, learning_rate=args.learning_rate,
+    cfg = training.TrainConfig(local_epochs=args.local_epochs, batch_size=batch_size, learning_rate=args.learning_rate,
                                optimizer=args.optimizer, max_length=args.max_length, seed=args.seed)
     central = local_only = None
     if not args.no_baselines:
         _say(f"\nbaselines: the same initial model trained for {epochs} epochs")
-        trainable = training.select_tensors(list(initial.tensors), trainable_patterns)
 
-        def trained_on(rows) -> dict[str, float]:
-            loaded = build_model(initial)
-            training.train_local(loaded, training.encode(rows, loaded, max_length=args.max_length), cfg,
-                                 trainable=trainable)
+        def test_score(loaded) -> dict[str, float]:
             return _metrics(loaded, training.encode(test, loaded, max_length=args.max_length))
 
         def fmt(m: dict[str, float]) -> str:
             return f"{m['accuracy']:.3f}" + (f" ({', '.join(f'{k} {m[k]:.3f}' for k in extra)})" if extra else "")
 
-        pooled = [ex for rows in site_train.values() for ex in rows]
-        central = trained_on(pooled)
-        _say(f"  centralized (all {len(pooled)} examples pooled): {fmt(central)}")
-        local = []
-        for name, rows in site_train.items():
-            local.append(trained_on(rows))
-            _say(f"  local-only {name} ({len(rows)} examples): {fmt(local[-1])}")
-        local_only = {k: sum(m[k] for m in local) / len(local) for k in local[0]}
+        def said(name: str, rows: int, m: dict[str, float]) -> None:
+            _say(f"  centralized (all {rows} examples pooled): {fmt(m)}" if name == CENTRALIZED
+                 else f"  local-only {name} ({rows} examples): {fmt(m)}")
+
+        done = run_baselines(initial, site_train, cfg, rounds=args.rounds,
+                             trainable=training.select_tensors(list(initial.tensors), trainable_patterns),
+                             score=test_score, report=said)
+        central = done.centralized
+        local_only = mean_of(list(done.local.values()))
         _say(f"  local-only mean: {fmt(local_only)}")
         report.update({f"centralized_{k}": central[k] for k in extra})
         report.update({f"local_only_{k}": local_only[k] for k in extra})

@@ -13,6 +13,10 @@ folder (default ``experiments/out/NAME``)::
 ``fedclinic experiment report FOLDER`` prints a Markdown table (mean +- std over seeds of the maximum
 accuracy and minimum loss of each algorithm), next to the paper's numbers when the config gives them.
 
+A files setting's sites are read with the agents' readers (:mod:`fedclinic.federation.own_files`, as
+``fedclinic simulate`` reads them; a bad row stops the grid before any run with the file and row), its model is
+the task's; ``accuracy`` is on its test file, or on all sites' evaluation rows together (pooled by rows).
+
 Metrics follow FLCMC's protocol (its spec section 5): after every round the global model is evaluated on every
 client. ``accuracy`` = sum_k correct_k / sum_k n_k^test over the test splits of all clients, ``loss`` = the
 sample-weighted training cross-entropy over all clients' training splits (without any proximal term).
@@ -31,6 +35,14 @@ The config (TOML)::
     beta = 0.5
     num_clients = 30
     data_seed = 328
+
+    [data.notes]                     # or the scientist's own JSONL/CSV files as sites
+    kind = "files"
+    task = "task.toml"               # its model folder, labels, family and [training] (the algorithms' settings
+                                     # override them); paths relative to this config's folder
+    sites = { a = "a.jsonl", b = "b.csv", c = "c.jsonl:c-eval.jsonl" }   # NAME = "TRAIN" or "TRAIN:EVAL"
+    test = "test.jsonl"              # optional; else every site's evaluation rows together (EVAL, or holdout)
+    holdout = 0.2                    # a site without EVAL: this fraction of TRAIN held out, seeded by the task seed
 
     [defaults]                       # training settings shared by every algorithm (TrainConfig fields)
     local_epochs = 20
@@ -57,12 +69,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fedclinic.runtime.durable_file import write_atomically
-from fedclinic.errors import ConfigError
+from fedclinic.errors import ConfigError, FedclinicError
 from fedclinic.runtime.tomlconfig import load_toml
 from fedclinic.assets.synthetic import synthetic
+from fedclinic.federation.own_files import DEFAULT_HOLDOUT, SiteFiles, SiteRows, parse_site, read_rows, read_site
 from fedclinic.federation.simulate import simulate
 from fedclinic.models.feature_classification import build, encode_features, package_feature_model
 from fedclinic.strategies import make_strategy
+from fedclinic.spec.task import Task
 from fedclinic.training.trainer import TrainConfig
 
 #: FLCMC's algorithm matrix (spec 2.10): name -> (strategy, local optimizer, whether mu applies)
@@ -80,7 +94,9 @@ PRESETS: dict[str, tuple[str, str, bool]] = {
 
 ROUND_COLUMNS = ("data", "algorithm", "seed", "round", "accuracy", "loss", "test_loss", "seconds")
 _ALGO_KEYS = {"preset", "strategy", "strategy_params", "paper", "clients_per_round"}
-_DATA_KINDS = ("synthetic",)
+_DATA_KINDS = ("synthetic", "files")
+#: the settings of a ``kind = "files"`` data setting
+_FILES_KEYS = {"kind", "task", "sites", "test", "holdout"}
 
 
 @dataclass(frozen=True)
@@ -123,12 +139,14 @@ def load_experiment(path: str | os.PathLike[str], output: str | os.PathLike[str]
         problems.append(f"experiment.seeds must be a non-empty list of integers, got {seeds!r}")
     if not isinstance(workers, int) or workers < 1:
         problems.append(f"experiment.workers must be an integer >= 1, got {workers!r}")
-    data = doc.get("data") or {}
+    data = dict(doc.get("data") or {})
     if not data:
-        problems.append("no [data.NAME] section: give at least one data setting (kind = \"synthetic\")")
+        problems.append("no [data.NAME] section: give at least one data setting (kind = \"synthetic\" or \"files\")")
     for dname, d in data.items():
         if d.get("kind") not in _DATA_KINDS:
             problems.append(f"data.{dname}.kind must be one of {_DATA_KINDS}, got {d.get('kind')!r}")
+        elif d.get("kind") == "files":
+            data[dname] = _files_setting(dname, d, Path(path).resolve().parent, problems)
     defaults = dict(doc.get("defaults") or {})
     default_cpr = defaults.pop("clients_per_round", 10)
     train_fields = {f.name for f in fields(TrainConfig)}
@@ -190,16 +208,81 @@ def _load_synthetic(d: Mapping[str, Any], model):
     return sites, {"test": test, "train": train}
 
 
+def _files_setting(dname: str, d: Mapping[str, Any], base: Path, problems: list[str]) -> dict[str, Any]:
+    """A ``kind = "files"`` setting with its paths made absolute (relative ones are relative to the config's
+    folder), its task and every site file read once here so that a bad row is reported before any run starts."""
+    where = f"data.{dname}"
+    unknown = sorted(set(d) - _FILES_KEYS)
+    if unknown:
+        problems.append(f"{where}: unknown setting(s) {unknown}; a files setting takes {sorted(_FILES_KEYS)}")
+    sites = d.get("sites")
+    if not (isinstance(sites, dict) and sites and all(isinstance(v, str) for v in sites.values())):
+        problems.append(f"{where}.sites must be a table NAME = \"TRAIN\" or \"TRAIN:EVAL\" (one or more sites), "
+                        f"got {sites!r}")
+        return dict(d)
+    if not isinstance(d.get("task"), str):
+        problems.append(f"{where}.task must name a task file (its model folder, labels and family), got "
+                        f"{d.get('task')!r}")
+        return dict(d)
+    out = {**d, "task": str(base / d["task"]), "sites": {}}
+    try:
+        for name, spec in sites.items():
+            site = parse_site(f"{name}={spec}")
+            site = SiteFiles(site.name, base / site.train, base / site.eval if site.eval else None)
+            out["sites"][name] = f"{site.train}:{site.eval}" if site.eval else str(site.train)
+        if isinstance(d.get("test"), str):
+            out["test"] = str(base / d["test"])
+        _load_files_rows(out)
+    except FedclinicError as exc:
+        problems.append(f"{where}: {exc}")
+    return out
+
+
+def _load_files_rows(d: Mapping[str, Any]) -> tuple[Task, list[SiteRows], list]:
+    """The task, each site's rows and the test rows of a files setting (own_files' readers and held-out rule)."""
+    task = Task.from_toml(d["task"])
+    sites = [read_site(task, parse_site(f"{name}={spec}"), holdout=float(d.get("holdout", DEFAULT_HOLDOUT)))
+             for name, spec in d["sites"].items()]
+    test = read_rows(task, d["test"]) if d.get("test") else [ex for s in sites for ex in s.eval]
+    if not test:
+        raise ConfigError("no evaluation rows: give test = FILE, a site's TRAIN:EVAL or holdout > 0")
+    return task, sites, test
+
+
+def _load_files(d: Mapping[str, Any]):
+    """(package, sites' encoded training rows, {"test", "train"} eval sets, the task's training settings) of a
+    files setting: accuracy on its test file (or every site's evaluation rows together, i.e. pooled by rows) and
+    the loss over every site's training rows, as the synthetic kind reports them."""
+    from fedclinic.models import build_model, package_for_task
+    from fedclinic.training.trainer import encode
+
+    task, sites, test = _load_files_rows(d)
+    package = package_for_task(task)
+    loaded = build_model(package)
+    spec = task.to_spec()
+    base = {k: v for k, v in vars(TrainConfig.from_proto(spec.training)).items() if k != "device"}
+
+    def enc(rows):
+        return encode(list(rows), loaded, max_length=task.max_length)
+
+    return (package, [enc(s.train) for s in sites],
+            {"test": enc(test), "train": enc([ex for s in sites for ex in s.train])}, base)
+
+
 def run_one(data_name: str, data: Mapping[str, Any], algorithm: Algorithm, seed: int, rounds: int) -> list[dict]:
     """Simulate one (data, algorithm, seed) and return its per-round rows (ROUND_COLUMNS)."""
     import torch
 
     torch.set_num_threads(1)
-    package = package_feature_model(num_features=int(data.get("dim", 60)),
-                                    labels=[str(i) for i in range(int(data.get("num_classes", 10)))])
-    sites, eval_sets = _load_synthetic(data, build(package))
+    base: dict[str, Any] = {}
+    if data.get("kind") == "files":  # the task's model and training settings; the algorithm's override them
+        package, sites, eval_sets, base = _load_files(data)
+    else:
+        package = package_feature_model(num_features=int(data.get("dim", 60)),
+                                        labels=[str(i) for i in range(int(data.get("num_classes", 10)))])
+        sites, eval_sets = _load_synthetic(data, build(package))
     participation = min(1.0, algorithm.clients_per_round / len(sites))
-    cfg = TrainConfig(**{**algorithm.train, "seed": seed, "device": "cpu"})
+    cfg = TrainConfig(**{**base, **algorithm.train, "seed": seed, "device": "cpu"})
     result = simulate(package, sites, rounds=rounds, train=cfg, strategy=algorithm.strategy,
                       strategy_params=algorithm.strategy_params, participation=participation,
                       eval_data=eval_sets, seed=seed)
