@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/lint-imports
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/transfer.py
