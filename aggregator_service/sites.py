@@ -90,8 +90,8 @@ class Sites:
             if task is not None and task.state in (S.TASK_STATE_CANCELLED, S.TASK_STATE_FAILED):
                 items.append(agent_pb2.WorkItem(cancel=agent_pb2.CancelWork(task_id=key[0], reason=task.error)))
                 del delivered[key]
-            elif rnd is None or rnd.state != S.ROUND_STATE_OPEN:
-                del delivered[key]
+            elif key[2] and (rnd is None or rnd.state != S.ROUND_STATE_OPEN):  # attempt 0: a result phase's
+                del delivered[key]                                             # (aggregator_service.results)
         for task in self.store.tasks(S.TASK_STATE_RUNNING):
             spec = task.spec
             rnd = self.store.open_round_of(task.task_id)

@@ -52,6 +52,7 @@ from hospital_agent.metrics import AgentMetrics
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
 from hospital_agent.outgoing import outgoing_reason
+from hospital_agent.result_work import FEATURE as RESULTS_FEATURE, ResultWork
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
 from fedclinic.verification.round_statement import FEATURE as STATEMENT_FEATURE
 from hospital_agent.site_model import private_store_folder
@@ -114,6 +115,10 @@ class Agent:
                                     self.stop_event)
         self.training = TrainingStep(config, self.private_store, self.metrics, lambda: self.site_id, self.stop_event,
                                      self._cancelled)
+        #: work that trains nothing: the final model's evaluation, "evaluate" and "statistics" tasks, and each
+        #: round's evaluation sent after its update (hospital_agent.result_work)
+        self.results = ResultWork(config, self.stub, self.training, self.model_sync, self.model_checks, self._passes,
+                                  self.decline_round, lambda: self.privacy.ledger, self.audit)
         self.secagg = SiteSecAgg(self)
         self._secagg_queue: "queue.Queue[agent_pb2.SecAggPhase]" = queue.Queue()
 
@@ -167,7 +172,7 @@ class Agent:
 
         device = select_device(self.config.device)
         caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw", *available_codecs()], secure_aggregation=True,
-                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE, STATEMENT_FEATURE])
+                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE, STATEMENT_FEATURE, RESULTS_FEATURE])
         resp = self.stub().Hello(agent_pb2.HelloRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
                                                        agent_version=fedclinic.__version__, capabilities=caps),
                                 timeout=30)
@@ -385,6 +390,9 @@ class Agent:
     def handle(self, a: agent_pb2.Assignment) -> None:
         if not self._passes(a, self.admission.check(a)):
             return  # refused, held for approval, or rejected: nothing is downloaded, read or trained
+        if a.work:  # evaluate or statistics: nothing trains (hospital_agent.result_work)
+            self.results.handle(a, self._tasks.setdefault(a.task_id, TaskState()))
+            return
         secure = a.spec.secure_aggregation.enabled
         if secure and self.secagg.resume(a):
             return  # trained this round already: joined again with the vector it holds

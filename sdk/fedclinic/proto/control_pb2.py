@@ -27,7 +27,7 @@ from fedclinic.proto import task_pb2 as fedclinic_dot_v1_dot_task__pb2
 from fedclinic.proto import tensors_pb2 as fedclinic_dot_v1_dot_tensors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64\x63linic/v1/control.proto\x12\x0c\x66\x65\x64\x63linic.v1\x1a\x17\x66\x65\x64\x63linic/v1/task.proto\x1a\x1a\x66\x65\x64\x63linic/v1/tensors.proto\"\xb1\x01\n\x10SubmitTaskHeader\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.fedclinic.v1.ModelManifest\x12\x32\n\x0bsigned_task\x18\x04 \x01(\x0b\x32\x1d.fedclinic.v1.SignedStatement\"\x12\n\x10SubmitTaskCommit\"\xd3\x01\n\x0fSubmitTaskChunk\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskHeaderH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.fedclinic.v1.FileChunkH\x00\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.fedclinic.v1.TensorChunkH\x00\x12\x30\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskCommitH\x00\x42\x06\n\x04item\"\xa9\x03\n\nSiteReport\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x14\n\x0cuplink_bytes\x18\x03 \x01(\x03\x12\x36\n\x07metrics\x18\x04 \x03(\x0b\x32%.fedclinic.v1.SiteReport.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\x05 \x03(\x0b\x32).fedclinic.v1.SiteReport.EvalMetricsEntry\x12\x19\n\x11uplink_fp32_bytes\x18\x06 \x01(\x03\x12\x19\n\x11uplink_wire_bytes\x18\x07 \x01(\x03\x12\x17\n\x0fselected_layers\x18\x08 \x03(\x05\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\n \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd5\x04\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x05\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.fedclinic.v1.RoundState\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x14\n\x0csites_target\x18\x04 \x01(\x05\x12\x16\n\x0esites_assigned\x18\x05 \x03(\t\x12)\n\x07reports\x18\x06 \x03(\x0b\x32\x18.fedclinic.v1.SiteReport\x12\x38\n\x07metrics\x18\x07 \x03(\x0b\x32\'.fedclinic.v1.RoundSummary.MetricsEntry\x12\x14\n\x0cuplink_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x16\n\x0eopened_unix_ms\x18\n \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x0b \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x03\x12\x12\n\nmodel_hash\x18\r \x01(\t\x12\x10\n\x08\x64\x65\x63lined\x18\x0e \x03(\t\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\x0f \x01(\x03\x12\x0c\n\x04held\x18\x10 \x03(\t\x12\x13\n\x0b\x64\x64p_epsilon\x18\x14 \x01(\x01\x12\x11\n\tddp_delta\x18\x15 \x01(\x01\x12\x17\n\x0f\x64\x64p_noise_sites\x18\x16 \x01(\x05\x12\x18\n\x10\x64\x64p_noise_stddev\x18\x17 \x01(\x01\x12\x15\n\rddp_mechanism\x18\x18 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc4\x02\n\nTaskStatus\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.fedclinic.v1.TaskState\x12\x15\n\rcurrent_round\x18\x04 \x01(\x05\x12*\n\x06rounds\x18\x05 \x03(\x0b\x32\x1a.fedclinic.v1.RoundSummary\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\t \x01(\x03\x12\x1a\n\x12initial_model_hash\x18\n \x01(\t\x12\x18\n\x10\x66inal_model_hash\x18\x0b \x01(\t\x12\x0e\n\x06signed\x18\x0c \x01(\x08\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\",\n\x10ListTasksRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"<\n\x11ListTasksResponse\x12\'\n\x05tasks\x18\x01 \x03(\x0b\x32\x18.fedclinic.v1.TaskStatus\"6\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"r\n\tTaskEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x06status\x18\x04 \x01(\x0b\x32\x18.fedclinic.v1.TaskStatus\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\"4\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"}\n\x18\x43ontrolFetchModelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12\x13\n\x0bhave_sha256\x18\x03 \x03(\t\x12\x15\n\rresume_tensor\x18\x04 \x01(\t\x12\x15\n\rresume_offset\x18\x05 \x01(\x03\"=\n\x15GetTaskRecordsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_round\x18\x02 \x01(\x05\"\x92\x02\n\x0cRoundRecords\x12\r\n\x05round\x18\x01 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x17\n\x0f\x62\x61se_model_hash\x18\x03 \x01(\t\x12\x12\n\nmodel_hash\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\x05\x12\x31\n\nstatements\x18\x06 \x03(\x0b\x32\x1d.fedclinic.v1.SignedStatement\x12\x0e\n\x06secure\x18\x07 \x01(\x08\x12\x11\n\tsurvivors\x18\x08 \x03(\t\x12\x19\n\x11secure_sum_sha256\x18\t \x01(\t\x12\x1a\n\x12secure_params_json\x18\n \x01(\t\x12\x19\n\x11updates_published\x18\x0b \x01(\x08\"\xc9\x01\n\x0bTaskRecords\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12\x1a\n\x12initial_model_hash\x18\x03 \x01(\t\x12\x18\n\x10\x66inal_model_hash\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\x05\x12*\n\x06rounds\x18\x06 \x03(\x0b\x32\x1a.fedclinic.v1.RoundRecords\x12\x12\n\nnext_round\x18\x07 \x01(\x05\"7\n\x14\x46\x65tchTaskBlobRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\x19\n\tBlobChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*\xa1\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x16\n\x12TASK_STATE_RUNNING\x10\x02\x12\x18\n\x14TASK_STATE_COMPLETED\x10\x03\x12\x15\n\x11TASK_STATE_FAILED\x10\x04\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x05*o\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_OPEN\x10\x01\x12\x16\n\x12ROUND_STATE_CLOSED\x10\x02\x12\x16\n\x12ROUND_STATE_FAILED\x10\x03\x32\xe8\x04\n\x07\x43ontrol\x12G\n\nSubmitTask\x12\x1d.fedclinic.v1.SubmitTaskChunk\x1a\x18.fedclinic.v1.TaskStatus(\x01\x12\x41\n\x07GetTask\x12\x1c.fedclinic.v1.GetTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12L\n\tListTasks\x12\x1e.fedclinic.v1.ListTasksRequest\x1a\x1f.fedclinic.v1.ListTasksResponse\x12\x46\n\tWatchTask\x12\x1e.fedclinic.v1.WatchTaskRequest\x1a\x17.fedclinic.v1.TaskEvent0\x01\x12G\n\nCancelTask\x12\x1f.fedclinic.v1.CancelTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12P\n\nFetchModel\x12&.fedclinic.v1.ControlFetchModelRequest\x1a\x18.fedclinic.v1.ModelChunk0\x01\x12P\n\x0eGetTaskRecords\x12#.fedclinic.v1.GetTaskRecordsRequest\x1a\x19.fedclinic.v1.TaskRecords\x12N\n\rFetchTaskBlob\x12\".fedclinic.v1.FetchTaskBlobRequest\x1a\x17.fedclinic.v1.BlobChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64\x63linic/v1/control.proto\x12\x0c\x66\x65\x64\x63linic.v1\x1a\x17\x66\x65\x64\x63linic/v1/task.proto\x1a\x1a\x66\x65\x64\x63linic/v1/tensors.proto\"\xb1\x01\n\x10SubmitTaskHeader\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.fedclinic.v1.ModelManifest\x12\x32\n\x0bsigned_task\x18\x04 \x01(\x0b\x32\x1d.fedclinic.v1.SignedStatement\"\x12\n\x10SubmitTaskCommit\"\xd3\x01\n\x0fSubmitTaskChunk\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskHeaderH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.fedclinic.v1.FileChunkH\x00\x12+\n\x06tensor\x18\x03 \x01(\x0b\x32\x19.fedclinic.v1.TensorChunkH\x00\x12\x30\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x1e.fedclinic.v1.SubmitTaskCommitH\x00\x42\x06\n\x04item\"\xd5\x03\n\nSiteReport\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x03\x12\x14\n\x0cuplink_bytes\x18\x03 \x01(\x03\x12\x36\n\x07metrics\x18\x04 \x03(\x0b\x32%.fedclinic.v1.SiteReport.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\x05 \x03(\x0b\x32).fedclinic.v1.SiteReport.EvalMetricsEntry\x12\x19\n\x11uplink_fp32_bytes\x18\x06 \x01(\x03\x12\x19\n\x11uplink_wire_bytes\x18\x07 \x01(\x03\x12\x17\n\x0fselected_layers\x18\x08 \x03(\x05\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\n \x01(\x03\x12\x11\n\teval_rows\x18\x0b \x01(\x03\x12\x17\n\x0f\x65val_suppressed\x18\x0c \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x82\x05\n\x0cRoundSummary\x12\r\n\x05round\x18\x01 \x01(\x05\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.fedclinic.v1.RoundState\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x14\n\x0csites_target\x18\x04 \x01(\x05\x12\x16\n\x0esites_assigned\x18\x05 \x03(\t\x12)\n\x07reports\x18\x06 \x03(\x0b\x32\x18.fedclinic.v1.SiteReport\x12\x38\n\x07metrics\x18\x07 \x03(\x0b\x32\'.fedclinic.v1.RoundSummary.MetricsEntry\x12\x14\n\x0cuplink_bytes\x18\x08 \x01(\x03\x12\x16\n\x0e\x64ownlink_bytes\x18\t \x01(\x03\x12\x16\n\x0eopened_unix_ms\x18\n \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x0b \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x03\x12\x12\n\nmodel_hash\x18\r \x01(\t\x12\x10\n\x08\x64\x65\x63lined\x18\x0e \x03(\t\x12\x1b\n\x13\x64ownlink_wire_bytes\x18\x0f \x01(\x03\x12\x0c\n\x04held\x18\x10 \x03(\t\x12\x13\n\x0b\x64\x64p_epsilon\x18\x14 \x01(\x01\x12\x11\n\tddp_delta\x18\x15 \x01(\x01\x12\x17\n\x0f\x64\x64p_noise_sites\x18\x16 \x01(\x05\x12\x18\n\x10\x64\x64p_noise_stddev\x18\x17 \x01(\x01\x12\x15\n\rddp_mechanism\x18\x18 \x01(\t\x12\x12\n\neval_sites\x18\x19 \x01(\x05\x12\x17\n\x0f\x65val_model_hash\x18\x1a \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xf0\x02\n\nTaskStatus\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.fedclinic.v1.TaskState\x12\x15\n\rcurrent_round\x18\x04 \x01(\x05\x12*\n\x06rounds\x18\x05 \x03(\x0b\x32\x1a.fedclinic.v1.RoundSummary\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x08 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\t \x01(\x03\x12\x1a\n\x12initial_model_hash\x18\n \x01(\t\x12\x18\n\x10\x66inal_model_hash\x18\x0b \x01(\t\x12\x0e\n\x06signed\x18\x0c \x01(\x08\x12*\n\x07results\x18\x0f \x01(\x0b\x32\x19.fedclinic.v1.ResultPhase\"\xb3\x01\n\nResultCell\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x06values\x18\x03 \x03(\x0b\x32$.fedclinic.v1.ResultCell.ValuesEntry\x12\x12\n\nsuppressed\x18\x04 \x01(\x08\x12\x0c\n\x04rows\x18\x05 \x01(\x03\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa1\x01\n\x0cPooledResult\x12\r\n\x05model\x18\x01 \x01(\t\x12\x36\n\x06values\x18\x02 \x03(\x0b\x32&.fedclinic.v1.PooledResult.ValuesEntry\x12\r\n\x05sites\x18\x03 \x01(\x05\x12\x0c\n\x04note\x18\x04 \x01(\t\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8e\x02\n\x0bResultPhase\x12\x0c\n\x04work\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12\x0c\n\x04open\x18\x03 \x01(\x08\x12\x12\n\nmodel_hash\x18\x04 \x01(\t\x12\x16\n\x0eopened_unix_ms\x18\x05 \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x16\n\x0e\x63losed_unix_ms\x18\x07 \x01(\x03\x12\'\n\x05\x63\x65lls\x18\x08 \x03(\x0b\x32\x18.fedclinic.v1.ResultCell\x12*\n\x06pooled\x18\t \x03(\x0b\x32\x1a.fedclinic.v1.PooledResult\x12\x10\n\x08\x64\x65\x63lined\x18\n \x03(\t\x12\x0f\n\x07waiting\x18\x0b \x03(\t\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\",\n\x10ListTasksRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"<\n\x11ListTasksResponse\x12\'\n\x05tasks\x18\x01 \x03(\x0b\x32\x18.fedclinic.v1.TaskStatus\"6\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"r\n\tTaskEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x06status\x18\x04 \x01(\x0b\x32\x18.fedclinic.v1.TaskStatus\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\"4\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"}\n\x18\x43ontrolFetchModelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12\x13\n\x0bhave_sha256\x18\x03 \x03(\t\x12\x15\n\rresume_tensor\x18\x04 \x01(\t\x12\x15\n\rresume_offset\x18\x05 \x01(\x03\"=\n\x15GetTaskRecordsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_round\x18\x02 \x01(\x05\"\x92\x02\n\x0cRoundRecords\x12\r\n\x05round\x18\x01 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x17\n\x0f\x62\x61se_model_hash\x18\x03 \x01(\t\x12\x12\n\nmodel_hash\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\x05\x12\x31\n\nstatements\x18\x06 \x03(\x0b\x32\x1d.fedclinic.v1.SignedStatement\x12\x0e\n\x06secure\x18\x07 \x01(\x08\x12\x11\n\tsurvivors\x18\x08 \x03(\t\x12\x19\n\x11secure_sum_sha256\x18\t \x01(\t\x12\x1a\n\x12secure_params_json\x18\n \x01(\t\x12\x19\n\x11updates_published\x18\x0b \x01(\x08\"\xc9\x01\n\x0bTaskRecords\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fedclinic.v1.TaskSpec\x12\x1a\n\x12initial_model_hash\x18\x03 \x01(\t\x12\x18\n\x10\x66inal_model_hash\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\x05\x12*\n\x06rounds\x18\x06 \x03(\x0b\x32\x1a.fedclinic.v1.RoundRecords\x12\x12\n\nnext_round\x18\x07 \x01(\x05\"7\n\x14\x46\x65tchTaskBlobRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\x19\n\tBlobChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*\xa1\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x16\n\x12TASK_STATE_RUNNING\x10\x02\x12\x18\n\x14TASK_STATE_COMPLETED\x10\x03\x12\x15\n\x11TASK_STATE_FAILED\x10\x04\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x05*o\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_OPEN\x10\x01\x12\x16\n\x12ROUND_STATE_CLOSED\x10\x02\x12\x16\n\x12ROUND_STATE_FAILED\x10\x03\x32\xe8\x04\n\x07\x43ontrol\x12G\n\nSubmitTask\x12\x1d.fedclinic.v1.SubmitTaskChunk\x1a\x18.fedclinic.v1.TaskStatus(\x01\x12\x41\n\x07GetTask\x12\x1c.fedclinic.v1.GetTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12L\n\tListTasks\x12\x1e.fedclinic.v1.ListTasksRequest\x1a\x1f.fedclinic.v1.ListTasksResponse\x12\x46\n\tWatchTask\x12\x1e.fedclinic.v1.WatchTaskRequest\x1a\x17.fedclinic.v1.TaskEvent0\x01\x12G\n\nCancelTask\x12\x1f.fedclinic.v1.CancelTaskRequest\x1a\x18.fedclinic.v1.TaskStatus\x12P\n\nFetchModel\x12&.fedclinic.v1.ControlFetchModelRequest\x1a\x18.fedclinic.v1.ModelChunk0\x01\x12P\n\x0eGetTaskRecords\x12#.fedclinic.v1.GetTaskRecordsRequest\x1a\x19.fedclinic.v1.TaskRecords\x12N\n\rFetchTaskBlob\x12\".fedclinic.v1.FetchTaskBlobRequest\x1a\x17.fedclinic.v1.BlobChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_ROUNDSUMMARY_METRICSENTRY']._loaded_options = None
   _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKSTATE']._serialized_start=2991
-  _globals['_TASKSTATE']._serialized_end=3152
-  _globals['_ROUNDSTATE']._serialized_start=3154
-  _globals['_ROUNDSTATE']._serialized_end=3265
+  _globals['_RESULTCELL_VALUESENTRY']._loaded_options = None
+  _globals['_RESULTCELL_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_POOLEDRESULT_VALUESENTRY']._loaded_options = None
+  _globals['_POOLEDRESULT_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_TASKSTATE']._serialized_start=3743
+  _globals['_TASKSTATE']._serialized_end=3904
+  _globals['_ROUNDSTATE']._serialized_start=3906
+  _globals['_ROUNDSTATE']._serialized_end=4017
   _globals['_SUBMITTASKHEADER']._serialized_start=98
   _globals['_SUBMITTASKHEADER']._serialized_end=275
   _globals['_SUBMITTASKCOMMIT']._serialized_start=277
@@ -51,41 +55,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITTASKCHUNK']._serialized_start=298
   _globals['_SUBMITTASKCHUNK']._serialized_end=509
   _globals['_SITEREPORT']._serialized_start=512
-  _globals['_SITEREPORT']._serialized_end=937
-  _globals['_SITEREPORT_METRICSENTRY']._serialized_start=839
-  _globals['_SITEREPORT_METRICSENTRY']._serialized_end=885
-  _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_start=887
-  _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_end=937
-  _globals['_ROUNDSUMMARY']._serialized_start=940
-  _globals['_ROUNDSUMMARY']._serialized_end=1537
-  _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_start=839
-  _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_end=885
-  _globals['_TASKSTATUS']._serialized_start=1540
-  _globals['_TASKSTATUS']._serialized_end=1864
-  _globals['_GETTASKREQUEST']._serialized_start=1866
-  _globals['_GETTASKREQUEST']._serialized_end=1899
-  _globals['_LISTTASKSREQUEST']._serialized_start=1901
-  _globals['_LISTTASKSREQUEST']._serialized_end=1945
-  _globals['_LISTTASKSRESPONSE']._serialized_start=1947
-  _globals['_LISTTASKSRESPONSE']._serialized_end=2007
-  _globals['_WATCHTASKREQUEST']._serialized_start=2009
-  _globals['_WATCHTASKREQUEST']._serialized_end=2063
-  _globals['_TASKEVENT']._serialized_start=2065
-  _globals['_TASKEVENT']._serialized_end=2179
-  _globals['_CANCELTASKREQUEST']._serialized_start=2181
-  _globals['_CANCELTASKREQUEST']._serialized_end=2233
-  _globals['_CONTROLFETCHMODELREQUEST']._serialized_start=2235
-  _globals['_CONTROLFETCHMODELREQUEST']._serialized_end=2360
-  _globals['_GETTASKRECORDSREQUEST']._serialized_start=2362
-  _globals['_GETTASKRECORDSREQUEST']._serialized_end=2423
-  _globals['_ROUNDRECORDS']._serialized_start=2426
-  _globals['_ROUNDRECORDS']._serialized_end=2700
-  _globals['_TASKRECORDS']._serialized_start=2703
-  _globals['_TASKRECORDS']._serialized_end=2904
-  _globals['_FETCHTASKBLOBREQUEST']._serialized_start=2906
-  _globals['_FETCHTASKBLOBREQUEST']._serialized_end=2961
-  _globals['_BLOBCHUNK']._serialized_start=2963
-  _globals['_BLOBCHUNK']._serialized_end=2988
-  _globals['_CONTROL']._serialized_start=3268
-  _globals['_CONTROL']._serialized_end=3884
+  _globals['_SITEREPORT']._serialized_end=981
+  _globals['_SITEREPORT_METRICSENTRY']._serialized_start=883
+  _globals['_SITEREPORT_METRICSENTRY']._serialized_end=929
+  _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_start=931
+  _globals['_SITEREPORT_EVALMETRICSENTRY']._serialized_end=981
+  _globals['_ROUNDSUMMARY']._serialized_start=984
+  _globals['_ROUNDSUMMARY']._serialized_end=1626
+  _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_start=883
+  _globals['_ROUNDSUMMARY_METRICSENTRY']._serialized_end=929
+  _globals['_TASKSTATUS']._serialized_start=1629
+  _globals['_TASKSTATUS']._serialized_end=1997
+  _globals['_RESULTCELL']._serialized_start=2000
+  _globals['_RESULTCELL']._serialized_end=2179
+  _globals['_RESULTCELL_VALUESENTRY']._serialized_start=2134
+  _globals['_RESULTCELL_VALUESENTRY']._serialized_end=2179
+  _globals['_POOLEDRESULT']._serialized_start=2182
+  _globals['_POOLEDRESULT']._serialized_end=2343
+  _globals['_POOLEDRESULT_VALUESENTRY']._serialized_start=2134
+  _globals['_POOLEDRESULT_VALUESENTRY']._serialized_end=2179
+  _globals['_RESULTPHASE']._serialized_start=2346
+  _globals['_RESULTPHASE']._serialized_end=2616
+  _globals['_GETTASKREQUEST']._serialized_start=2618
+  _globals['_GETTASKREQUEST']._serialized_end=2651
+  _globals['_LISTTASKSREQUEST']._serialized_start=2653
+  _globals['_LISTTASKSREQUEST']._serialized_end=2697
+  _globals['_LISTTASKSRESPONSE']._serialized_start=2699
+  _globals['_LISTTASKSRESPONSE']._serialized_end=2759
+  _globals['_WATCHTASKREQUEST']._serialized_start=2761
+  _globals['_WATCHTASKREQUEST']._serialized_end=2815
+  _globals['_TASKEVENT']._serialized_start=2817
+  _globals['_TASKEVENT']._serialized_end=2931
+  _globals['_CANCELTASKREQUEST']._serialized_start=2933
+  _globals['_CANCELTASKREQUEST']._serialized_end=2985
+  _globals['_CONTROLFETCHMODELREQUEST']._serialized_start=2987
+  _globals['_CONTROLFETCHMODELREQUEST']._serialized_end=3112
+  _globals['_GETTASKRECORDSREQUEST']._serialized_start=3114
+  _globals['_GETTASKRECORDSREQUEST']._serialized_end=3175
+  _globals['_ROUNDRECORDS']._serialized_start=3178
+  _globals['_ROUNDRECORDS']._serialized_end=3452
+  _globals['_TASKRECORDS']._serialized_start=3455
+  _globals['_TASKRECORDS']._serialized_end=3656
+  _globals['_FETCHTASKBLOBREQUEST']._serialized_start=3658
+  _globals['_FETCHTASKBLOBREQUEST']._serialized_end=3713
+  _globals['_BLOBCHUNK']._serialized_start=3715
+  _globals['_BLOBCHUNK']._serialized_end=3740
+  _globals['_CONTROL']._serialized_start=4020
+  _globals['_CONTROL']._serialized_end=4636
 # @@protoc_insertion_point(module_scope)
