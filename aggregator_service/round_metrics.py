@@ -95,12 +95,12 @@ def evaluation_metrics(reports: Sequence[UpdateRecord], results: Sequence[SiteRe
                        ) -> dict[str, float]:
     """A round's ``eval_*`` figures: the sites' evaluations (:func:`site_evaluations`) pooled by
     fedclinic.evaluation.combine (counts summed, the rest weighted by ``eval_rows``, suppressed cells left out),
-    and ``eval_sites`` = how many sites are in the pool."""
+    ``eval_rows`` = the rows pooled and ``eval_sites`` = how many sites are in the pool."""
     evals = site_evaluations(reports, results)
     if not evals:
         return {}
     pooled = pool_evaluations({s: v for s, (v, _) in evals.items()}, {s: k for s, (_, k) in evals.items()})
-    out = {f"eval_{k}": v for k, v in pooled.values.items()}
+    out = {k if k == "eval_rows" else f"eval_{k}": v for k, v in pooled.values.items()}
     out["eval_sites"] = float(pooled.sites)
     return out
 

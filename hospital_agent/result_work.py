@@ -33,7 +33,7 @@ from hospital_agent.config import AgentConfig
 from hospital_agent.gates import GateChain, Verdict, private_names
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.task_state import TaskState
-from hospital_agent.training_step import TrainingStep
+from hospital_agent.training_step import TrainingStep, evaluation_values
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -122,11 +122,11 @@ class ResultWork:
 
     @staticmethod
     def evaluation(state: TaskState) -> dict[str, float]:
-        """The warm model on the site's held-out split: its metrics and ``eval_rows`` (the row count ``n``)."""
+        """The warm model on the site's held-out split: its metrics and ``eval_rows`` (the row count)."""
         from fedclinic.training import trainer  # torch-heavy: imported when a model is evaluated
 
-        values = {k: float(v) for k, v in trainer.evaluate(state.loaded, state.eval_data).items()}
-        values["eval_rows"] = float(values.pop("n", len(state.eval_data)))
+        values = evaluation_values(trainer.evaluate(state.loaded, state.eval_data))
+        values.setdefault("eval_rows", float(len(state.eval_data)))
         return values
 
     def _submit(self, a: agent_pb2.Assignment, work: str, model_hash: str,

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection
 
+import numpy as np
 import structlog
 
 from fedclinic.transport import codec_wire
@@ -47,6 +48,9 @@ class Trained:
     site: SiteRoundResult
     metrics: dict[str, float]                   # reported with the update (site round's + train_seconds)
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    #: the site's private tensors as they were before this round trained them (for the round's evaluation after
+    #: the update, :meth:`TrainingStep.restore_base`); None without private modules
+    private_before: dict | None = None
 
 
 class TrainingStep:
@@ -96,14 +100,20 @@ class TrainingStep:
                 log.info("private modules restored", tensors=len(private), from_round=stored[1])
         load_tensors(state.loaded.module, state.private_values)
 
-    def run(self, a: agent_pb2.Assignment, state: TaskState, cfg: "TrainConfig", private: list[str]) -> Trained:
+    def run(self, a: agent_pb2.Assignment, state: TaskState, cfg: "TrainConfig", private: list[str], *,
+            evaluate: bool = True) -> Trained:
         """Evaluate the synced model (global shared tensors + this site's private ones) on the site's held-out
-        split, run the site round and keep the private tensors. IntegrityError if a private tensor is to be sent
-        (the last gate before anything is written)."""
+        split (``evaluate``; otherwise the caller evaluates it after the update, :meth:`restore_base`), run the
+        site round and keep the private tensors. IntegrityError if a private tensor is to be sent (the last gate
+        before anything is written)."""
         from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
+        from fedclinic.models import module_tensors
 
         loaded = state.loaded
-        eval_metrics = training.evaluate(loaded, state.eval_data) if state.eval_data is not None else {}
+        eval_metrics = ({k: float(v) for k, v in training.evaluate(loaded, state.eval_data).items()}
+                        if evaluate and state.eval_data is not None else {})  # secure rounds: summed under masks
+        private_before = ({k: np.array(v, copy=True) for k, v in module_tensors(loaded.module, private).items()}
+                          if private and not evaluate and state.eval_data is not None else None)
         started = time.monotonic()
 
         def progress(step: int, total: int, loss: float) -> None:
@@ -136,7 +146,22 @@ class TrainingStep:
             state.private_values = out.private_values
             self.private_store.save(a.task_id, a.round, state.private_values)
         metrics = {**out.metrics, "train_seconds": time.monotonic() - started}
-        return Trained(out, metrics, {k: float(v) for k, v in eval_metrics.items()})
+        return Trained(out, metrics, eval_metrics, private_before)
+
+    def evaluate_base(self, a: agent_pb2.Assignment, state: TaskState, trained: Trained, sync) -> dict[str, float]:
+        """The round's evaluation, after its update left: the warm model brought back to the round's base model
+        (``sync``: hospital_agent.model_sync.ModelSync.sync reloads, from the cache, the tensors training changed)
+        with this site's private tensors as they were before the round, evaluated on the held-out split. The same
+        values :meth:`run` would have computed before training; empty without a held-out split."""
+        from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
+        from fedclinic.models import load_tensors
+
+        if state.eval_data is None:
+            return {}
+        sync()
+        if trained.private_before is not None:
+            load_tensors(state.loaded.module, trained.private_before)
+        return evaluation_values(training.evaluate(state.loaded, state.eval_data))
 
     def stage_feedback(self, task_id: str, trained: Trained) -> None:
         """Make the round's staged error-feedback residual durable (before the update exists; committed when the
@@ -148,7 +173,16 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep"]
+__all__ = ["Trained", "TrainingStep", "evaluation_values"]
+
+
+def evaluation_values(metrics: dict) -> dict[str, float]:
+    """An evaluation as it leaves the site: floats, with ``eval_rows`` (the rows evaluated, the trainer's ``n``)
+    by which the aggregator weights it (fedclinic.evaluation.combine)."""
+    values = {k: float(v) for k, v in metrics.items() if k != "n"}
+    if "n" in metrics:
+        values["eval_rows"] = float(metrics["n"])
+    return values
 
 
 def per_patient(spec) -> bool:

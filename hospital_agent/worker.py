@@ -426,7 +426,9 @@ class Agent:
         self.model_sync.sync(a, manifest, state)
         if private:
             self.training.restore_private(a.task_id, state, private)
-        trained = self.training.run(a, state, cfg, private)
+        # a plain round's evaluation follows its update (off the round's critical path); a secure round's metrics
+        # travel inside the masked vector, so it evaluates first
+        trained = self.training.run(a, state, cfg, private, evaluate=secure)
         failpoint("agent.trained")  # kill campaign: trained, not charged or written
         result = trained.site.train
         dp_report = None
@@ -456,3 +458,17 @@ class Agent:
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self.uploader.upload(entry)
+        self._evaluate_round(a, manifest, state, trained)
+
+    def _evaluate_round(self, a: agent_pb2.Assignment, manifest, state: TaskState, trained) -> None:
+        """After the update left: evaluate the round's base model and send it (hospital_agent.result_work); a
+        failure here is logged, the round is not affected."""
+        try:
+            values = self.training.evaluate_base(a, state, trained, lambda: self.model_sync.sync(a, manifest, state))
+        except Stopped:
+            raise
+        except Exception:  # noqa: BLE001 - the update is sent; its evaluation is a report, not the round
+            log.exception("round evaluation failed; the update was sent without it")
+            return
+        if values:
+            self.results.send_round_eval(a.task_id, a.round, manifest.model_hash, values)
