@@ -33,7 +33,7 @@ from hospital_agent.config import AgentConfig
 from hospital_agent.gates import GateChain, Verdict, private_names
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.task_state import TaskState
-from hospital_agent.training_step import TrainingStep, evaluation_values
+from hospital_agent.training_step import TrainingStep, evaluate_warm
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -114,20 +114,11 @@ class ResultWork:
         if state.eval_data is None:
             cfg = trainer.TrainConfig.from_proto(a.spec.training)
             state.eval_data = trainer.encode(state.raw_eval, state.loaded, max_length=cfg.max_length)
-        out = [agent_pb2.ResultValues(model="final" if final else "model", values=self.evaluation(state))]
+        out = [agent_pb2.ResultValues(model="final" if final else "model", values=evaluate_warm(state))]
         if final and private:
             self.training.restore_private(a.task_id, state, private)
-            out.append(agent_pb2.ResultValues(model="own", values=self.evaluation(state)))
+            out.append(agent_pb2.ResultValues(model="own", values=evaluate_warm(state)))
         return out
-
-    @staticmethod
-    def evaluation(state: TaskState) -> dict[str, float]:
-        """The warm model on the site's held-out split: its metrics and ``eval_rows`` (the row count)."""
-        from fedclinic.training import trainer  # torch-heavy: imported when a model is evaluated
-
-        values = evaluation_values(trainer.evaluate(state.loaded, state.eval_data))
-        values.setdefault("eval_rows", float(len(state.eval_data)))
-        return values
 
     def _submit(self, a: agent_pb2.Assignment, work: str, model_hash: str,
                 results: list[agent_pb2.ResultValues]) -> None:

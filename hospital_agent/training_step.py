@@ -153,15 +153,14 @@ class TrainingStep:
         (``sync``: hospital_agent.model_sync.ModelSync.sync reloads, from the cache, the tensors training changed)
         with this site's private tensors as they were before the round, evaluated on the held-out split. The same
         values :meth:`run` would have computed before training; empty without a held-out split."""
-        from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
-        from fedclinic.models import load_tensors
+        from fedclinic.models import load_tensors  # torch-heavy: imported when a round runs
 
         if state.eval_data is None:
             return {}
         sync()
         if trained.private_before is not None:
             load_tensors(state.loaded.module, trained.private_before)
-        return evaluation_values(training.evaluate(state.loaded, state.eval_data))
+        return evaluate_warm(state)
 
     def stage_feedback(self, task_id: str, trained: Trained) -> None:
         """Make the round's staged error-feedback residual durable (before the update exists; committed when the
@@ -173,7 +172,17 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep", "evaluation_values"]
+__all__ = ["Trained", "TrainingStep", "evaluate_warm", "evaluation_values"]
+
+
+def evaluate_warm(state: TaskState) -> dict[str, float]:
+    """The warm model as it is now on the site's held-out split, as it leaves the site (:func:`evaluation_values`;
+    ``eval_rows`` = the split's rows when the family's metrics do not count them)."""
+    from fedclinic.training import trainer  # torch-heavy: imported when a model is evaluated
+
+    values = evaluation_values(trainer.evaluate(state.loaded, state.eval_data))
+    values.setdefault("eval_rows", float(len(state.eval_data)))
+    return values
 
 
 def evaluation_values(metrics: dict) -> dict[str, float]:
