@@ -35,6 +35,7 @@ import grpc
 import structlog
 
 from fedclinic.errors import Refused
+from fedclinic.evaluation.combine import pool_evaluations
 from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from fedclinic.transport.wire import manifest_to_proto
 
@@ -170,6 +171,13 @@ class ResultPhases:
         summary = (f"{len(sites)} site(s) answered" + (f" ({', '.join(sites)})" if sites else "")
                    + ("; the deadline passed, sites that did not answer have empty cells" if late else ""))
         what = "statistics" if phase.work == STATISTICS else "evaluation"
+        if phase.work == EVALUATE:
+            for model in sorted({r.model for r in results}):
+                pooled = pool_evaluations({r.site: r.values for r in results if r.model == model},
+                                          {r.site: r.min_cell for r in results if r.model == model})
+                label = {"final": "final model", "own": "sites' own models", "model": "the model"}.get(model, model)
+                summary += f"; {label}: " + (headline(pooled.values) + f" over {pooled.sites} site(s)"
+                                             if pooled.values else pooled.note)
         with self.store.transaction() as tx:
             tx.close_result_phase(task_id, now_ms())
             tx.complete_task(task_id, phase.model_hash or task.initial_model, now_ms())
@@ -307,15 +315,23 @@ def names_other_than_round(req: agent_pb2.SubmitResultRequest) -> bool:
     return len(req.results) != 1 or req.results[0].model != ROUND_MODEL
 
 
+#: value -> how an event line names it (the first one present is shown)
+HEADLINE = (("macro_auc", "macro AUC"), ("accuracy", "acc"), ("strict_f1", "entity F1"), ("rougeL", "ROUGE-L"))
+
+
+def headline(values: dict[str, float], prefix: str = "") -> str:
+    """The headline figure of an evaluation (``prefix`` + key), with the rows it is over."""
+    head = next((f"{name} {values[prefix + k]:.3f}" for k, name in HEADLINE if prefix + k in values), "")
+    rows = values.get("eval_rows")
+    return (head + (f" on {int(rows)} rows" if rows else "")).strip()
+
+
 def round_eval_line(rnd: int, metrics: dict[str, float]) -> str:
     """How an event names a round's site evaluation: of the model the round started from."""
     sites = int(metrics.get("eval_sites", 0))
-    head = next((f" {name} {metrics[k]:.3f}" for k, name in (("eval_macro_auc", "macro AUC"),
-                                                              ("eval_accuracy", "acc"),
-                                                              ("eval_strict_f1", "entity F1"),
-                                                              ("eval_rougeL", "ROUGE-L")) if k in metrics), "")
     start = "the initial model" if rnd == 1 else f"the round-{rnd - 1} model"
-    return f"round {rnd}: site-eval of the model it started from ({start}) by {sites} site(s){head}"
+    return (f"round {rnd}: site-eval of the model it started from ({start}) by {sites} site(s): "
+            f"{headline(metrics, 'eval_')}")
 
 
 __all__ = ["FEATURE", "MAX_RESULT_KEYS", "ResultPhases", "check_values", "round_eval_line", "task_kind"]

@@ -34,7 +34,7 @@ from fedclinic.proto import control_pb2, task_pb2, tensors_pb2
 from fedclinic.spec.validation import check_spec
 
 from aggregator_service.folding import Folding
-from aggregator_service.results import ResultPhases, task_kind
+from aggregator_service.results import ResultPhases, round_eval_line, task_kind
 from aggregator_service.round_metrics import round_metrics
 from aggregator_service.sites import Sites
 from aggregator_service.status import TERMINAL, task_of
@@ -261,9 +261,10 @@ class RoundMachine:
             model_hash = tx.put_model(manifest)
             tx.put_model_deltas(model_hash, deltas)
             tx.close_round(task_id, rnd.round, now_ms(), model_hash, metrics, saved_state)
+            evaluated = f"; {round_eval_line(rnd.round, metrics)}" if metrics.get("eval_sites") else ""
             tx.add_event(task_id, "round-closed", f"round {rnd.round} closed with "
-                         f"{closed_with or f'{len(reports)} update(s)'}; model {model_hash[:12]}", round=rnd.round,
-                         model_hash=model_hash, updates=len(reports))
+                         f"{closed_with or f'{len(reports)} update(s)'}; model {model_hash[:12]}{evaluated}",
+                         round=rnd.round, model_hash=model_hash, updates=len(reports))
             last = rnd.round >= spec.rounds.num_rounds
             if last and self.results is not None and self.results.open_after_training(tx, task_id, spec, rnd.round,
                                                                                       model_hash):

@@ -82,6 +82,10 @@ def test_final_and_evaluate_only_tasks_return_the_matrix_and_refuse_what_they_mu
         assert reports["site-a"].eval_rows == 24 and final.rounds[0].metrics["eval_rows"] == 24 + 20 + 12
         events = [e for e in client.watch(st.task_id)]
         assert [e.kind for e in events][-2:] == ["results-closed", "completed"]
+        closed = events[-2].message  # the final line says it is the final model, and over what
+        assert "final model: acc" in closed and "on 44 rows over 2 site(s)" in closed, closed
+        assert any(e.kind in ("round-closed", "round-evaluated") and "site-eval of the model it started from (the "
+                   "initial model)" in e.message for e in events), [e.message for e in events]
         text = "\n".join(results_lines(final))
         assert "evaluation of the final model" in text and "site-c x final: suppressed" in text
 
