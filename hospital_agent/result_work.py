@@ -92,7 +92,20 @@ class ResultWork:
             raise FedclinicError("this agent cannot compute statistics yet (no hospital_agent.site_statistics); "
                                  "upgrade it") from None
         return answer_statistics(a.spec, task_id=a.task_id, config=self.config,
-                                 min_cell=self.config.policy.min_cell_rows, ledger=self._ledger())
+                                 min_cell=self.config.policy.min_cell_rows, ledger=self._ledger(),
+                                 tokenizer=self._tokenizer(a))
+
+    def _tokenizer(self, a: agent_pb2.Assignment) -> bytes | None:
+        """The task model's tokenizer.json (for the token statistics), fetched with the model when this site does
+        not hold it; None when the model has none."""
+        manifest = manifest_from_proto(a.model)
+        entry = next((f for f in manifest.files if f.path == "tokenizer.json"), None)
+        if entry is None:
+            return None
+        cache = self.model_sync.cache
+        if not cache.has(entry.sha256):
+            self.model_sync.fetch(a.task_id, manifest, True)
+        return cache.read(entry.sha256)
 
     def _evaluate(self, a: agent_pb2.Assignment, state: TaskState) -> list[agent_pb2.ResultValues] | None:
         """Sync the assignment's model and evaluate it (module docstring); None when declined."""
