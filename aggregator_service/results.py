@@ -2,9 +2,9 @@
 
 A **result phase** is a task's work that trains nothing and ends with a site x model matrix:
 
-- after the last round of a training task (kind ""), every site that trained (an update or a signed round
-  statement in some round, :meth:`Store.reported_sites`) and announced :data:`FEATURE` at Hello evaluates the
-  final model on its held-out split ("final"; with private modules also "own" = final shared tensors + its private
+- after the last round of a training task (kind "", not under secure aggregation, whose sites reveal only
+  sums), every site that trained (an update or a signed round statement in some round,
+  :meth:`Store.reported_sites`) and announced :data:`FEATURE` at Hello evaluates the final model on its held-out split ("final"; with private modules also "own" = final shared tensors + its private
   ones). The task stays RUNNING during the phase and is COMPLETED when it closes: the final model is downloadable
   from the moment the last round closed; ``completed`` means "trained and evaluated". With no such site the task
   completes at once, as before;
@@ -105,7 +105,11 @@ class ResultPhases:
     def open_after_training(self, tx: StoreTransaction, task_id: str, spec: task_pb2.TaskSpec, last_round: int,
                             model_hash: str) -> bool:
         """In the transaction that closes the last round: open the final model's evaluation when a site that
-        trained can take it; False (the caller completes the task now) when none can."""
+        trained can take it; False (the caller completes the task now) when none can, or when the task runs under
+        secure aggregation (its sites reveal only sums: a per-site matrix would be new; an "evaluate" task asks
+        for one explicitly, under each site's policy)."""
+        if spec.secure_aggregation.enabled:
+            return False
         if not any(s in self._capable for s in self.store.reported_sites(task_id)):
             return False
         self._open(tx, task_id, spec, last_round + 1, EVALUATE, model_hash,
