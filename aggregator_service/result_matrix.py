@@ -38,8 +38,8 @@ def result_phase_status(store: Store, task_id: str) -> control_pb2.ResultPhase |
         else:
             cell = suppress_cell(r.values, r.min_cell)
             suppressed = is_suppressed(cell)
-        out.cells.append(control_pb2.ResultCell(site_id=r.site, model=r.model, suppressed=suppressed,
-                                                values={} if suppressed else cell,
+        shown = cell if phase.work == STATISTICS or not suppressed else {}  # a site suppressed its own statistics
+        out.cells.append(control_pb2.ResultCell(site_id=r.site, model=r.model, suppressed=suppressed, values=shown,
                                                 rows=0 if suppressed else int(cell.get("eval_rows", 0))))
     for model, per_site in sorted(by_model.items()):
         if phase.work == STATISTICS:

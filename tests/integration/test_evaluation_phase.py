@@ -1,6 +1,7 @@
-"""Evaluation over real processes: a training task ends with the final model's site x model matrix, an
-"evaluate" task of that model returns the same matrix, a small site's cells are suppressed, a site whose policy
-forbids evaluation declines, and SubmitResult refuses callers and values it must not take (nothing written)."""
+"""Evaluation over real processes (one federation): a training task ends with the final model's site x model
+matrix, an "evaluate" task of that model returns the same matrix, a small site's cells are suppressed, a site
+whose policy forbids evaluation declines, SubmitResult refuses callers and values it must not take (nothing
+written); a "statistics" task returns per-site and pooled tables, a small site's cells suppressed."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from tests.helpers.text_models import tiny_package, write_site_data
 
 pytestmark = pytest.mark.integration
 
-#: site -> (training rows, held-out rows, policy); site-c's 4 held-out rows are fewer than k = 10
-SITES = {"site-a": (24, 24, {}), "site-b": (24, 20, {}), "site-c": (24, 4, {}),
-         "site-d": (24, 12, {"allow_evaluation": False})}
+#: site -> (training rows, held-out rows, policy); site-c's 6 and 4 rows are fewer than k = 10
+SITES = {"site-a": (24, 24, {}), "site-b": (24, 20, {}), "site-c": (6, 4, {}),
+         "site-d": (24, 12, {"allow_evaluation": False, "allow_statistics": False})}
 
 
-@pytest.fixture
-def fed(tmp_path):
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("evaluation")
     sites = []
     for i, (name, (n, m, policy)) in enumerate(SITES.items()):
         train = write_site_data(tmp_path / "data" / name, n, seed=i)
@@ -157,3 +159,20 @@ def test_final_and_evaluate_only_tasks_return_the_matrix_and_refuse_what_they_mu
         channel.close()
     with connect(fed.address, cert=bob.cert, key=bob.key, ca=bob.ca, server_name="localhost") as c:
         assert c.list(include_finished=True) == []  # nothing was created for bob
+
+
+def test_a_statistics_task_returns_per_site_and_pooled_tables(fed):
+    pytest.importorskip("hospital_agent.site_statistics")  # the statistics computation (issue 19, stats)
+    with fed.client() as client:
+        st = client.submit(make_task(kind="statistics", min_sites=1), package=tiny_package("logreg"))
+        done = client.wait(st.task_id, timeout=120, progress=False)
+    assert state_name(done.state) == "completed", done.error
+    assert done.results.work == "statistics" and not done.rounds
+    cells = {c.site_id: c for c in done.results.cells}
+    assert set(cells) == {"site-a", "site-b", "site-c"} and all(c.model == "statistics" for c in cells.values())
+    assert cells["site-a"].values["rows"] == 24 and cells["site-a"].values["label/cardio"] == 12
+    small = cells["site-c"]  # 6 rows < k = 10: its counts are withheld at the site, listed as suppressed
+    assert small.suppressed and "rows" not in small.values and small.values["suppressed/rows"] == 1
+    (pooled,) = done.results.pooled
+    assert pooled.model == "statistics" and pooled.values["rows"] >= 48
+    assert len(done.results.declined) == 1 and "allow_statistics = false" in done.results.declined[0]
