@@ -41,6 +41,7 @@ FIELD_LIMITS: dict[str, int] = {
     "fedclinic.v1.FetchModelRequest.delta_names": MAX_TENSORS,
     "fedclinic.v1.ControlFetchModelRequest.have_sha256": MAX_TENSORS,
     "fedclinic.v1.TaskSpec.labels": MAX_TENSORS,
+    "fedclinic.v1.TrainingConfig.pos_weight": MAX_TENSORS,  # one per label
     "fedclinic.v1.TaskSpec.description": 16_384,
     "fedclinic.v1.TaskSpec.name": 256,
     "fedclinic.v1.TaskSpec.dataset": 256,

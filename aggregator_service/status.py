@@ -51,6 +51,11 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
     phase = result_phase_status(store, task_id)
     if phase is not None:
         out.results.CopyFrom(phase)
+        if phase.work == "statistics":  # the statistics view the SDK's table reads (fedclinic.evaluation.statistics)
+            for cell in phase.cells:
+                out.site_statistics[cell.site_id].values.update(cell.values)
+            for pooled in phase.pooled:
+                out.pooled_statistics.update(pooled.values)
     safl_task = t.spec.update.selection == safl.SAFL
     for r in store.rounds_of(task_id):
         assigned = store.assignments_of(task_id, r.round)

@@ -35,3 +35,5 @@ class TaskState:
     #: the site's own values of the task's private tensors (private_patterns), as trained in its last round;
     #: None until read from the private store (or taken from the global model on a site's first round)
     private_values: dict[str, np.ndarray] | None = None
+    #: the tokenizer coverage (``tokenizer_unk_rate``) went out with this process's first update of the task
+    coverage_reported: bool = False

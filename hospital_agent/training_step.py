@@ -25,11 +25,13 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.codecs import ErrorFeedback
+from fedclinic.evaluation.multilabel import round_report_metrics
 from fedclinic.training.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2
 from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
+from fedclinic.evaluation.statistics_counts import unk_rate
 
-from hospital_agent.config import AgentConfig
+from hospital_agent.config import AgentConfig, DatasetEntry
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import feedback_path
@@ -71,11 +73,7 @@ class TrainingStep:
         from fedclinic.data.text import read_dataset  # with the data modules' dependencies, when a task first needs them
 
         entry = self.config.datasets[a.spec.dataset]
-        kwargs = dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
-                      entities_field=entry.entities_field, question_field=entry.question_field,
-                      answer_field=entry.answer_field, context_field=entry.context_field,
-                      image_field=entry.image_field, label_set=list(a.spec.labels),
-                      multi_label=a.spec.multi_label)
+        kwargs = reader_kwargs(entry, a.spec)
         if state.raw_train is None:
             state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
             state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
@@ -103,15 +101,18 @@ class TrainingStep:
     def run(self, a: agent_pb2.Assignment, state: TaskState, cfg: "TrainConfig", private: list[str], *,
             evaluate: bool = True) -> Trained:
         """Evaluate the synced model (global shared tensors + this site's private ones) on the site's held-out
-        split (``evaluate``; otherwise the caller evaluates it after the update, :meth:`restore_base`), run the
+        split (``evaluate``; otherwise the caller evaluates it after the update, :meth:`evaluate_base`), run the
         site round and keep the private tensors. IntegrityError if a private tensor is to be sent (the last gate
         before anything is written)."""
         from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
         from fedclinic.models import module_tensors
 
         loaded = state.loaded
-        eval_metrics = ({k: float(v) for k, v in training.evaluate(loaded, state.eval_data).items()}
-                        if evaluate and state.eval_data is not None else {})  # secure rounds: summed under masks
+        # the round's report leaves out the threshold histograms (for the final-model evaluation) and, for very
+        # many labels, the per-label figures: an update carries at most 256 evaluation values. A secure round's
+        # travel inside the masked vector, so it evaluates first; a plain round after its update (evaluate_base)
+        eval_metrics = (round_report_metrics(training.evaluate(loaded, state.eval_data))
+                        if evaluate and state.eval_data is not None else {})
         private_before = ({k: np.array(v, copy=True) for k, v in module_tensors(loaded.module, private).items()}
                           if private and not evaluate and state.eval_data is not None else None)
         started = time.monotonic()
@@ -146,13 +147,19 @@ class TrainingStep:
             state.private_values = out.private_values
             self.private_store.save(a.task_id, a.round, state.private_values)
         metrics = {**out.metrics, "train_seconds": time.monotonic() - started}
+        if not state.coverage_reported:  # the site's first update of the task says how well the tokenizer covers it
+            rate = coverage_rate(loaded, state.raw_train)
+            if rate is not None:
+                metrics["tokenizer_unk_rate"] = rate
+            state.coverage_reported = True
         return Trained(out, metrics, eval_metrics, private_before)
 
     def evaluate_base(self, a: agent_pb2.Assignment, state: TaskState, trained: Trained, sync) -> dict[str, float]:
         """The round's evaluation, after its update left: the warm model brought back to the round's base model
         (``sync``: hospital_agent.model_sync.ModelSync.sync reloads, from the cache, the tensors training changed)
         with this site's private tensors as they were before the round, evaluated on the held-out split. The same
-        values :meth:`run` would have computed before training; empty without a held-out split."""
+        values :meth:`run` would have computed before training (without the threshold histograms, which are for
+        the final model's evaluation); empty without a held-out split."""
         from fedclinic.models import load_tensors  # torch-heavy: imported when a round runs
 
         if state.eval_data is None:
@@ -160,7 +167,7 @@ class TrainingStep:
         sync()
         if trained.private_before is not None:
             load_tensors(state.loaded.module, trained.private_before)
-        return evaluate_warm(state)
+        return round_report_metrics(evaluate_warm(state))
 
     def stage_feedback(self, task_id: str, trained: Trained) -> None:
         """Make the round's staged error-feedback residual durable (before the update exists; committed when the
@@ -172,7 +179,7 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep", "evaluate_warm", "evaluation_values"]
+__all__ = ["Trained", "TrainingStep", "coverage_rate", "evaluate_warm", "evaluation_values", "reader_kwargs"]
 
 
 def evaluate_warm(state: TaskState) -> dict[str, float]:
@@ -192,6 +199,27 @@ def evaluation_values(metrics: dict) -> dict[str, float]:
     if "n" in metrics:
         values["eval_rows"] = float(metrics["n"])
     return values
+
+
+def coverage_rate(loaded, rows: list | None) -> float | None:
+    """The share of the content tokens of the site's training texts that are the task tokenizer's unknown token
+    (``fedclinic.evaluation.statistics_counts.unk_rate``): a rate, never text; None for rows without a text (a
+    question-answering task) or a model without a tokenizer."""
+    tokenizer = getattr(loaded, "tokenizer", None)
+    texts = [ex.text for ex in rows or () if isinstance(getattr(ex, "text", None), str)]
+    if tokenizer is None or not texts:
+        return None
+    return unk_rate(tokenizer, texts)
+
+
+def reader_kwargs(entry: DatasetEntry, spec) -> dict:
+    """The keyword arguments of ``fedclinic.data.text.read_dataset`` for a registry entry and a task spec: the
+    entry's format and column names, the task's label set (the one way the agent reads a dataset: training here,
+    statistics in hospital_agent.site_statistics)."""
+    return dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
+                entities_field=entry.entities_field, question_field=entry.question_field,
+                answer_field=entry.answer_field, context_field=entry.context_field,
+                image_field=entry.image_field, label_set=list(spec.labels), multi_label=spec.multi_label)
 
 
 def per_patient(spec) -> bool:

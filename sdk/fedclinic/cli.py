@@ -19,6 +19,7 @@ import sys
 from google.protobuf import json_format
 
 from fedclinic.errors import FedclinicError
+from fedclinic.evaluation.statistics_table import statistics_report
 from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
@@ -62,7 +63,11 @@ def _print_status(st, as_json: bool) -> None:
     if st.error:
         print(f"  error: {st.error}")
     for r in st.rounds:
-        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
+        # per-label figures (eval_f1/<label>, eval_auc/<label>) stay in --json and the model card
+        per_label = sum(1 for k in r.metrics if "/" in k)
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()) if "/" not in k)
+        if per_label:
+            metrics += f" (+{per_label} per-label: --json)"
         of = (f" (eval_*: {evaluated_model(r.round)}, the one the round started from, evaluated by {r.eval_sites} "
               "site(s))" if r.eval_sites else "")
         print(f"  round {r.round}: {len(r.reports)}/{r.sites_target} sites, up {r.uplink_bytes} B, "
@@ -82,6 +87,9 @@ def _print_status(st, as_json: bool) -> None:
     others = [s for s in waiting if s not in held]
     if others:
         print(f"    waiting for: {', '.join(others)} (no update or refusal yet: still training or offline)")
+    if st.site_statistics:  # a statistics task: the sites' values as a table, with what to act on
+        print(statistics_report({s: dict(v.values) for s, v in st.site_statistics.items()},
+                                dict(st.pooled_statistics), list(st.spec.labels), multi_label=st.spec.multi_label))
 
 
 def _task_command(args) -> int:
@@ -110,8 +118,12 @@ def _task_command(args) -> int:
         elif args.task_cmd == "cancel":
             _print_status(client.cancel(args.task_id, args.reason), False)
         elif args.task_cmd == "download":
-            path = client.download(args.task_id, args.out, round=args.round, allow_unsigned=args.allow_unsigned)
+            path = client.download(args.task_id, args.out, round=args.round, allow_unsigned=args.allow_unsigned,
+                                   thresholds=args.thresholds)
             print(f"model written to {path} (model card: {path / 'MODEL_CARD.md'})")
+            if args.thresholds:
+                print(f"per-label thresholds set in the model card ({args.thresholds}); `fedclinic export onnx` "
+                      "carries them into the bundle")
     return 0
 
 
@@ -158,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unsigned", action="store_true",
                    help="accept a model the aggregator sent no signature for (an older aggregator); a signature "
                         "that does not verify is refused regardless")
+    p.add_argument("--thresholds", metavar="FILE|tuned",
+                   help="multi-label models: per-label decision thresholds for the card, the ONNX bundle and serve: "
+                        "'tuned' (F1-best from the final model's evaluation at the sites) or a JSON file (a list in "
+                        "label order, or an object label -> threshold); default: 0.5 for every label")
     _connection_args(p)
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)

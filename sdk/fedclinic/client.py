@@ -14,10 +14,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
+from fedclinic.evaluation.statistics_table import coverage_warning
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.pki.common import PkiError
 from fedclinic.pki.model_signatures import check_aggregator_statement, countersign
@@ -99,6 +100,10 @@ class Client:
         aggregator nor anyone else can alter the task, swap its model or run it under another task id.
         """
         task.validate()
+        if isinstance(task.pos_weight, str):  # "from-statistics:<task id>": weights from that task's label counts
+            from fedclinic.evaluation.class_weights import resolve_task_pos_weight
+
+            task = resolve_task_pos_weight(task, self.status)
         named = task.evaluation.get("model_task", "") if task.kind == "evaluate" else ""
         if named:
             return self._submit_evaluation_of(task, named, idempotency_key)
@@ -237,7 +242,8 @@ class Client:
             raise explain_rpc_error(exc, self.address) from None
 
     def download(self, task_id: str, out_dir: str | Path, round: int = 0, *,
-                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False) -> Path:
+                 status: control_pb2.TaskStatus | None = None, allow_unsigned: bool = False,
+                 thresholds: Any = None) -> Path:
         """Write the model as a package folder (``model.safetensors`` + config + tokenizer) with its model card
         (``model_card.json`` and ``MODEL_CARD.md``, see :mod:`fedclinic.spec.model_card`) and its signatures
         (``SIGNATURES.json``, :mod:`fedclinic.pki.model_signatures`) beside the files.
@@ -247,7 +253,10 @@ class Client:
         round or model), then countersigned with this client's key. ``allow_unsigned`` accepts a model the
         aggregator sent no signature for (an older aggregator); the folder then has no ``SIGNATURES.json``.
         The card is built from ``status`` when given, else from the task's status fetched after the model (so
-        it knows every round that went into it).
+        it knows every round that went into it). ``thresholds`` (multi-label models) sets the per-label decision
+        thresholds the card, the ONNX bundle and ``serve`` carry: ``"tuned"`` (F1-best from the final model's pooled
+        evaluation in the status), a JSON file, a list in label order or a mapping label -> threshold
+        (:func:`fedclinic.evaluation.thresholds.write_model_thresholds`).
         """
         package, model_hash, statement = self._fetch(task_id, round, allow_unsigned=allow_unsigned)
         signatures = None
@@ -262,6 +271,13 @@ class Client:
         if status is None:
             status = self.status(task_id)
         write_card(folder, build_card(package.meta, model_hash=model_hash, status=status, requested_round=round))
+        if thresholds is not None:
+            # lazy: numpy metrics load only when thresholds are set
+            from fedclinic.evaluation.thresholds import write_model_thresholds
+
+            write_model_thresholds(folder, thresholds, status=status,
+                                   source=f"the final model's evaluation at the sites of task {task_id}"
+                                   if thresholds == "tuned" else "")
         return folder
 
 
@@ -310,6 +326,9 @@ def _headline(metrics, round_: int = 0) -> str:
     of = f" (of {evaluated_model(round_)})" if round_ else ""
     text = next((f" site-eval{of} {name} {metrics[key]:.3f}" for key, name in HEADLINE_METRICS if key in metrics),
                 "")
+    if "eval_macro_auc" in metrics and "eval_macro_f1" in metrics:  # multi-label: exact match says little
+        text = (f" site-eval{of} macro-F1 {metrics['eval_macro_f1']:.3f} "
+                f"macro-AUC {metrics['eval_macro_auc']:.3f}")
     if "dp_epsilon" in metrics:  # sample-level DP: the largest cumulative spend of any site
         text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
     elif "client_dp_epsilon" in metrics:
@@ -343,6 +362,9 @@ def results_lines(status: control_pb2.TaskStatus) -> list[str]:
         text = " ".join(f"{k}={values[k]:.4g}" for k in keys[:RESULT_COLUMNS])
         return text + (f" (+{more} more: --json)" if more > 0 else "")
 
+    if ph.work == "statistics":  # the table is printed from site_statistics / pooled_statistics
+        return lines + [f"    declined: {d}" for d in ph.declined] + (
+            [f"    waiting for: {', '.join(ph.waiting)}"] if ph.waiting else [])
     for c in ph.cells:
         body = "suppressed (fewer evaluated rows than the site's min_cell_rows)" if c.suppressed else shown(c.values)
         lines.append(f"    {c.site_id} x {c.model}: {body}")
@@ -360,6 +382,7 @@ class ProgressDisplay:
     def __init__(self, out, *, tty: bool) -> None:
         self.out = out
         self.tty = tty
+        self._coverage_warned: set[str] = set()  # sites whose tokenizer coverage warning is shown
 
     def update(self, event: control_pb2.TaskEvent) -> None:
         st = event.status
@@ -392,7 +415,22 @@ class ProgressDisplay:
         else:
             suffix = acc_txt if event.kind == "round-closed" else ""
             self.out.write(f"[{st.task_id}] {event.kind}: {event.message}{suffix}\n")
+        for warning in self._coverage_warnings(st):
+            self.out.write(f"\n  warning: {warning}\n" if self.tty else f"[{st.task_id}] warning: {warning}\n")
         self.out.flush()
+
+    def _coverage_warnings(self, st: control_pb2.TaskStatus) -> list[str]:
+        """Once per site: the warning for the tokenizer coverage (``tokenizer_unk_rate``) it reported with its
+        first update, when above 5 % (fedclinic.evaluation.statistics_table.coverage_warning)."""
+        out = []
+        for r in st.rounds:
+            for rep in r.reports:
+                rate = rep.metrics.get("tokenizer_unk_rate")
+                warning = coverage_warning(rep.site_id, rate) if rate is not None else None
+                if warning and rep.site_id not in self._coverage_warned:
+                    self._coverage_warned.add(rep.site_id)
+                    out.append(warning)
+        return out
 
     def close(self) -> None:
         if self.tty:

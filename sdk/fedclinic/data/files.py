@@ -12,7 +12,7 @@ import json
 import re
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from fedclinic.errors import ConfigError, DatasetError
 
@@ -56,21 +56,30 @@ def require_text(text: object, where: str, field: str, purpose: str) -> str:
     return text
 
 
-def jsonl_rows(path, lines: Sequence[str], expects: str) -> Iterator[tuple[int, dict]]:
+def jsonl_rows(path, lines: Sequence[str], expects: str,
+               on_bad_row: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[int, dict]]:
     """``(row number, object)`` for every non-blank line of a JSONL file (rows 1-based), the one JSONL row parser
     of the dataset readers. DatasetError naming the row for invalid JSON or a value that is not an object
-    (``expects`` says what the object should hold)."""
+    (``expects`` says what the object should hold); with ``on_bad_row`` that error is handed to it instead and the
+    row is skipped (the tolerant reading of :func:`fedclinic.data.text.read_classification`)."""
     for row_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}: row {row_no}: invalid JSON ({exc.msg} at column {exc.colno}); each line "
-                               "must be one JSON object", rule="the row is not valid JSON", row=row_no) from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{path}: row {row_no}: expected a JSON object with {expects}, got "
-                               f"{type(obj).__name__}", rule="the row is not a JSON object", row=row_no)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}: row {row_no}: invalid JSON ({exc.msg} at column {exc.colno}); each "
+                                   "line must be one JSON object", rule="the row is not valid JSON",
+                                   row=row_no) from None
+            if not isinstance(obj, dict):
+                raise DatasetError(f"{path}: row {row_no}: expected a JSON object with {expects}, got "
+                                   f"{type(obj).__name__}", rule="the row is not a JSON object", row=row_no)
+        except DatasetError as exc:
+            if on_bad_row is None:
+                raise
+            on_bad_row(exc)
+            continue
         yield row_no, obj
 
 

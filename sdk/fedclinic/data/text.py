@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 # FORMATS, MULTI_LABEL_SEPARATOR, infer_format, require_text and jsonl_objects are also re-exported here, where
 # they were defined before fedclinic.data.files
@@ -57,40 +57,59 @@ def read_classification(
     label_field: str = "label",
     label_set: Sequence[str],
     multi_label: bool = False,
+    on_bad_row: Callable[[DatasetError], None] | None = None,
 ) -> list[Example]:
-    """Read and validate a text-classification dataset; returns its examples in file order."""
+    """Read and validate a text-classification dataset; returns its examples in file order.
+
+    With ``on_bad_row`` the reading is tolerant: each row that breaks the contract (unparsable, missing or empty
+    text, missing or unknown label, several labels in a single-label task) is handed to it as its DatasetError
+    and skipped, and a file without a valid row gives ``[]``; errors of the whole file (missing, not UTF-8, no
+    header) still raise. Federated statistics count the bad rows this way
+    (``fedclinic.evaluation.statistics``)."""
     labels = check_label_set(label_set)
     fmt = (format or "").lower() or infer_format(path)
     if fmt not in FORMATS:
         raise DatasetError(f"{path}: unknown dataset format {format!r}; use one of {', '.join(FORMATS)}",
                            rule="the dataset format is not one of jsonl, csv, tsv")
-    rows = _jsonl_rows(path, text_field, label_field) if fmt == "jsonl" else _table_rows(
-        path, text_field, label_field, delimiter="," if fmt == "csv" else "\t")
+    rows = _jsonl_rows(path, text_field, label_field, on_bad_row) if fmt == "jsonl" else _table_rows(
+        path, text_field, label_field, delimiter="," if fmt == "csv" else "\t", on_bad_row=on_bad_row)
     allowed = set(labels)
     order = {lab: i for i, lab in enumerate(labels)}
     out: list[Example] = []
     for row_no, text, raw_labels in rows:
-        where = f"{path}: row {row_no}"
-        require_text(text, where, text_field, "the text to classify")
-        found = parse_labels(raw_labels, where, label_field, fmt, allowed)
-        if not found:
-            raise DatasetError(f"{where}: missing label (field {label_field!r}); every row needs a label from "
-                               f"{fmt_labels(labels)}", rule="the label is missing", row=row_no)
-        unknown = [lab for lab in found if lab not in allowed]
-        if unknown:
-            raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {fmt_labels(labels)} "
-                               "(fix the row or add the label to the task's label set)",
-                               rule="a label is not in the task's label set", row=row_no)
-        found = sorted(set(found), key=order.__getitem__)
-        if not multi_label and len(found) > 1:
-            raise DatasetError(f"{where}: {len(found)} labels {found} in a single-label task; give one label per "
-                               "row or declare the task multi_label",
-                               rule="more than one label in a single-label task", row=row_no)
-        out.append(Example(text=text, labels=tuple(found)))
-    if not out:
+        try:
+            out.append(_example(path, row_no, text, raw_labels, text_field=text_field, label_field=label_field,
+                                fmt=fmt, labels=labels, allowed=allowed, order=order, multi_label=multi_label))
+        except DatasetError as exc:
+            if on_bad_row is None:
+                raise
+            on_bad_row(exc)
+    if not out and on_bad_row is None:
         raise DatasetError(f"{path}: the dataset is empty (no example rows); point the site at a file with data",
                            rule="the dataset is empty")
     return out
+
+
+def _example(path, row_no: int, text: Any, raw_labels: Any, *, text_field: str, label_field: str, fmt: str,
+             labels: list[str], allowed: set[str], order: dict[str, int], multi_label: bool) -> Example:
+    """One row's Example, or the DatasetError that names what is wrong with it."""
+    where = f"{path}: row {row_no}"
+    require_text(text, where, text_field, "the text to classify")
+    found = parse_labels(raw_labels, where, label_field, fmt, allowed)
+    if not found:
+        raise DatasetError(f"{where}: missing label (field {label_field!r}); every row needs a label from "
+                           f"{fmt_labels(labels)}", rule="the label is missing", row=row_no)
+    unknown = [lab for lab in found if lab not in allowed]
+    if unknown:
+        raise DatasetError(f"{where}: unknown label {unknown[0]!r}; allowed labels are {fmt_labels(labels)} "
+                           "(fix the row or add the label to the task's label set)",
+                           rule="a label is not in the task's label set", row=row_no)
+    found = sorted(set(found), key=order.__getitem__)
+    if not multi_label and len(found) > 1:
+        raise DatasetError(f"{where}: {len(found)} labels {found} in a single-label task; give one label per "
+                           "row or declare the task multi_label",
+                           rule="more than one label in a single-label task", row=row_no)
+    return Example(text=text, labels=tuple(found))
 
 
 def read_dataset(
@@ -107,13 +126,16 @@ def read_dataset(
     image_field: str = "image",
     label_set: Sequence[str] | None = None,
     multi_label: bool = False,
+    on_bad_row: Callable[[DatasetError], None] | None = None,
 ) -> list:
     """Read a site dataset for a task of ``family``: :func:`read_classification` rows, NER examples
     (:func:`fedclinic.data.ner.read_ner`, JSONL spans or CoNLL) for ``token-classification``, question/answer
     pairs (:func:`fedclinic.data.qa.read_qa`, JSONL) for ``question-answering``, where ``label_set`` is ignored
     (a generation task has no labels), or image + report examples (:func:`fedclinic.data.image.read_image_text`,
     a CSV/TSV/JSONL manifest of image paths, reports and labels; always multi-label) for
-    ``image-text-classification``. The ``*_field`` arguments name the columns of each family."""
+    ``image-text-classification``. The ``*_field`` arguments name the columns of each family. ``on_bad_row``
+    makes the text-classification reader tolerant (:func:`read_classification`); the other readers ignore it and
+    raise on the first bad row."""
     if family == "question-answering":
         return read_qa(path, format=format, question_field=question_field, answer_field=answer_field,
                        context_field=context_field)
@@ -126,20 +148,22 @@ def read_dataset(
         return read_image_text(path, format=format, label_set=label_set, image_field=image_field,
                                text_field=text_field, label_field=label_field)
     return read_classification(path, format=format, text_field=text_field, label_field=label_field,
-                               label_set=label_set, multi_label=multi_label)
+                               label_set=label_set, multi_label=multi_label, on_bad_row=on_bad_row)
 
 
-def _jsonl_rows(path, text_field: str, label_field: str) -> Iterator[tuple[int, Any, Any]]:
+def _jsonl_rows(path, text_field: str, label_field: str,
+                on_bad_row: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[int, Any, Any]]:
     with open_text(path) as fh:
         lines = decode_guard(path, fh.read).splitlines()
-    for row_no, obj in jsonl_rows(path, lines, f"{text_field!r} and {label_field!r}"):
+    for row_no, obj in jsonl_rows(path, lines, f"{text_field!r} and {label_field!r}", on_bad_row):
         raw = obj.get(label_field)
         if raw is None and label_field != "labels":
             raw = obj.get("labels")
         yield row_no, obj.get(text_field), raw
 
 
-def _table_rows(path, text_field: str, label_field: str, delimiter: str) -> Iterator[tuple[int, Any, Any]]:
+def _table_rows(path, text_field: str, label_field: str, delimiter: str,
+                on_bad_row: Callable[[DatasetError], None] | None = None) -> Iterator[tuple[int, Any, Any]]:
     with open_text(path) as fh:
         content = decode_guard(path, fh.read)
     reader = csv.reader(content.splitlines(keepends=True), delimiter=delimiter)
@@ -166,8 +190,13 @@ def _table_rows(path, text_field: str, label_field: str, delimiter: str) -> Iter
         except StopIteration:
             return
         except csv.Error as exc:
-            raise DatasetError(f"{path}: row {row_no + 1}: malformed {('CSV', 'TSV')[delimiter == chr(9)]} "
-                               f"({exc})", rule="the row is malformed", row=row_no + 1) from None
+            error = DatasetError(f"{path}: row {row_no + 1}: malformed {('CSV', 'TSV')[delimiter == chr(9)]} "
+                                 f"({exc})", rule="the row is malformed", row=row_no + 1)
+            if on_bad_row is None:
+                raise error from None
+            on_bad_row(error)
+            row_no += 1
+            continue
         row_no += 1
         if not row or all(not c.strip() for c in row):
             continue

@@ -15,15 +15,25 @@ checks this against the brute-force pair count). AUC is undefined (NaN) when a l
 negative example in the set; macro AUC averages the labels where it is defined (NaN when none is).
 
 F1 of one label: ``2 TP / (2 TP + FP + FN)``, and 0 when the label has no true and no predicted example
-(scikit-learn's ``zero_division=0``). Macro F1 averages *all* labels.
+(scikit-learn's ``zero_division=0``). Macro F1 averages *all* labels; micro F1 is the same formula on TP, FP
+and FN summed over the labels (every label decision counts once, so frequent labels weigh more).
+
+``exact_match`` is the share of examples whose every label decision is right (named so that it does not read
+as plain accuracy: with 18 labels it is near 0 for any useful model); ``label_accuracy`` the share of the
+``N * C`` decisions that are right.
+
+:func:`multilabel_evaluation` is what a multi-label family's ``evaluate()`` returns: these metrics on its logits,
+its loss, ``n`` and the threshold histograms that sites' evaluations sum (:mod:`fedclinic.evaluation.thresholds`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
+
+from fedclinic.evaluation.thresholds import sigmoid, threshold_histogram
 
 
 def roc_auc(truth: np.ndarray, scores: np.ndarray) -> float:
@@ -54,13 +64,14 @@ def midranks(values: np.ndarray) -> np.ndarray:
 
 
 def multilabel_scores(truth: np.ndarray, scores: np.ndarray, labels: Sequence[str], *,
-                      threshold: float = 0.0) -> dict[str, float]:
-    """Per-label and macro metrics of a multi-label prediction (module doc for the definitions).
+                      threshold: float | Sequence[float] = 0.0, at_least: bool = False) -> dict[str, float]:
+    """Per-label and overall metrics of a multi-label prediction (module doc for the definitions).
 
-    Returns ``f1/<label>``, ``auc/<label>`` for every label, ``macro_f1``, ``macro_auc``, ``accuracy`` (exact
-    match: every label of the example right) and ``label_accuracy`` (the fraction of the ``N * C`` label
-    decisions that are right: the IU-CXR notebook's element-wise accuracy, without its "normal excludes
-    every disease" rule).
+    A label is predicted when its score is > ``threshold`` (one value, or one per label in ``labels`` order; in
+    the units of ``scores``), or >= it with ``at_least`` (how ``serve`` applies tuned thresholds to probabilities:
+    ``multilabel_scores(y, probs, labels, threshold=tuned, at_least=True)`` is what the served model scores). Returns ``f1/<label>``, ``auc/<label>`` for every label, ``macro_f1``,
+    ``macro_auc``, ``micro_f1``, ``exact_match`` and ``label_accuracy`` (the IU-CXR notebook's element-wise
+    accuracy, without its "normal excludes every disease" rule).
     """
     t = np.asarray(truth) > 0.5
     s = np.asarray(scores, dtype=np.float64)
@@ -70,12 +81,16 @@ def multilabel_scores(truth: np.ndarray, scores: np.ndarray, labels: Sequence[st
         raise ValueError(f"{t.shape[1]} label columns but {len(labels)} label names")
     if t.shape[0] == 0:
         raise ValueError("no examples to score")
-    pred = s > threshold
+    cut = np.asarray(threshold, dtype=np.float64)
+    if cut.ndim not in (0, 1) or (cut.ndim == 1 and cut.shape[0] != len(labels)):
+        raise ValueError(f"threshold must be one number or one per label ({len(labels)})")
+    pred = s >= cut if at_least else s > cut
     tp = (pred & t).sum(axis=0).astype(np.float64)
     fp = (pred & ~t).sum(axis=0)
     fn = (~pred & t).sum(axis=0)
     denom = 2 * tp + fp + fn
     f1 = np.divide(2 * tp, denom, out=np.zeros(len(labels)), where=denom > 0)
+    micro_denom = float(denom.sum())
     aucs = [roc_auc(t[:, j], s[:, j]) for j in range(len(labels))]
     defined = [a for a in aucs if not math.isnan(a)]
     out: dict[str, float] = {}
@@ -84,9 +99,37 @@ def multilabel_scores(truth: np.ndarray, scores: np.ndarray, labels: Sequence[st
         out[f"auc/{name}"] = aucs[j]
     out["macro_f1"] = float(f1.mean())
     out["macro_auc"] = float(np.mean(defined)) if defined else math.nan
-    out["accuracy"] = float((pred == t).all(axis=1).mean())
+    out["micro_f1"] = 2.0 * float(tp.sum()) / micro_denom if micro_denom > 0 else 0.0
+    out["exact_match"] = float((pred == t).all(axis=1).mean())
     out["label_accuracy"] = float((pred == t).mean())
     return out
 
 
-__all__ = ["midranks", "multilabel_scores", "roc_auc"]
+def multilabel_evaluation(truth: np.ndarray, logits: np.ndarray, labels: Sequence[str], *,
+                          loss: float) -> dict[str, float]:
+    """A multi-label model's evaluation values: :func:`multilabel_scores` of ``logits`` at probability 0.5
+    (logit 0; AUC ranks the logits, not the float32 sigmoids, which saturate into ties), ``loss`` (the caller's
+    mean loss), ``n`` and the ``count/thr/<i>/<bin>/pos|neg`` histograms of the probabilities
+    (:func:`fedclinic.evaluation.thresholds.threshold_histogram`)."""
+    z = np.asarray(logits, dtype=np.float64)
+    return {"loss": float(loss), **multilabel_scores(truth, z, labels, threshold=0.0), "n": float(z.shape[0]),
+            **threshold_histogram(truth, sigmoid(z))}
+
+
+#: most evaluation values a site reports with a round's update (the aggregator accepts 256 per update)
+ROUND_REPORT_KEYS = 200
+
+
+def round_report_metrics(values: Mapping[str, float], *, max_keys: int = ROUND_REPORT_KEYS) -> dict[str, float]:
+    """The evaluation values a site sends with a training round's update: without the ``count/`` histograms (they
+    are for the final-model evaluation, whose transport takes thousands of keys), and without the per-label
+    ``f1/`` and ``auc/`` keys when there would still be more than ``max_keys`` (a model with ~100 labels or more:
+    the macro and micro figures stay)."""
+    out = {k: float(v) for k, v in values.items() if not k.startswith("count/")}
+    if len(out) > max_keys:
+        out = {k: v for k, v in out.items() if not k.startswith(("f1/", "auc/"))}
+    return out
+
+
+__all__ = ["ROUND_REPORT_KEYS", "midranks", "multilabel_evaluation", "multilabel_scores", "roc_auc",
+           "round_report_metrics"]

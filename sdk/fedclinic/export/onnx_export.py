@@ -5,7 +5,9 @@
     OUT_DIR/model.onnx            fp32 graph, dynamic batch (and sequence) axes, opset 18
     OUT_DIR/model.int8.onnx       with --int8: dynamic int8 quantization of the weights (onnxruntime)
     OUT_DIR/tokenizer.json, fedclinic_model.json (and config.json)   what a server needs besides the graph;
-                                  fedclinic_model.json is the label map (labels, and tags, in index order)
+                                  fedclinic_model.json is the label map (labels, and tags, in index order) and,
+                                  when the model card sets them, the per-label decision thresholds of a
+                                  multi-label model ("thresholds", label order; fedclinic.spec.card_thresholds)
     OUT_DIR/export_report.json    parity figures, tolerances, inputs
     OUT_DIR/BUNDLE_SIGNATURE.json every file's sha256 and the source model's signatures, signed by the exporter
                                   (fedclinic.export.bundle_signing; `fedclinic serve` checks it)
@@ -94,8 +96,9 @@ from fedclinic.export.crf import append_viterbi
 from fedclinic.models import build_model, lora
 from fedclinic.models.image_text import PREPROCESSING_FILE, preprocessing_spec
 from fedclinic.pki.bundle_signature import BUNDLE_SIGNATURE_FILE
+from fedclinic.spec.card_thresholds import card_thresholds
 from fedclinic.spec.model_card import read_card
-from fedclinic.transport.package import ModelPackage
+from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 
 _SIDE_FILES = ("tokenizer.json", "fedclinic_model.json", "config.json", "tokenizer_config.json",
                "special_tokens_map.json")
@@ -297,13 +300,28 @@ def _export_into(stage: Path, module, example, dynamic, input_names, batches, lo
             f"{report.int8.top1_agreement:.1%}{labels} (tolerance {int8_tolerance:g}, >= {INT8_MIN_AGREEMENT:.0%})")
     for name in _SIDE_FILES:
         if name in package.files:
-            (out / name).write_bytes(package.files[name])
+            (out / name).write_bytes(_bundle_meta(package, card) if name == META_FILE else package.files[name])
             report.files.append(name)
     notes = _write_image_preprocessing(out, loaded, report) if loaded.family == IMAGE_TEXT else []
     write_bundle_card(out, report, card, package, input_names, ["logits"] + (["tags"] if crf is not None else []),
                        notes)
     (out / "export_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _bundle_meta(package: ModelPackage, card: dict | None) -> bytes:
+    """The bundle's ``fedclinic_model.json``: the package's, plus ``"thresholds"`` (one per label, label order) when
+    the model card that describes this package sets per-label thresholds (fedclinic.spec.card_thresholds)."""
+    raw = package.files[META_FILE]
+    # a card of another model (weights changed since download) is not carried over, nor are its thresholds
+    describes = card is not None and card.get("model_hash") == package.manifest().model_hash
+    thresholds = card_thresholds(card) if describes else None
+    if thresholds is None:
+        return raw
+    if not package.meta.get("multi_label"):
+        raise ConfigError("the model card sets per-label thresholds but the model is not multi-label; remove the "
+                          "card's thresholds section")
+    return meta_bytes({**package.meta, "thresholds": thresholds})
 
 
 def _write_image_preprocessing(out: Path, loaded, report: ExportReport) -> list[str]:

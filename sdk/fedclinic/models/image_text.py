@@ -96,7 +96,7 @@ from fedclinic.models.image_text_net import (  # noqa: F401  (re-exported: the f
 )
 from fedclinic.transport.package import META_FILE, ModelPackage, meta_bytes
 from fedclinic.data.image import load_image
-from fedclinic.evaluation.multilabel import multilabel_scores
+from fedclinic.evaluation.multilabel import multilabel_evaluation
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -221,7 +221,8 @@ def encode_image_text(examples: Sequence["ImageTextExample"], loaded: ImageTextM
 
 def evaluate_image_text(loaded: ImageTextModel, data: ImageTextData, *, batch_size: int = 64) -> dict[str, float]:
     """``loss`` (the training loss: mean BCE over examples and labels), ``f1/<label>``, ``auc/<label>``,
-    ``macro_f1``, ``macro_auc``, ``accuracy`` (exact match), ``label_accuracy`` and ``n``.
+    ``macro_f1``, ``macro_auc``, ``micro_f1``, ``exact_match``, ``label_accuracy``, ``n`` and the threshold
+    histograms (:func:`fedclinic.evaluation.multilabel.multilabel_evaluation`).
 
     A label is predicted when its logit is > 0 (probability > 0.5); AUC ranks the logits (not the
     probabilities, whose float32 sigmoid saturates into ties). Definitions: :mod:`fedclinic.evaluation.multilabel`;
@@ -248,8 +249,8 @@ def evaluate_image_text(loaded: ImageTextModel, data: ImageTextData, *, batch_si
             loss_sum += float(F.binary_cross_entropy_with_logits(z, y, reduction="sum")) / y.shape[1]
             logits.append(z.cpu())
     module.train(was_training)
-    scores = multilabel_scores(data.labels.numpy(), torch.cat(logits).numpy(), loaded.labels, threshold=0.0)
-    return {"loss": loss_sum / len(data), **scores, "n": float(len(data))}
+    return multilabel_evaluation(data.labels.numpy(), torch.cat(logits).numpy(), loaded.labels,
+                                 loss=loss_sum / len(data))
 
 
 

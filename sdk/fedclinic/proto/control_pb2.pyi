@@ -163,7 +163,21 @@ class RoundSummary(_message.Message):
     def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., ddp_epsilon: _Optional[float] = ..., ddp_delta: _Optional[float] = ..., ddp_noise_sites: _Optional[int] = ..., ddp_noise_stddev: _Optional[float] = ..., ddp_mechanism: _Optional[str] = ..., eval_sites: _Optional[int] = ..., eval_model_hash: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash", "signed", "results")
+    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash", "signed", "results", "site_statistics", "pooled_statistics")
+    class SiteStatisticsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: StatisticsValues
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StatisticsValues, _Mapping]] = ...) -> None: ...
+    class PooledStatisticsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +191,8 @@ class TaskStatus(_message.Message):
     FINAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     SIGNED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SITE_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     spec: _task_pb2.TaskSpec
     state: TaskState
@@ -190,7 +206,22 @@ class TaskStatus(_message.Message):
     final_model_hash: str
     signed: bool
     results: ResultPhase
-    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., signed: _Optional[bool] = ..., results: _Optional[_Union[ResultPhase, _Mapping]] = ...) -> None: ...
+    site_statistics: _containers.MessageMap[str, StatisticsValues]
+    pooled_statistics: _containers.ScalarMap[str, float]
+    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., signed: _Optional[bool] = ..., results: _Optional[_Union[ResultPhase, _Mapping]] = ..., site_statistics: _Optional[_Mapping[str, StatisticsValues]] = ..., pooled_statistics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class StatisticsValues(_message.Message):
+    __slots__ = ("values",)
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ResultCell(_message.Message):
     __slots__ = ("site_id", "model", "values", "suppressed", "rows")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64\x63linic/v1/inference.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\x1c\n\nFeatureRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"m\n\x0ePredictRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12*\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0b\x32\x18.fedclinic.v1.FeatureRow\x12\x10\n\x08\x63ontexts\x18\x03 \x03(\t\x12\x0e\n\x06images\x18\x04 \x03(\x0c\"A\n\x06\x45ntity\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x05\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xdb\x01\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x34\n\x06scores\x18\x03 \x03(\x0b\x32$.fedclinic.v1.Prediction.ScoresEntry\x12&\n\x08\x65ntities\x18\x04 \x03(\x0b\x32\x14.fedclinic.v1.Entity\x12\x0e\n\x06\x61nswer\x18\x05 \x01(\t\x12\x11\n\tthreshold\x18\x06 \x01(\x01\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"@\n\x0fPredictResponse\x12-\n\x0bpredictions\x18\x01 \x03(\x0b\x32\x18.fedclinic.v1.Prediction\"\x16\n\x14\x44\x65scribeModelRequest\"n\n\x10ModelDescription\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x13\n\x0bmulti_label\x18\x03 \x01(\x08\x12\x11\n\tthreshold\x18\x04 \x01(\x01\x12\x12\n\nimage_size\x18\x05 \x01(\x05\x32\xa8\x01\n\tInference\x12\x46\n\x07Predict\x12\x1c.fedclinic.v1.PredictRequest\x1a\x1d.fedclinic.v1.PredictResponse\x12S\n\rDescribeModel\x12\".fedclinic.v1.DescribeModelRequest\x1a\x1e.fedclinic.v1.ModelDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64\x63linic/v1/inference.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\x1c\n\nFeatureRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"m\n\x0ePredictRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12*\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0b\x32\x18.fedclinic.v1.FeatureRow\x12\x10\n\x08\x63ontexts\x18\x03 \x03(\t\x12\x0e\n\x06images\x18\x04 \x03(\x0c\"A\n\x06\x45ntity\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x05\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xcc\x02\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x34\n\x06scores\x18\x03 \x03(\x0b\x32$.fedclinic.v1.Prediction.ScoresEntry\x12&\n\x08\x65ntities\x18\x04 \x03(\x0b\x32\x14.fedclinic.v1.Entity\x12\x0e\n\x06\x61nswer\x18\x05 \x01(\t\x12\x11\n\tthreshold\x18\x06 \x01(\x01\x12<\n\nthresholds\x18\x07 \x03(\x0b\x32(.fedclinic.v1.Prediction.ThresholdsEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x31\n\x0fThresholdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"@\n\x0fPredictResponse\x12-\n\x0bpredictions\x18\x01 \x03(\x0b\x32\x18.fedclinic.v1.Prediction\"\x16\n\x14\x44\x65scribeModelRequest\"\xe5\x01\n\x10ModelDescription\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x13\n\x0bmulti_label\x18\x03 \x01(\x08\x12\x11\n\tthreshold\x18\x04 \x01(\x01\x12\x12\n\nimage_size\x18\x05 \x01(\x05\x12\x42\n\nthresholds\x18\x06 \x03(\x0b\x32..fedclinic.v1.ModelDescription.ThresholdsEntry\x1a\x31\n\x0fThresholdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xa8\x01\n\tInference\x12\x46\n\x07Predict\x12\x1c.fedclinic.v1.PredictRequest\x1a\x1d.fedclinic.v1.PredictResponse\x12S\n\rDescribeModel\x12\".fedclinic.v1.DescribeModelRequest\x1a\x1e.fedclinic.v1.ModelDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREDICTION_SCORESENTRY']._loaded_options = None
   _globals['_PREDICTION_SCORESENTRY']._serialized_options = b'8\001'
+  _globals['_PREDICTION_THRESHOLDSENTRY']._loaded_options = None
+  _globals['_PREDICTION_THRESHOLDSENTRY']._serialized_options = b'8\001'
+  _globals['_MODELDESCRIPTION_THRESHOLDSENTRY']._loaded_options = None
+  _globals['_MODELDESCRIPTION_THRESHOLDSENTRY']._serialized_options = b'8\001'
   _globals['_FEATUREROW']._serialized_start=46
   _globals['_FEATUREROW']._serialized_end=74
   _globals['_PREDICTREQUEST']._serialized_start=76
@@ -41,15 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENTITY']._serialized_start=187
   _globals['_ENTITY']._serialized_end=252
   _globals['_PREDICTION']._serialized_start=255
-  _globals['_PREDICTION']._serialized_end=474
-  _globals['_PREDICTION_SCORESENTRY']._serialized_start=429
-  _globals['_PREDICTION_SCORESENTRY']._serialized_end=474
-  _globals['_PREDICTRESPONSE']._serialized_start=476
-  _globals['_PREDICTRESPONSE']._serialized_end=540
-  _globals['_DESCRIBEMODELREQUEST']._serialized_start=542
-  _globals['_DESCRIBEMODELREQUEST']._serialized_end=564
-  _globals['_MODELDESCRIPTION']._serialized_start=566
-  _globals['_MODELDESCRIPTION']._serialized_end=676
-  _globals['_INFERENCE']._serialized_start=679
-  _globals['_INFERENCE']._serialized_end=847
+  _globals['_PREDICTION']._serialized_end=587
+  _globals['_PREDICTION_SCORESENTRY']._serialized_start=491
+  _globals['_PREDICTION_SCORESENTRY']._serialized_end=536
+  _globals['_PREDICTION_THRESHOLDSENTRY']._serialized_start=538
+  _globals['_PREDICTION_THRESHOLDSENTRY']._serialized_end=587
+  _globals['_PREDICTRESPONSE']._serialized_start=589
+  _globals['_PREDICTRESPONSE']._serialized_end=653
+  _globals['_DESCRIBEMODELREQUEST']._serialized_start=655
+  _globals['_DESCRIBEMODELREQUEST']._serialized_end=677
+  _globals['_MODELDESCRIPTION']._serialized_start=680
+  _globals['_MODELDESCRIPTION']._serialized_end=909
+  _globals['_MODELDESCRIPTION_THRESHOLDSENTRY']._serialized_start=538
+  _globals['_MODELDESCRIPTION_THRESHOLDSENTRY']._serialized_end=587
+  _globals['_INFERENCE']._serialized_start=912
+  _globals['_INFERENCE']._serialized_end=1080
 # @@protoc_insertion_point(module_scope)

@@ -37,8 +37,15 @@ class Entity(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., label: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
-    __slots__ = ("label", "labels", "scores", "entities", "answer", "threshold")
+    __slots__ = ("label", "labels", "scores", "entities", "answer", "threshold", "thresholds")
     class ScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ThresholdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -51,13 +58,15 @@ class Prediction(_message.Message):
     ENTITIES_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
     label: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     scores: _containers.ScalarMap[str, float]
     entities: _containers.RepeatedCompositeFieldContainer[Entity]
     answer: str
     threshold: float
-    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ..., answer: _Optional[str] = ..., threshold: _Optional[float] = ...) -> None: ...
+    thresholds: _containers.ScalarMap[str, float]
+    def __init__(self, label: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., scores: _Optional[_Mapping[str, float]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ..., answer: _Optional[str] = ..., threshold: _Optional[float] = ..., thresholds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
     __slots__ = ("predictions",)
@@ -70,15 +79,24 @@ class DescribeModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("family", "labels", "multi_label", "threshold", "image_size")
+    __slots__ = ("family", "labels", "multi_label", "threshold", "image_size", "thresholds")
+    class ThresholdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MULTI_LABEL_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
     family: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     multi_label: bool
     threshold: float
     image_size: int
-    def __init__(self, family: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., threshold: _Optional[float] = ..., image_size: _Optional[int] = ...) -> None: ...
+    thresholds: _containers.ScalarMap[str, float]
+    def __init__(self, family: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., threshold: _Optional[float] = ..., image_size: _Optional[int] = ..., thresholds: _Optional[_Mapping[str, float]] = ...) -> None: ...

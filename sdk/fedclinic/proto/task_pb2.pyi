@@ -24,7 +24,7 @@ UPDATE_KIND_UNSPECIFIED: UpdateKind
 UPDATE_KIND_DELTA: UpdateKind
 
 class TrainingConfig(_message.Message):
-    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
+    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change", "pos_weight", "pos_weight_source")
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class TrainingConfig(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     MEASURE_GRADIENT_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    POS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    POS_WEIGHT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     batch_size: int
     learning_rate: float
@@ -51,7 +53,9 @@ class TrainingConfig(_message.Message):
     seed: int
     optimizer_state: str
     measure_gradient_change: bool
-    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ..., measure_gradient_change: _Optional[bool] = ...) -> None: ...
+    pos_weight: _containers.RepeatedScalarFieldContainer[float]
+    pos_weight_source: str
+    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ..., measure_gradient_change: _Optional[bool] = ..., pos_weight: _Optional[_Iterable[float]] = ..., pos_weight_source: _Optional[str] = ...) -> None: ...
 
 class RoundConfig(_message.Message):
     __slots__ = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss", "max_round_retries")
@@ -148,7 +152,7 @@ class SecureAggregationConfig(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., threshold: _Optional[int] = ..., min_cohort: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., degree: _Optional[int] = ..., weighting: _Optional[str] = ..., weight_cap: _Optional[int] = ..., metric_clip: _Optional[float] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
-    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options", "verification", "kind", "evaluation")
+    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options", "verification", "kind", "evaluation", "statistics")
     class StrategyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +187,7 @@ class TaskSpec(_message.Message):
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     architecture: str
@@ -203,7 +208,14 @@ class TaskSpec(_message.Message):
     verification: VerificationConfig
     kind: str
     evaluation: EvaluationConfig
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ..., verification: _Optional[_Union[VerificationConfig, _Mapping]] = ..., kind: _Optional[str] = ..., evaluation: _Optional[_Union[EvaluationConfig, _Mapping]] = ...) -> None: ...
+    statistics: StatisticsConfig
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ..., verification: _Optional[_Union[VerificationConfig, _Mapping]] = ..., kind: _Optional[str] = ..., evaluation: _Optional[_Union[EvaluationConfig, _Mapping]] = ..., statistics: _Optional[_Union[StatisticsConfig, _Mapping]] = ...) -> None: ...
+
+class StatisticsConfig(_message.Message):
+    __slots__ = ("epsilon",)
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    epsilon: float
+    def __init__(self, epsilon: _Optional[float] = ...) -> None: ...
 
 class EvaluationConfig(_message.Message):
     __slots__ = ("model_task", "timeout_s")

@@ -8,7 +8,10 @@ family) and, for text models, ``tokenizer.json``. Serving needs onnxruntime, num
     # [{"label": "Acne", "scores": {"Acne": 0.91, "Depression": 0.02, ...}}]
 
 Single-label scores are the softmax of the logits; multi-label scores are per-label sigmoids, and
-``labels`` lists those at or above ``threshold`` (0.5). A token-classification (NER) bundle answers with the
+``labels`` lists those at or above their threshold: the per-label thresholds the bundle's ``fedclinic_model.json``
+carries (``"thresholds"``, label order: tuned for F1 on the sites' validation rows, :mod:`fedclinic.spec.card_thresholds`;
+each answer then has ``thresholds``, label -> threshold), else one ``threshold`` for every label (0.5, or what the
+caller gives, which also overrides tuned ones). The probabilities are the same either way. A token-classification (NER) bundle answers with the
 entities found, in character offsets of each input text::
 
     bundle.predict(["Started sertraline for my depression."])
@@ -36,7 +39,7 @@ resize to the graph's fixed size, ``(v - mean) / std``)::
     bundle.predict(["no focal marker"], images=[Path("study.dcm").read_bytes()])
     # [{"labels": ["ct"], "scores": {"ct": 0.97, "mr": 0.02, "marker": 0.11}, "threshold": 0.5}]
 
-Multi-label predictions carry the ``threshold`` they were decided with. Every bad input (an image missing,
+Multi-label predictions carry the ``threshold`` (or per-label ``thresholds``) they were decided with. Every bad input (an image missing,
 empty, not PNG/JPEG/DICOM, corrupt, multi-frame or palette-colour; an empty report; counts that differ) is a
 DatasetError naming the input and what to send instead.
 """
@@ -59,6 +62,7 @@ from fedclinic.models.base import encode_texts, load_tokenizer, tokenizer_pad_id
 from fedclinic.models.image_text import PREPROCESSING_FILE
 from fedclinic.models.token_classification import encode_with_offsets, spans_from_tag_ids
 from fedclinic.serving.generate import OnnxQAModel
+from fedclinic.spec.card_thresholds import DEFAULT as DEFAULT_THRESHOLD, check_thresholds
 from fedclinic.spec.model_card import read_card
 
 QA_FAMILY = "question-answering"
@@ -85,10 +89,12 @@ class ClassifierBundle(ModelMeta):
     """An exported bundle (any family) loaded for prediction on onnxruntime; see the module docstring.
 
     ``int8`` serves ``model.int8.onnx``; ``threads`` sets onnxruntime's intra-op threads (0: its default);
-    ``threshold`` is the multi-label decision threshold (a label is reported when its probability is >= it).
-    Raises ConfigError when the folder is not a complete bundle."""
+    ``threshold``, when given, is the multi-label decision threshold of every label (a label is reported when its
+    probability is >= it), in place of the bundle's per-label thresholds or the default 0.5.
+    Raises ConfigError when the folder is not a complete bundle or its thresholds do not fit its labels."""
 
-    def __init__(self, folder: str | Path, *, int8: bool = False, threads: int = 0, threshold: float = 0.5) -> None:
+    def __init__(self, folder: str | Path, *, int8: bool = False, threads: int = 0,
+                 threshold: float | None = None) -> None:
         import onnxruntime as ort
 
         root = Path(folder)
@@ -104,9 +110,7 @@ class ClassifierBundle(ModelMeta):
         self.meta = json.loads(meta_path.read_text())
         self.card = _read_card_quietly(root)  # model_card.json when the bundle has one (exports since the card)
         self.max_length = int(self.meta.get("max_length", 128))
-        if not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) < 1.0):
-            raise ConfigError(f"threshold must be a probability in (0, 1), got {threshold!r}")
-        self.threshold = float(threshold)
+        self._set_thresholds(threshold, root)
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = int(threads)
@@ -134,6 +138,35 @@ class ClassifierBundle(ModelMeta):
                 self._qa = OnnxQAModel(self.session, self.meta, self._tokenizer)
             else:
                 self._pad_id = tokenizer_pad_id(raw)
+
+    def _set_thresholds(self, threshold: float | None, root: Path) -> None:
+        """``thresholds`` (one per label), ``threshold`` (the one value of every label, None when they differ) and
+        ``tuned_thresholds`` (whether the bundle's own per-label ones are in use)."""
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) < 1.0):
+            raise ConfigError(f"threshold must be a probability in (0, 1), got {threshold!r}")
+        carried = self.meta.get("thresholds")
+        if carried is not None and not self.multi_label:
+            raise ConfigError(f"{root}/fedclinic_model.json has thresholds but the model is not multi-label; "
+                              "re-export the bundle")
+        if carried is not None:
+            try:
+                carried = check_thresholds(carried, self.labels)
+            except ConfigError as exc:
+                raise ConfigError(f"{root}/fedclinic_model.json: {exc}; re-export the bundle") from None
+        self.tuned_thresholds = carried is not None and threshold is None
+        if self.tuned_thresholds:
+            self.thresholds = list(carried)
+        else:
+            value = DEFAULT_THRESHOLD if threshold is None else float(threshold)
+            self.thresholds = [value] * len(self.labels)
+        self.threshold = None if self.tuned_thresholds else self.thresholds[0] if self.thresholds else DEFAULT_THRESHOLD
+
+    def decision(self) -> dict[str, Any]:
+        """How a multi-label answer decides: ``{"thresholds": {label: t}}`` with per-label thresholds, else
+        ``{"threshold": t}``."""
+        if self.tuned_thresholds:
+            return {"thresholds": dict(zip(self.labels, self.thresholds))}
+        return {"threshold": self.threshold}
 
     def encode(self, texts: Sequence[str], *, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask) as the trainer builds them: truncated to max_length, right-padded to
@@ -266,10 +299,10 @@ class ClassifierBundle(ModelMeta):
         rows = []
         if self.multi_label:
             probs = 1.0 / (1.0 + np.exp(-logits))
+            decision = self.decision()
             for p in probs:
-                rows.append({"labels": [lab for lab, v in zip(self.labels, p) if v >= self.threshold],
-                             "scores": {lab: float(v) for lab, v in zip(self.labels, p)},
-                             "threshold": self.threshold})
+                rows.append({"labels": [lab for lab, v, t in zip(self.labels, p, self.thresholds) if v >= t],
+                             "scores": {lab: float(v) for lab, v in zip(self.labels, p)}, **decision})
             return rows
         z = logits - logits.max(axis=1, keepdims=True)
         probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)

@@ -19,7 +19,8 @@ API (JSON in, JSON out; every error is ``{"error": "..."}`` with a 4xx/5xx statu
                                                                               "data:...;base64," prefix is allowed)
                              -> 200 {"predictions": [{"label": ..., "scores": {...}}, ...]}
                                     multi-label (image-text too): [{"labels": [...], "scores": {...},
-                                    "threshold": t}, ...]; NER: [{"entities": [...]}, ...];
+                                    "threshold": t}, ...] (with tuned per-label thresholds "thresholds":
+                                    {label: t} instead); NER: [{"entities": [...]}, ...];
                                     question-answering: [{"answer": "..."}, ...]
 
 Before anything of the bundle is loaded its signature is checked (:mod:`fedclinic.serving.bundle_trust`): a bundle
@@ -296,8 +297,9 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")
     p.add_argument("--int8", action="store_true", help="serve model.int8.onnx")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = its default)")
-    p.add_argument("--threshold", type=float, default=0.5,
-                   help="multi-label models: a label is reported when its probability is >= this (default 0.5)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="multi-label models: report every label whose probability is >= this, in place of the "
+                        "bundle's per-label thresholds (default: those when the bundle has them, else 0.5)")
     p.add_argument("--port-file", help='write {"http": PORT, "grpc": PORT} here once ready (for supervisors and tests)')
     p.add_argument("--grpc-port", type=int, help="also serve the gRPC Inference service on this port (0 = any)")
     p.add_argument("--cert", help="this server's certificate (fedclinic pki): the gRPC port then requires mTLS")
@@ -377,6 +379,10 @@ def _serve_command(args: Any) -> int:
     if trust:
         print(trust, file=sys.stderr if warning else sys.stdout, flush=True)
     bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads, threshold=args.threshold)
+    if bundle.multi_label and "thresholds" in bundle.meta:
+        print("per-label thresholds: " + (", ".join(f"{lab} {t:.2f}" for lab, t in zip(bundle.labels, bundle.thresholds))
+                                          if bundle.tuned_thresholds else f"overridden by --threshold {args.threshold}"),
+              flush=True)
     server = InferenceServer(bundle, args.host, args.port, limits=limits, tls=tls, https=args.https,
                              callers=callers, grpc_port=args.grpc_port)
     if not _is_loopback(args.host) and not args.https and not callers.needs_token:

@@ -60,7 +60,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         image = getattr(bundle, "image", None)
         return inference_pb2.ModelDescription(family=bundle.family, labels=bundle.labels,
                                               multi_label=bundle.multi_label,
-                                              threshold=bundle.threshold if bundle.multi_label else 0.0,
+                                              threshold=(bundle.threshold or 0.0) if bundle.multi_label else 0.0,
+                                              thresholds=bundle.decision().get("thresholds", {})
+                                              if bundle.multi_label else {},
                                               image_size=image.size if image is not None else 0)
 
     def _check_caller(self, context: grpc.ServicerContext) -> None:
@@ -78,7 +80,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 def _prediction_message(p: dict) -> Any:
     return inference_pb2.Prediction(label=p.get("label", ""), labels=p.get("labels", []), scores=p.get("scores", {}),
                                     entities=[inference_pb2.Entity(**e) for e in p.get("entities", [])],
-                                    answer=p.get("answer", ""), threshold=p.get("threshold", 0.0))
+                                    answer=p.get("answer", ""), threshold=p.get("threshold", 0.0),
+                                    thresholds=p.get("thresholds", {}))
 
 
 def make_grpc_server(service: PredictionService, pool: WorkPool, address: str, tls: TlsFiles | None = None,

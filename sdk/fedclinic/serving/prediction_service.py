@@ -51,7 +51,7 @@ class PredictionService:
         self.body_limit = body_limit if body_limit is not None else default_body_limit(bundle.family)
         info: dict[str, Any] = {"family": bundle.family, "labels": bundle.labels, "multi_label": bundle.multi_label}
         if bundle.multi_label:
-            info["threshold"] = bundle.threshold
+            info.update(bundle.decision())
         if getattr(bundle, "image", None) is not None:
             info["image"] = {"channels": 1, "size": bundle.image.size, "mean": bundle.image.mean,
                              "std": bundle.image.std, "formats": ["png", "jpeg", "dicom"],

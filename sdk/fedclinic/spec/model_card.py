@@ -55,6 +55,9 @@ for a package made locally); a section that is *absent* was not configured::
     secure_aggregation   only when the task enabled it, defaults filled in: {"enabled", "threshold",
                          "min_cohort", "clip", "bits", "rounding", "degree", "weighting", "weight_cap",
                          "metric_clip"}
+    thresholds           multi-label only, when set: each label's decision threshold and the rows/sites they were
+                         tuned on ({"rule", "values": {label: t}, "tuned_on": {"rows", "sites", "bins"} | null,
+                         "source"}; fedclinic.spec.card_thresholds); absent = every label at probability 0.5
     notes                plain-language caveats (list of strings)
     export               only in an ONNX bundle: {"created", "fedclinic_version", "opset", "inputs", "outputs",
                          "files", "fp32": {"max_abs_diff", "tolerance", "top1_agreement", "inputs",
@@ -76,6 +79,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedclinic.runtime.durable_file import write_atomically
+from fedclinic.spec.card_thresholds import card_markdown_lines, is_per_label_metric
 from fedclinic.spec.safl_settings import SaflConfig
 from fedclinic.version import __version__
 from fedclinic.errors import ConfigError
@@ -331,7 +335,8 @@ def render_markdown(card: Mapping[str, Any]) -> str:
 
     rounds = card.get("rounds") or []
     if rounds:
-        keys = sorted({k for r in rounds for k in r.get("metrics", {}) if k not in UPLINK_METRICS},
+        keys = sorted({k for r in rounds for k in r.get("metrics", {})
+                       if k not in UPLINK_METRICS and not is_per_label_metric(k)},
                       key=lambda k: (HEADLINE_METRICS.index(k) if k in HEADLINE_METRICS else len(HEADLINE_METRICS), k))
         header = ("round", "sites", "samples", *keys, "uplink bytes", "downlink bytes")
         body = [(r["round"], len(r.get("sites", [])), r.get("num_samples"),
@@ -341,8 +346,9 @@ def render_markdown(card: Mapping[str, Any]) -> str:
                 for r in rounds]
         lines += ["## Rounds", "", *_table(header, body), ""]
         final = card.get("final_round_metrics") or {}
-        lines += ["Final round: " + (", ".join(f"{k} {_fmt(v)}" for k, v in sorted(final.items())) or "no metrics"),
-                  ""]
+        lines += ["Final round: " + (", ".join(f"{k} {_fmt(v)}" for k, v in sorted(final.items())
+                                               if not is_per_label_metric(k)) or "no metrics"), ""]
+    lines += card_markdown_lines(card)
 
     lines += ["## Privacy", ""]
     privacy, secagg = card.get("privacy"), card.get("secure_aggregation")

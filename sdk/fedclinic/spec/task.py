@@ -37,7 +37,8 @@ check the same): local_epochs 1-1000, batch_size 1-65536, 0 < learning_rate <= 1
 max_grad_norm 0-1e6, max_steps 0-1e7, proximal_mu 0-1000, max_length 8-32768, num_rounds 1-1000, min_sites
 1-1000, 0 < participation_fraction <= 1, 0 < round_timeout_s <= 604800 (7 days), max_round_retries 0-100,
 safl_top_k 0-1000, safl_profile_samples 0-100000, strategy parameters of magnitude <= 1e6; [privacy] numbers
-0-1e6; [secure_aggregation] min_cohort, threshold and degree 0-1000, bits 0-62, clip 0-1e6.
+0-1e6; [secure_aggregation] min_cohort, threshold and degree 0-1000, bits 0-62, clip 0-1e6; [statistics] epsilon
+0.01-100 (0 = exact statistics).
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ class Task:
     measure_gradient_change: bool = False  # sites report gradient_change_rate (dynamic-weighting, "code")
     max_length: int = 128
     seed: int = 0
+    #: ``[training] pos_weight``: multi-label BCE weight of each label's positives (one positive number per label,
+    #: label order), or "from-statistics:<task id>" (resolved at submit from that statistics task's label counts,
+    #: fedclinic.evaluation.class_weights); empty = unweighted
+    pos_weight: list[float] | str = field(default_factory=list)
+    #: where pos_weight came from (set when "from-statistics:..." is resolved; recorded in the spec and the card)
+    pos_weight_source: str = ""
     # rounds
     num_rounds: int = 3
     min_sites: int = 2
@@ -163,6 +170,10 @@ class Task:
     #: fetch it, so that `fedclinic task verify` recomputes each plain round's model from them (a new exposure:
     #: the owner then sees each site's update, not only aggregates; sites may refuse such tasks). Default off.
     verification: dict[str, Any] = field(default_factory=dict)
+    #: ``[statistics]``: epsilon = the privacy loss of each site's answer to a statistics task (discrete Laplace
+    #: noise on every released count, charged to the site's privacy ledger; fedclinic.evaluation.statistics).
+    #: Empty = exact counts (small cells are suppressed either way).
+    statistics: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError listing every problem (and how to fix it): first the checks of this Python/TOML
@@ -198,10 +209,12 @@ class Task:
         if len(set(self.labels)) != len(self.labels):
             p.append("labels contains duplicates")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        p.extend(_pos_weight_input_problems(self.pos_weight))
         p.extend(privacy_input_problems(self.privacy))
         p.extend(secure_aggregation_input_problems(self.secure_aggregation))
         p.extend(verification_input_problems(self.verification))
         p.extend(evaluation_input_problems(self.kind, self.evaluation))
+        p.extend(statistics_input_problems(self.statistics))
         p.extend(problem for _, problem in self._number_problems())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 63):
             p.append(f"seed must be a whole number (64-bit), got {self.seed!r}")
@@ -233,6 +246,10 @@ class Task:
 
     def to_spec(self, tokenizer_sha256: str = "") -> task_pb2.TaskSpec:
         self.validate()
+        if isinstance(self.pos_weight, str):
+            raise ConfigError(f"pos_weight {self.pos_weight!r} is resolved when the task is submitted (Client.submit "
+                              "reads the statistics task); or compute it with fedclinic.evaluation.class_weights."
+                              "pos_weight_from_statistics")
         return self._build_spec(tokenizer_sha256, checked=True)
 
     def _build_spec(self, tokenizer_sha256: str, *, checked: bool) -> task_pb2.TaskSpec:
@@ -260,7 +277,10 @@ class Task:
         return task_pb2.TaskSpec(
             name=self.name, family=self.family, architecture=self.architecture, dataset=self.dataset,
             labels=self.labels, multi_label=self.multi_label, description=self.description, sites=self.sites,
-            training=task_pb2.TrainingConfig(**{k: v[k] for k in _TRAIN}),
+            training=task_pb2.TrainingConfig(**{k: v[k] for k in _TRAIN},
+                                             pos_weight=[] if _pos_weight_input_problems(self.pos_weight)
+                                             or isinstance(self.pos_weight, str) else self.pos_weight,
+                                             pos_weight_source=self.pos_weight_source),
             rounds=task_pb2.RoundConfig(num_rounds=v["num_rounds"], min_sites=v["min_sites"],
                                         participation_fraction=v["participation_fraction"],
                                         round_timeout_s=v["round_timeout_s"],
@@ -285,6 +305,7 @@ class Task:
             kind="" if self.kind in ("", "train") or not isinstance(self.kind, str) else self.kind,
             evaluation=evaluation_config(self.evaluation) if checked or not evaluation_input_problems(
                 "train", self.evaluation) else task_pb2.EvaluationConfig(),
+            statistics=statistics_config(self.statistics),
             tokenizer_sha256=tokenizer_sha256)
 
     @classmethod
@@ -294,7 +315,7 @@ class Task:
         flat: dict[str, Any] = {}
         for key, value in doc.items():
             if key == "training":
-                flat.update(_section(value, _TRAIN, "training"))
+                flat.update(_section(value, (*_TRAIN, "pos_weight"), "training"))
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
@@ -322,6 +343,19 @@ class Task:
             raise ConfigError(f"{path}: {exc}") from None
         task.validate()
         return task
+
+
+def _pos_weight_input_problems(value: Any) -> list[str]:
+    """What is wrong with a task's ``pos_weight`` as written (a list of numbers or "from-statistics:<task id>");
+    its length and values are the spec's rules (fedclinic.spec.validation.pos_weight_problems)."""
+    if isinstance(value, str):
+        if not value.startswith("from-statistics:") or not value[len("from-statistics:"):].strip():
+            return [f"pos_weight {value!r} must be a list of numbers (one per label) or \"from-statistics:<task id>\""]
+        return []
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                                   for v in value):
+        return [f"pos_weight must be a list of numbers (one per label), got {value!r}"]
+    return []
 
 
 PRIVACY_KEYS = ("level", "target_epsilon", "target_delta", "max_grad_norm", "noise_multiplier", "accountant", "unit",
@@ -396,6 +430,28 @@ def evaluation_input_problems(kind: Any, doc: Any) -> list[str]:
 def evaluation_config(doc: dict[str, Any]) -> task_pb2.EvaluationConfig:
     return task_pb2.EvaluationConfig(model_task=str(doc.get("model_task", "")),
                                      timeout_s=float(doc.get("timeout_s", 0.0)))
+
+
+STATISTICS_KEYS = ("epsilon",)
+
+
+def statistics_input_problems(doc: Any) -> list[str]:
+    """What a ``[statistics]`` table holds that a StatisticsConfig cannot (its bounds are the spec's:
+    ``statistics.epsilon`` in fedclinic.spec.validation.BOUNDS)."""
+    if not isinstance(doc, dict):
+        return ["statistics must be a table (e.g. [statistics] epsilon = 1.0)"]
+    p = [f"statistics: unknown setting {k!r} (known: {', '.join(STATISTICS_KEYS)})" for k in doc
+         if k not in STATISTICS_KEYS]
+    if "epsilon" in doc and not _is_number(doc["epsilon"]):
+        p.append(f"statistics: epsilon must be a number (0.01-100; 0 = no noise), got {doc['epsilon']!r}")
+    return p
+
+
+def statistics_config(doc: Any) -> task_pb2.StatisticsConfig:
+    """The StatisticsConfig of a ``[statistics]`` table; what it cannot hold travels as the default (reported by
+    :func:`statistics_input_problems`)."""
+    eps = doc.get("epsilon", 0.0) if isinstance(doc, dict) else 0.0
+    return task_pb2.StatisticsConfig(epsilon=float(eps) if _is_number(eps) else 0.0)
 
 
 def secure_aggregation_input_problems(doc: dict[str, Any]) -> list[str]:

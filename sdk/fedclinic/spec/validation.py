@@ -88,6 +88,8 @@ BOUNDS: dict[str, Bound] = {
     "secure_aggregation.weight_cap": Bound(0, 1 << 24, integer=True),
     "secure_aggregation.metric_clip": Bound(0, 1e9),
     "evaluation.timeout_s": Bound(0, 7 * 24 * 3600.0, hint="seconds; 0 = rounds.round_timeout_s"),
+    "statistics.epsilon": Bound(0.01, 100.0, zero_default=True,
+                                hint="the epsilon of a statistics answer at each site; 0 = no noise"),
 }
 #: TaskSpec.kind values: "" trains (then evaluates the final model), the others train nothing
 KINDS = ("", "evaluate", "statistics")
@@ -208,6 +210,25 @@ def rounds_problems(spec: task_pb2.TaskSpec) -> list[str]:
     return p
 
 
+def pos_weight_problems(spec: task_pb2.TaskSpec) -> list[str]:
+    """``training.pos_weight`` (multi-label BCE class weights): empty, or one positive finite number per label of a
+    multi-label text-classification task trained without sample-level DP (whose per-example loss is unweighted)."""
+    weights = list(spec.training.pos_weight)
+    if not weights:
+        return []
+    p = []
+    if spec.family != "text-classification" or not spec.multi_label:
+        p.append("training.pos_weight applies to multi-label text-classification tasks only (multi_label = true)")
+    if len(weights) != len(spec.labels):
+        p.append(f"training.pos_weight needs one number per label ({len(spec.labels)}), got {len(weights)}")
+    bad = [w for w in weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        p.append(f"training.pos_weight values must be positive finite numbers, got {bad[:3]}")
+    if spec.privacy.level == "sample":
+        p.append("training.pos_weight is not supported with sample-level differential privacy yet; remove one")
+    return p
+
+
 def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
     """Every problem of the spec on its own (see the module docstring); empty when there is none."""
     p = []
@@ -220,6 +241,7 @@ def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
     bounds = bounds_problems(spec)
     p.extend(bounds)
     p.extend(rounds_problems(spec))
+    p.extend(pos_weight_problems(spec))
     if not bounds:  # it builds a session for the smallest cohort: not from absurd numbers
         p.extend(secure_aggregation_problems(spec))
     p.extend(privacy_problems(spec))

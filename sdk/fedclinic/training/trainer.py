@@ -10,7 +10,8 @@ Flow of one round at a site::
 Objective per mini-batch B (mean over its examples)::
 
     single-label:  L = CE(logits, y)                        (softmax cross-entropy)
-    multi-label:   L = BCEWithLogits(logits, y_multi_hot)   (mean over examples and labels)
+    multi-label:   L = BCEWithLogits(logits, y_multi_hot)   (mean over examples and labels; with ``pos_weight``
+                   w_c, each positive's term of label c is multiplied by w_c: -[w_c y log s(z) + (1-y) log(1-s(z))])
     FedProx:       L + mu/2 * sum_{p trainable} ||p - p_round_start||^2   (added to the gradient as mu (p - p_0))
 
 Only tensors named in ``trainable`` get gradients. The optimiser (:mod:`fedclinic.training.optimizers`) is created
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Seque
 
 import numpy as np
 
+from fedclinic.evaluation.multilabel import multilabel_evaluation
 from fedclinic.models.base import EncodedData, encode_texts
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
 from fedclinic.spec.selection import select_names
@@ -60,6 +62,8 @@ class TrainConfig:
     max_length: int = 128
     seed: int = 0
     device: str = "auto"
+    #: multi-label BCE weight of each label's positives (label order); () = unweighted
+    pos_weight: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +85,9 @@ class TrainConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 p.append(f"{name} must be a finite number >= 0, got {v!r}")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+                   for w in self.pos_weight):
+            p.append(f"pos_weight values must be positive finite numbers, got {list(self.pos_weight)!r}")
         if not isinstance(self.device, str) or not self.device:
             p.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if p:
@@ -108,6 +115,7 @@ class TrainConfig:
         kw["mixed_precision"] = bool(kw["mixed_precision"])
         kw["measure_gradient_change"] = bool(kw["measure_gradient_change"])
         kw["device"] = device
+        kw["pos_weight"] = tuple(float(w) for w in msg.pos_weight)
         return cls(**kw)
 
 
@@ -200,11 +208,18 @@ def encode(examples: Sequence["Example"], loaded: "LoadedModel", *, max_length: 
                        multi_label=multi, num_labels=len(labels))
 
 
-def _loss_fn(multi_label: bool):
+def _loss_fn(multi_label: bool, pos_weight: Sequence[float] = ()):
+    import torch
     import torch.nn.functional as F
 
     if multi_label:
-        return lambda logits, y, reduction="mean": F.binary_cross_entropy_with_logits(logits, y, reduction=reduction)
+        weights = torch.tensor(list(pos_weight), dtype=torch.float32) if pos_weight else None
+
+        def bce(logits, y, reduction="mean"):
+            w = None if weights is None else weights.to(logits.device)
+            return F.binary_cross_entropy_with_logits(logits, y, reduction=reduction, pos_weight=w)
+
+        return bce
     return lambda logits, y, reduction="mean": F.cross_entropy(logits, y, reduction=reduction)
 
 
@@ -257,7 +272,11 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
     if cfg.optimizer_state == "keep" and optimizer_state:
         _load_optimizer_state(optimizer, named_train, optimizer_state, device)
     anchor = [p.detach().clone() for p in train_params] if cfg.proximal_mu > 0 else None
-    loss_fn = _batch_loss(loaded, data.multi_label)
+    if cfg.pos_weight and (not data.multi_label or len(cfg.pos_weight) != data.num_labels
+                           or getattr(loaded, "training_loss", None) is not None):
+        raise ConfigError(f"pos_weight ({len(cfg.pos_weight)} values) needs a multi-label text or feature model with "
+                          f"one value per label ({data.num_labels} labels here)")
+    loss_fn = _batch_loss(loaded, data.multi_label, cfg.pos_weight)
     autocast, scaler = _autocast(device, cfg.mixed_precision)
 
     n = len(data)
@@ -319,13 +338,14 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                        gradient_change_rate=rate)
 
 
-def _batch_loss(loaded, multi_label: bool) -> Callable[[tuple, "torch.Tensor"], "torch.Tensor"]:
+def _batch_loss(loaded, multi_label: bool, pos_weight: Sequence[float] = ()) -> Callable[[tuple, "torch.Tensor"], "torch.Tensor"]:
     """``loss(inputs, targets)`` -> the batch's mean loss: the family's own ``training_loss`` when it has one
-    (token classification, image + text), else the classification loss on ``loaded.logits(*inputs)`` (computed in float32)."""
+    (token classification, image + text), else the classification loss on ``loaded.logits(*inputs)`` (computed in
+    float32; multi-label with ``pos_weight`` when given)."""
     own = getattr(loaded, "training_loss", None)
     if own is not None:
         return own
-    loss_fn = _loss_fn(multi_label)
+    loss_fn = _loss_fn(multi_label, pos_weight)
     return lambda inputs, y: loss_fn(loaded.logits(*inputs).float(), y)
 
 
@@ -384,11 +404,14 @@ def _load_optimizer_state(optimizer, named: list, saved: Mapping[str, dict], dev
 
 
 def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) -> dict[str, float]:
-    """Loss, accuracy, macro-F1 and n on ``data`` (no gradients, eval mode, the module's current device).
+    """Metrics of the model on ``data`` (no gradients, eval mode, the module's current device).
 
-    accuracy: single-label argmax == label; multi-label exact match of ``sigmoid(logit) > 0.5``.
-    macro_f1: mean over *all* task labels of per-label F1 (one-vs-rest for single-label); a label with no
-    true and no predicted example scores 0 (as scikit-learn's ``zero_division=0``).
+    Single-label: ``loss``, ``accuracy`` (argmax == label), ``macro_f1`` (mean over *all* task labels of the
+    one-vs-rest F1; a label with no true and no predicted example scores 0, as scikit-learn's ``zero_division=0``)
+    and ``n``. Multi-label: :func:`fedclinic.evaluation.multilabel.multilabel_evaluation` (per-label ``f1/<label>``
+    and ``auc/<label>``, ``macro_f1``, ``macro_auc``, ``micro_f1``, ``exact_match``, ``label_accuracy``, ``loss``
+    (unweighted BCE, whatever the training's ``pos_weight``), ``n`` and the ``count/thr/...`` threshold histograms),
+    deciding at probability 0.5.
     """
     import torch
 
@@ -416,20 +439,17 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
             logits = loaded.logits(*inputs).float()
             per = loss_fn(logits, y, reduction="none")
             loss_sum += float(per.sum() / (per.shape[1] if per.dim() == 2 else 1))
-            preds.append((logits > 0).cpu() if data.multi_label else logits.argmax(dim=-1).cpu())
+            preds.append(logits.cpu() if data.multi_label else logits.argmax(dim=-1).cpu())
     module.train(was_training)
     n = len(data)
     c = data.num_labels
     pred = torch.cat(preds).numpy()
     true = data.labels.numpy()
     if data.multi_label:
-        p_hot = pred.astype(bool)
-        t_hot = true > 0.5
-        accuracy = float((p_hot == t_hot).all(axis=1).mean())
-    else:
-        accuracy = float((pred == true).mean())
-        p_hot = np.eye(c, dtype=bool)[pred]
-        t_hot = np.eye(c, dtype=bool)[true]
+        return multilabel_evaluation(true, pred, loaded.labels, loss=loss_sum / n)
+    accuracy = float((pred == true).mean())
+    p_hot = np.eye(c, dtype=bool)[pred]
+    t_hot = np.eye(c, dtype=bool)[true]
     tp = (p_hot & t_hot).sum(axis=0).astype(np.float64)
     fp = (p_hot & ~t_hot).sum(axis=0)
     fn = (~p_hot & t_hot).sum(axis=0)

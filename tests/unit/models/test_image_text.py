@@ -67,7 +67,8 @@ def test_multilabel_scores_by_hand():
     assert s["auc/a"] == pytest.approx(brute_force_auc(truth[:, 0], logits[:, 0]))  # 0.75
     assert s["auc/b"] == pytest.approx(1.0)
     assert s["macro_auc"] == pytest.approx((0.75 + 1.0) / 2)
-    assert s["accuracy"] == pytest.approx(1 / 4) and s["label_accuracy"] == pytest.approx(5 / 8)
+    assert s["exact_match"] == pytest.approx(1 / 4) and s["label_accuracy"] == pytest.approx(5 / 8)
+    assert s["micro_f1"] == pytest.approx(2 * 3 / (2 * 3 + 2 + 1))  # TP 1+2, FP 1+1, FN 1+0
     one_class = multilabel_scores(np.array([[1, 0], [1, 1]]), logits[:2], ["a", "b"])
     assert math.isnan(one_class["auc/a"]) and one_class["macro_auc"] == one_class["auc/b"]
 
@@ -200,9 +201,10 @@ def test_training_learns_the_standin_set(tmp_path):
     training.train_local(model, train, training.TrainConfig(local_epochs=10, batch_size=8, learning_rate=5e-3, seed=0),
                          trainable=list(package().tensors))
     after = training.evaluate(model, test)  # measured: macro AUC 0.986, macro F1 0.966, marker AUC 0.957 / F1 0.897
-    keys = {f"{m}/{lab}" for m in ("f1", "auc") for lab in LABELS} | {"loss", "macro_f1", "macro_auc", "accuracy",
-                                                                     "label_accuracy", "n"}
-    assert set(after) == keys and after["n"] == 32
+    keys = {f"{m}/{lab}" for m in ("f1", "auc") for lab in LABELS} | {"loss", "macro_f1", "macro_auc", "micro_f1",
+                                                                     "exact_match", "label_accuracy", "n"}
+    assert {k for k in after if not k.startswith("count/thr/")} == keys and after["n"] == 32
+    assert sum(v for k, v in after.items() if k.startswith("count/thr/0/")) == 32  # every row once per label
     assert after["loss"] < before["loss"] * 0.5
     assert after["macro_auc"] > 0.95 and after["macro_f1"] > 0.9, after
     # the finding only the image always shows (reports mention it 75 % of the time); untrained: AUC 0.54, F1 0.67

@@ -228,7 +228,7 @@ def test_multi_label_training():
     train_local(loaded, data, TrainConfig(learning_rate=0.05, local_epochs=8, batch_size=8),
                 trainable=list(pkg.tensors))
     metrics = evaluate(loaded, data)
-    assert metrics["accuracy"] >= 0.9 and metrics["macro_f1"] >= 0.9
+    assert metrics["exact_match"] >= 0.9 and metrics["macro_f1"] >= 0.9
 
 
 def test_train_local_errors():
@@ -292,9 +292,39 @@ def test_evaluate_multi_label_exact_match_and_absent_labels_score_zero():
     load_tensors(loaded.module, {"token_weights.weight": w, "bias": np.full(3, -1.0, np.float32)})
     rows = [Example("fever rash", ("resp", "skin")), Example("fever", ("resp", "skin"))]
     m = evaluate(loaded, encode(rows, loaded))
-    assert m["accuracy"] == 0.5
+    assert m["exact_match"] == 0.5 and "accuracy" not in m  # exact match is not called plain accuracy
     # resp F1 1.0; skin tp1 fn1 -> 2/3; gi: no true, no predicted -> 0 (zero_division=0)
     assert m["macro_f1"] == pytest.approx((1.0 + 2 / 3 + 0.0) / 3)
+    assert m["f1/resp"] == 1.0 and m["f1/skin"] == pytest.approx(2 / 3) and m["f1/gi"] == 0.0
+    assert m["micro_f1"] == pytest.approx(2 * 3 / (2 * 3 + 0 + 1))  # TP 2+1, FP 0, FN 1
+    assert np.isnan(m["auc/gi"]) and np.isnan(m["auc/skin"])  # one class only in the rows: AUC undefined (NaN)
+    # the threshold histograms: bin(z) = #{k : z >= 8 (2k/50 - 1)}, so logit 4 -> bin 37 and logit -1 -> bin 21
+    assert m["count/thr/0/37/pos"] == 2 and m["count/thr/1/37/pos"] == 1 and m["count/thr/1/21/pos"] == 1
+    assert m["count/thr/2/21/neg"] == 2 and sum(v for k, v in m.items() if k.startswith("count/thr/2/")) == 2
+
+
+def test_pos_weight_changes_the_loss_as_bce_with_pos_weight_should():
+    pkg, loaded = model("logreg", multi=True)
+    data = encode(examples(12, multi=True), loaded)
+    load_tensors(loaded.module, {"bias": np.array([0.3, -0.2, -1.0], np.float32)})
+    logits = loaded.logits(data.input_ids, data.attention_mask).detach().double()
+    y = data.labels.double()
+    w = torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64)
+    # the definition, written out: -[w y log s(z) + (1 - y) log(1 - s(z))], mean over rows and labels
+    s = torch.sigmoid(logits)
+    by_hand = float(-(w * y * torch.log(s) + (1 - y) * torch.log(1 - s)).mean())
+    unweighted = float(-(y * torch.log(s) + (1 - y) * torch.log(1 - s)).mean())
+    seen = []
+    train_local(loaded, data, TrainConfig(learning_rate=1e-9, batch_size=12, max_steps=1, pos_weight=(1.0, 4.0, 9.0)),
+                trainable=list(pkg.tensors), progress=lambda step, total, loss: seen.append(loss))
+    assert seen[0] == pytest.approx(by_hand, rel=1e-5) and abs(by_hand - unweighted) > 0.1
+    # the proto carries it; a weight per label is required, and only positive finite ones
+    msg = task_pb2.TrainingConfig(pos_weight=[1.0, 4.0, 9.0])
+    assert TrainConfig.from_proto(msg).pos_weight == (1.0, 4.0, 9.0)
+    with pytest.raises(ConfigError, match="pos_weight values must be positive finite"):
+        TrainConfig(pos_weight=(1.0, 0.0, float("inf")))
+    with pytest.raises(ConfigError, match="one value per label"):
+        train_local(loaded, data, TrainConfig(pos_weight=(2.0, 2.0)), trainable=list(pkg.tensors))
 
 
 # ------------------------------------------------------------------------------------------------ delta
