@@ -45,3 +45,13 @@ def test_a_round_combines_late_evaluations_with_header_ones_by_the_same_rule():
             SiteResultRecord("t", 1, "c", "round", "round-eval", "m", {"eval_rows": 5.0, "accuracy": 0.0}, 10, 0)]
     m = evaluation_metrics(updates, late)  # c's later answer replaces its header's, and is too small to count
     assert m == {"eval_rows": 40.0, "eval_accuracy": (30 * 0.9 + 10 * 0.5) / 40, "eval_sites": 2.0}
+
+
+def test_thresholds_read_the_final_evaluation_pooled_in_a_task_status():
+    from fedclinic.evaluation.thresholds import evaluation_values
+    from fedclinic.proto import control_pb2
+
+    st = control_pb2.TaskStatus()
+    st.results.pooled.add(model="own", values={"count/thr/0/1/pos": 9.0})
+    st.results.pooled.add(model="final", values={"count/thr/0/1/pos": 3.0, "eval_rows": 40.0})
+    assert evaluation_values(st) == {"count/thr/0/1/pos": 3.0, "eval_rows": 40.0}
