@@ -100,6 +100,7 @@ class Agent:
         self.reload_requested = threading.Event()
         self._resend_outbox = threading.Event()
         self._watch_call = None
+        self.aggregator_features: frozenset[str] = frozenset()
         self.approval = ApprovalGate(config, self.approvals, self.audit, self.site_name)
         #: (owner, idempotency key) <-> task id of the signed tasks this site accepted (hospital_agent.task_bindings)
         self.task_bindings = TaskBindings(config.work_dir / "task-bindings.sqlite")
@@ -177,6 +178,8 @@ class Agent:
                                                        agent_version=fedclinic.__version__, capabilities=caps),
                                 timeout=30)
         self.site_id = resp.site_id
+        #: what the aggregator speaks (HelloResponse.features), e.g. "results-v1": round evaluations follow updates
+        self.aggregator_features = frozenset(resp.features)
         return resp
 
     def stop(self) -> None:
@@ -426,9 +429,11 @@ class Agent:
         self.model_sync.sync(a, manifest, state)
         if private:
             self.training.restore_private(a.task_id, state, private)
-        # a plain round's evaluation follows its update (off the round's critical path); a secure round's metrics
-        # travel inside the masked vector, so it evaluates first
-        trained = self.training.run(a, state, cfg, private, evaluate=secure)
+        # a plain round's evaluation follows its update (off the round's critical path) where the aggregator takes
+        # it (SubmitResult); a secure round's metrics travel inside the masked vector, so it evaluates first, and so
+        # does a round for an older aggregator (in the update's header, as before)
+        deferred = not secure and RESULTS_FEATURE in self.aggregator_features
+        trained = self.training.run(a, state, cfg, private, evaluate=not deferred)
         failpoint("agent.trained")  # kill campaign: trained, not charged or written
         result = trained.site.train
         dp_report = None
@@ -458,7 +463,8 @@ class Agent:
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self.uploader.upload(entry)
-        self._evaluate_round(a, manifest, state, trained)
+        if deferred:
+            self._evaluate_round(a, manifest, state, trained)
 
     def _evaluate_round(self, a: agent_pb2.Assignment, manifest, state: TaskState, trained) -> None:
         """After the update left: evaluate the round's base model and send it (hospital_agent.result_work); a
