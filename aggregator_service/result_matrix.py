@@ -53,7 +53,7 @@ def result_phase_status(store: Store, task_id: str) -> control_pb2.ResultPhase |
         if a.declined:
             out.declined.append(f"{a.site}: {a.declined}")
         elif a.site not in answered and not phase.closed_ms:
-            out.waiting.append(a.site)
+            out.waiting.append(f"{a.site} (held: {a.held})" if a.held else a.site)
     return out
 
 

@@ -92,14 +92,18 @@ class ResultPhases:
         self.store = store
         self._eligible = eligible
         self._connected = connected
-        #: sites that announced FEATURE at their latest Hello
+        #: sites that announced FEATURE at their latest Hello, and those whose latest Hello did not (an older agent:
+        #: no phase waits for it; a site not heard from since a restart is still waited for, until the deadline)
         self._capable: set[str] = set()
+        self._incapable: set[str] = set()
 
     def hello(self, site: str, features: Iterable[str]) -> None:
-        if FEATURE in features:
+        if FEATURE in set(features):
             self._capable.add(site)
+            self._incapable.discard(site)
         else:
             self._capable.discard(site)
+            self._incapable.add(site)
 
     # opening and closing -----------------------------------------------------------------------------------
     def open_after_training(self, tx: StoreTransaction, task_id: str, spec: task_pb2.TaskSpec, last_round: int,
@@ -150,8 +154,8 @@ class ResultPhases:
     def _expected(self, task_id: str, spec: task_pb2.TaskSpec, phase: ResultPhaseRecord) -> list[str]:
         """The sites a phase waits for: those that trained (final evaluation), else the task's named sites."""
         if task_kind(spec) == "":
-            return self.store.reported_sites(task_id)
-        return [s for s in spec.sites if not self.store.declined_for_good(task_id, s)]
+            return [s for s in self.store.reported_sites(task_id) if s not in self._incapable]
+        return [s for s in spec.sites if not self.store.declined_for_good(task_id, s) and s not in self._incapable]
 
     def tick(self) -> float:
         """Close phases whose deadline passed; seconds until the next deadline (at most 1)."""

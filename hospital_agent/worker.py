@@ -395,6 +395,8 @@ class Agent:
             return  # refused, held for approval, or rejected: nothing is downloaded, read or trained
         if a.work:  # evaluate or statistics: nothing trains (hospital_agent.result_work)
             self.results.handle(a, self._tasks.setdefault(a.task_id, TaskState()))
+            if (a.task_id, a.round) in self.results.answered:
+                self._tasks.pop(a.task_id, None)  # the task's last work here: its model and data leave memory
             return
         secure = a.spec.secure_aggregation.enabled
         if secure and self.secagg.resume(a):
