@@ -216,9 +216,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
             log.info("result refused", site=site, task_id=request.task_id[:64], round=request.round,
                      code=exc.code.name, reason=exc.message)
             abort(context, exc)
-        self.audit.record("result.received", actor=site, task_id=request.task_id, round=request.round,
-                          work=request.work, stored=answer.stored)
-        return answer
+        return answer  # audited through its task event (aggregator_service.audit_trail.EVENT_KINDS)
 
     def Hold(self, request: agent_pb2.HoldRequest, context) -> agent_pb2.HoldResponse:
         site = peer_identity(context).name
