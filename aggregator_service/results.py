@@ -42,6 +42,7 @@ from fedclinic.transport.wire import manifest_to_proto
 from aggregator_service.round_metrics import evaluation_metrics
 from aggregator_service.stakes import require_assignment
 from aggregator_service.store import ResultPhaseRecord, SiteResultRecord, Store, StoreTransaction, now_ms
+from aggregator_service.update_admission import sent_tensors
 
 log = structlog.get_logger("fedclinic.aggregator.results")
 
@@ -229,9 +230,12 @@ class ResultPhases:
                                  actor=site, round=phase.round)
             manifest = self.store.model(phase.model_hash or task.initial_model)
             assert manifest is not None
+            # a training task's final evaluation names the tensors its rounds sent (nothing is sent now): what the
+            # site approved of the task stays the same (hospital_agent.approvals digests spec and sent tensors)
             assignment = agent_pb2.Assignment(task_id=phase.task_id, round=phase.round, attempt=1, spec=task.spec,
                                               model=manifest_to_proto(manifest), deadline_unix_ms=phase.deadline_ms,
-                                              work=phase.work)
+                                              work=phase.work, send_tensors=sent_tensors(task.spec, manifest)
+                                              if task_kind(task.spec) == "" else [])
             signed = self.store.signed_task(phase.task_id)
             if signed:
                 assignment.signed_task.ParseFromString(signed)
