@@ -7,11 +7,17 @@ and queues what arrives; the main thread handles one assignment at a time, each 
    tasks approve``), the declared tokenizer, private modules; then the data contract and the privacy budget.
    Nothing is downloaded before they pass; a refusal reaches the task owner with its reason;
 2. model sync (hospital_agent.model_sync): fetch only the tensors whose hash is not in the local cache;
-3. training step (hospital_agent.training_step): evaluate the global model on the site's held-out split, run
-   the one site round the simulator runs (fedclinic.federation.site_round: seed, SAFL, training, delta, codec);
+3. training step (hospital_agent.training_step): run the one site round the simulator runs
+   (fedclinic.federation.site_round: seed, SAFL, training, delta, codec);
 4. privacy is charged, the update written to the outbox (durable) and uploaded with its idempotency key
    (hospital_agent.uploader); under secure aggregation the delta instead leaves only masked, in the round's
-   SecAgg session (hospital_agent.secure_aggregation; phase messages are answered on their own thread).
+   SecAgg session (hospital_agent.secure_aggregation; phase messages are answered on their own thread);
+5. then the round's base model is evaluated on the site's held-out split and the values sent with
+   ``SubmitResult`` (hospital_agent.result_work), off the round's critical path (a secure round, or an
+   aggregator without "results-v1", evaluates before training and sends them with the update, as before).
+
+An assignment with ``work`` set trains nothing (hospital_agent.result_work): the final model's evaluation, an
+"evaluate" or a "statistics" task.
 
 The model and the encoded dataset of a task stay in memory across its rounds. Every call takes its stub from
 hospital_agent.connection.AgentChannel, which switches to a new channel when the site's certificate is renewed on
