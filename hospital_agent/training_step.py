@@ -3,10 +3,13 @@
 For an assignment whose model is synced (hospital_agent.model_sync)::
 
     private values -> the model (memory, else the private store, else the global model's initial values)
-    eval_metrics   = evaluate(model, the site's held-out split)      (when configured)
+    eval_metrics   = evaluate(model, the site's held-out split)      (secure rounds; when configured)
     site round     = fedclinic.federation.site_round.run_site_round(task, site = this site's name, round, send_tensors,
                      private tensors, codec + this task's error-feedback state, SAFL, DP-SGD plan)
     keep the private tensors (memory and the private store) before the update exists
+    ... the update is sent ...
+    evaluate_base  = the model synced back to the round's base (from the cache) + the private values from before
+                     the round, evaluated on the held-out split   (plain rounds: the same values, after the update)
 
 The site round derives the training seed from (the task's seed, round, site name), exactly as the simulator
 does for a site of that name. The caller charges privacy, then :meth:`TrainingStep.stage_feedback` makes the
