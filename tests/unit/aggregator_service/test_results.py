@@ -40,7 +40,7 @@ def test_an_evaluate_task_gives_work_to_capable_sites_and_completes_when_all_ans
         _hello(engine, site)
     _hello(engine, "old", results=False)
     assert engine.next_work("old", {}) == []  # an older agent is given no result work
-    (w1,), (w2,) = engine.next_work("s1", {}), engine.next_work("s2", {})
+    (w1,), (_,) = engine.next_work("s1", {}), engine.next_work("s2", {})
     assert (w1.assignment.work, w1.assignment.round) == ("evaluate", 1)
     engine.hold("s1", task_id, 1, "awaiting approval by the site's IT")
     assert status_of(store, task_id).results.waiting == ["s1 (held: awaiting approval by the site's IT)", "s2"]
