@@ -19,6 +19,7 @@ from aggregator_service.audit_trail import NoAudit
 from aggregator_service.auth import peer_identity
 from aggregator_service.engine import Engine
 from aggregator_service.model_streams import stream_task_model
+from aggregator_service.results import FEATURE as RESULTS_FEATURE
 from aggregator_service.secure_rounds import FEATURE as SECAGG_FEATURE
 from aggregator_service.status import latest_model_hash
 from aggregator_service.task_records import task_records
@@ -52,7 +53,7 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
                  features=list(caps.features), codecs=list(caps.codecs))
         return agent_pb2.HelloResponse(protocol_version=fedclinic.PROTOCOL_VERSION,
                                        aggregator_version=fedclinic.__version__, site_id=site, codecs=ACCEPTED_CODECS,
-                                       features=[SECAGG_FEATURE])
+                                       features=[SECAGG_FEATURE, RESULTS_FEATURE])
 
     def WatchWork(self, request: agent_pb2.WatchWorkRequest, context) -> Iterator[agent_pb2.WorkItem]:
         site = peer_identity(context).name
@@ -204,6 +205,18 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         except Refused as exc:
             abort(context, exc)
         return agent_pb2.DeclineResponse()
+
+    def SubmitResult(self, request: agent_pb2.SubmitResultRequest, context) -> agent_pb2.SubmitResultResponse:
+        """A site's results of non-training work (aggregator_service.results): only for a task and phase the
+        site was assigned; refused with what to do otherwise, nothing written."""
+        site = peer_identity(context).name
+        try:
+            answer = self.engine.submit_result(site, request)
+        except Refused as exc:
+            log.info("result refused", site=site, task_id=request.task_id[:64], round=request.round,
+                     code=exc.code.name, reason=exc.message)
+            abort(context, exc)
+        return answer  # audited through its task event (aggregator_service.audit_trail.EVENT_KINDS)
 
     def Hold(self, request: agent_pb2.HoldRequest, context) -> agent_pb2.HoldResponse:
         site = peer_identity(context).name

@@ -40,6 +40,10 @@ EVENT_KINDS = {
     "declined": "site.declined",
     "held": "site.held",
     "update-received": "update.received",
+    "results-opened": "results.opened",
+    "result-received": "result.received",
+    "results-closed": "results.closed",
+    "round-evaluated": "round.evaluated",
 }
 
 

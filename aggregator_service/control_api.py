@@ -70,12 +70,18 @@ class ControlApi(control_pb2_grpc.ControlServicer):
         if existing is not None:
             return status_of(self.engine.store, existing.task_id)
         try:
-            manifest = manifest_from_proto(h.model)
+            named = h.spec.evaluation.model_task
+            manifest = self._model_of_task(owner, named, h) if named else manifest_from_proto(h.model)
             validate_spec(h.spec, manifest)
             signed = self._signed_task(context, h, manifest.model_hash)
             items = _payload(request_iterator)
-            nbytes = receive_model(self.engine.blobs, manifest, items, max_files=self.limits.model_files,
-                                   max_file_bytes=self.limits.model_file_bytes)
+            if named:  # the named task's blobs are stored already and no chunk may come with the submission
+                nbytes = sum(1 for _ in items)
+                if nbytes:
+                    raise IntegrityError("a task that names [evaluation] model_task sends no model chunks")
+            else:
+                nbytes = receive_model(self.engine.blobs, manifest, items, max_files=self.limits.model_files,
+                                       max_file_bytes=self.limits.model_file_bytes)
             task_id = self.engine.create_task(owner, h.idempotency_key, h.spec, manifest, signed)
         except IntegrityError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model upload rejected: {exc}")
@@ -86,6 +92,25 @@ class ControlApi(control_pb2_grpc.ControlServicer):
                         task_id=task_id, owner=owner)
         log.info("task submitted", task_id=task_id, owner=owner, model_bytes=nbytes, signed=bool(signed))
         return status_of(self.engine.store, task_id)
+
+    def _model_of_task(self, owner: str, task_id: str, h: control_pb2.SubmitTaskHeader):
+        """The final model of ``task_id`` for an "evaluate" task that names it (``[evaluation] model_task``): only
+        a completed task of the same owner (a task id is not a capability: another owner's task is refused like a
+        missing one, PERMISSION_DENIED, so its existence is not revealed). The submission itself carries no model."""
+        if h.model.tensors or h.model.files:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the task names [evaluation] model_task and also sends a model; send one or the other")
+        row = self.engine.store.task(task_id)
+        if row is None or row.owner != owner:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"model_task {task_id[:64]!r} is not a task of yours; an evaluation may name only a "
+                          "finished task its submitter owns")
+        manifest = self.engine.store.model(row.final_model) if row.final_model else None
+        if row.state != control_pb2.TASK_STATE_COMPLETED or manifest is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"model_task {task_id} has no final model (it is {control_pb2.TaskState.Name(row.state)}); "
+                          "name a task that completed")
+        return manifest
 
     def _signed_task(self, context, h: control_pb2.SubmitTaskHeader, model_hash: str) -> bytes:
         """The header's signed task, serialized, after checking that the submitting identity signed exactly this

@@ -33,6 +33,7 @@ from fedclinic.proto import agent_pb2, control_pb2, task_pb2
 from aggregator_service.deadlines import RoundTicker
 from aggregator_service.folding import Folding, UpdateLayout
 from aggregator_service.metrics import AggregatorMetrics
+from aggregator_service.results import ResultPhases
 from aggregator_service.rounds import RoundMachine, validate_spec
 from aggregator_service.secure_rounds import SecureRounds
 from aggregator_service.sites import Sites
@@ -64,11 +65,14 @@ class Engine:
         #: rounds of tasks with secure aggregation: one SecAgg(+) session each (aggregator_service.secure_rounds)
         self.secagg = SecureRounds(self)
         self.sites = Sites(store, self.secagg.capable)
+        #: result phases: the final model's evaluation, "evaluate" and "statistics" tasks (aggregator_service.results)
+        self.results = ResultPhases(store, self.sites.eligible, self.sites.connected_sites)
         self.folding = Folding(store, blobs)
-        self.rounds = RoundMachine(store, blobs, self.folding, self.sites, self.spill_root)
+        self.rounds = RoundMachine(store, blobs, self.folding, self.sites, self.spill_root, self.results)
         self.admission = UpdateAdmission(store, self.folding, self.spill_root, self.lock, self.changed, self.metrics,
                                          on_accepted=self.rounds.maybe_close, on_damaged=self.stored_copy_damaged)
-        self.ticker = RoundTicker(store, self.rounds, self.secagg.tick, self.changed)
+        self.ticker = RoundTicker(store, self.rounds, lambda: min(self.secagg.tick(), self.results.tick()),
+                                  self.changed)
         self.metrics.attach(self)
 
     @property
@@ -167,6 +171,7 @@ class Engine:
         (aggregator_service.secure_rounds) and update codecs."""
         with self.lock:
             self.secagg.hello(site, list(features), secure_aggregation)
+            self.results.hello(site, features)
             self.admission.hello(site, features)
             self.sites.hello_codecs(site, codecs)
             self.changed.notify_all()
@@ -179,6 +184,9 @@ class Engine:
     def site_disconnected(self, site: str) -> None:
         with self.lock:
             self.sites.disconnected(site)
+            for phase in self.store.open_result_phases():  # a phase open to any site may wait for nobody now
+                self.results.maybe_close(phase.task_id)
+            self.changed.notify_all()
 
     def connected_count(self) -> int:
         """How many distinct sites have a work stream open now."""
@@ -193,7 +201,7 @@ class Engine:
     def next_work(self, site: str, delivered: dict[tuple[str, int, int], bool]) -> list[agent_pb2.WorkItem]:
         """Work for ``site`` not yet delivered on this stream: new assignments and cancellations."""
         with self.lock:
-            return self.sites.next_work(site, delivered)
+            return self.sites.next_work(site, delivered) + self.results.next_work(site, delivered)
 
     def hold(self, site: str, task_id: str, rnd: int, reason: str) -> None:
         """``site`` holds its assignment to round ``rnd`` without refusing it (``reason``, e.g. awaiting approval by
@@ -216,7 +224,15 @@ class Engine:
             self.sites.decline(site, task_id, rnd, reason, permanent)
             self.secagg.declined(site, task_id, rnd)
             self.rounds.after_decline(task_id, permanent)
+            self.results.maybe_close(task_id)
             self.changed.notify_all()
+
+    def submit_result(self, site: str, request: agent_pb2.SubmitResultRequest) -> agent_pb2.SubmitResultResponse:
+        """Keep a site's results (aggregator_service.results.ResultPhases.submit)."""
+        with self.lock:
+            answer = self.results.submit(site, request)
+            self.changed.notify_all()
+            return answer
 
     # bytes ----------------------------------------------------------------------------------------------
     def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None:

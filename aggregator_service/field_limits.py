@@ -53,6 +53,13 @@ FIELD_LIMITS: dict[str, int] = {
     "fedclinic.v1.DpReport.unit": 64,
     "fedclinic.v1.DeclineRequest.task_id": 64,
     "fedclinic.v1.HoldRequest.task_id": 64,
+    "fedclinic.v1.SubmitResultRequest.task_id": 64,
+    "fedclinic.v1.SubmitResultRequest.work": 32,
+    "fedclinic.v1.SubmitResultRequest.model_hash": 128,
+    "fedclinic.v1.SubmitResultRequest.results": 8,
+    "fedclinic.v1.ResultValues.model": 64,
+    "fedclinic.v1.ResultValues.values": 16_384,     # aggregator_service.results.MAX_RESULT_KEYS
+    "fedclinic.v1.EvaluationConfig.model_task": 64,
     "fedclinic.v1.SecAggPhase.task_id": 64,
     "fedclinic.v1.SecAggPhase.session_id": 128,
     "fedclinic.v1.HelloRequest.agent_version": 128,

@@ -1,7 +1,8 @@
 """A closed round's figures, computed from its durable updates (the round's ``metrics`` in TaskStatus).
 
-:func:`round_metrics` combines: the sample-weighted mean of the sites' training metrics (and ``eval_*`` of
-their evaluation metrics), the privacy figures (:func:`privacy_metrics`), the uplink bytes
+:func:`round_metrics` combines: the sample-weighted mean of the sites' training metrics, ``eval_*`` from
+their evaluations of the round's base model (:func:`evaluation_metrics`: weighted by rows evaluated, small cells
+left out, fedclinic.evaluation.combine), the privacy figures (:func:`privacy_metrics`), the uplink bytes
 (:func:`uplink_metrics`) and, under SAFL, how many sites sent each layer (:func:`selection_metrics`).
 Pure functions of their inputs.
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 import math
 from typing import Iterable, Sequence
 
+from fedclinic.evaluation.combine import DEFAULT_MIN_CELL_ROWS, pool_evaluations
 from fedclinic.training import safl
 from fedclinic.proto import task_pb2
 from fedclinic.strategies import ClientDP, Strategy
 
 from aggregator_service.folding import UpdateLayout
-from aggregator_service.store import UpdateRecord
+from aggregator_service.store import SiteResultRecord, UpdateRecord
 
 
 def privacy_metrics(site_metrics: list[dict[str, float]], strategy: Strategy) -> dict[str, float]:
@@ -80,11 +82,36 @@ def weighted_mean(reports: Iterable[tuple[int, dict[str, float]]]) -> dict[str, 
     return {k: totals[k] / weights[k] for k in totals if weights[k] > 0}
 
 
+def site_evaluations(reports: Sequence[UpdateRecord], results: Sequence[SiteResultRecord] = ()
+                     ) -> dict[str, tuple[dict[str, float], int]]:
+    """site -> (its evaluation of the round's base model, its min_cell_rows): the one it sent after its update
+    (SubmitResult, model "round") or else the one in its update header (an older agent; k = the default)."""
+    out = {r.site: (dict(r.eval_metrics), DEFAULT_MIN_CELL_ROWS) for r in reports if r.eval_metrics}
+    out.update({r.site: (dict(r.values), r.min_cell) for r in results if r.model == "round"})
+    return out
+
+
+def evaluation_metrics(reports: Sequence[UpdateRecord], results: Sequence[SiteResultRecord] = ()
+                       ) -> dict[str, float]:
+    """A round's ``eval_*`` figures: the sites' evaluations (:func:`site_evaluations`) pooled by
+    fedclinic.evaluation.combine (counts summed, the rest weighted by ``eval_rows``, suppressed cells left out),
+    ``eval_rows`` = the rows pooled and ``eval_sites`` = how many sites are in the pool."""
+    evals = site_evaluations(reports, results)
+    if not evals:
+        return {}
+    pooled = pool_evaluations({s: v for s, (v, _) in evals.items()}, {s: k for s, (_, k) in evals.items()})
+    out = {k if k == "eval_rows" else f"eval_{k}": v for k, v in pooled.values.items()}
+    out["eval_sites"] = float(pooled.sites)
+    return out
+
+
 def round_metrics(spec: task_pb2.TaskSpec, reports: Sequence[UpdateRecord], strategy: Strategy,
-                  extra: dict[str, float] | None = None) -> dict[str, float]:
-    """The figures of a round closed with ``reports`` (see the module docstring); ``extra`` is added last."""
+                  extra: dict[str, float] | None = None, results: Sequence[SiteResultRecord] = ()
+                  ) -> dict[str, float]:
+    """The figures of a round closed with ``reports`` (see the module docstring) and the evaluations sent after
+    the updates (``results``); ``extra`` is added last."""
     metrics = weighted_mean((r.num_samples, r.metrics) for r in reports)
-    metrics.update({f"eval_{k}": v for k, v in weighted_mean((r.num_samples, r.eval_metrics) for r in reports).items()})
+    metrics.update(evaluation_metrics(reports, results))
     metrics.update(privacy_metrics([r.metrics for r in reports], strategy))
     metrics.update(uplink_metrics(reports))
     if spec.update.selection == safl.SAFL:

@@ -34,6 +34,7 @@ from fedclinic.proto import control_pb2, task_pb2, tensors_pb2
 from fedclinic.spec.validation import check_spec
 
 from aggregator_service.folding import Folding
+from aggregator_service.results import ResultPhases, round_eval_line, task_kind
 from aggregator_service.round_metrics import round_metrics
 from aggregator_service.sites import Sites
 from aggregator_service.status import TERMINAL, task_of
@@ -57,8 +58,11 @@ def validate_spec(spec: task_pb2.TaskSpec, manifest: Manifest) -> None:
 class RoundMachine:
     """Task and round transitions (module docstring)."""
 
-    def __init__(self, store: Store, blobs: BlobStore, folding: Folding, sites: Sites, spill_root: Path) -> None:
+    def __init__(self, store: Store, blobs: BlobStore, folding: Folding, sites: Sites, spill_root: Path,
+                 results: ResultPhases | None = None) -> None:
         self.store = store
+        #: result phases (aggregator_service.results): the final evaluation, evaluate and statistics tasks
+        self.results = results
         self.blobs = blobs
         self.folding = folding
         self.sites = sites
@@ -85,7 +89,10 @@ class RoundMachine:
             tx.add_event(task_id, "submitted", f"task {spec.name!r} submitted by {owner}", actor=owner,
                          name=spec.name, family=spec.family, dataset=spec.dataset, model_hash=model_hash,
                          rounds=spec.rounds.num_rounds)
-            self._open_round(tx, task_id, spec, 1, 1, model_hash)
+            if task_kind(spec) and self.results is not None:  # "evaluate" / "statistics": no rounds, one phase
+                self.results.open_for_task(tx, task_id, spec, model_hash)
+            else:
+                self._open_round(tx, task_id, spec, 1, 1, model_hash)
         log.info("task created", task_id=task_id, owner=owner, name=spec.name)
         return task_id
 
@@ -249,15 +256,20 @@ class RoundMachine:
         failpoint("aggregator.round.finalized")  # kill campaign: new model stored, round not closed
         saved_state = self.folding.save_state(acc.strategy)
         reports = self.store.updates_of(task_id, rnd.round)
-        metrics = round_metrics(spec, reports, acc.strategy, extra_metrics)
+        metrics = round_metrics(spec, reports, acc.strategy, extra_metrics, self.store.results_of(task_id, rnd.round))
         with self.store.transaction() as tx:
             model_hash = tx.put_model(manifest)
             tx.put_model_deltas(model_hash, deltas)
             tx.close_round(task_id, rnd.round, now_ms(), model_hash, metrics, saved_state)
+            evaluated = f"; {round_eval_line(rnd.round, metrics)}" if metrics.get("eval_sites") else ""
             tx.add_event(task_id, "round-closed", f"round {rnd.round} closed with "
-                         f"{closed_with or f'{len(reports)} update(s)'}; model {model_hash[:12]}", round=rnd.round,
-                         model_hash=model_hash, updates=len(reports))
-            if rnd.round >= spec.rounds.num_rounds:
+                         f"{closed_with or f'{len(reports)} update(s)'}; model {model_hash[:12]}{evaluated}",
+                         round=rnd.round, model_hash=model_hash, updates=len(reports))
+            last = rnd.round >= spec.rounds.num_rounds
+            if last and self.results is not None and self.results.open_after_training(tx, task_id, spec, rnd.round,
+                                                                                      model_hash):
+                pass  # the task completes when the final model's evaluation closes (aggregator_service.results)
+            elif last:
                 tx.complete_task(task_id, model_hash, now_ms())
                 tx.add_event(task_id, "completed", f"task completed after {rnd.round} round(s)",
                              final_model=model_hash, rounds=rnd.round)

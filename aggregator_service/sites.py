@@ -90,8 +90,8 @@ class Sites:
             if task is not None and task.state in (S.TASK_STATE_CANCELLED, S.TASK_STATE_FAILED):
                 items.append(agent_pb2.WorkItem(cancel=agent_pb2.CancelWork(task_id=key[0], reason=task.error)))
                 del delivered[key]
-            elif rnd is None or rnd.state != S.ROUND_STATE_OPEN:
-                del delivered[key]
+            elif key[2] and (rnd is None or rnd.state != S.ROUND_STATE_OPEN):  # attempt 0: a result phase's
+                del delivered[key]                                             # (aggregator_service.results)
         for task in self.store.tasks(S.TASK_STATE_RUNNING):
             spec = task.spec
             rnd = self.store.open_round_of(task.task_id)
@@ -131,7 +131,9 @@ class Sites:
         reason = " ".join(reason.split())[:500]
         a = self.store.assignment(task_id, rnd, site)
         r = self.store.round(task_id, rnd)
-        if a is None or a.declined or r is None or r.state != S.ROUND_STATE_OPEN:
+        phase = self.store.result_phase(task_id)  # a result phase's assignment may be held too (awaiting approval)
+        open_phase = phase is not None and phase.round == rnd and not phase.closed_ms
+        if a is None or a.declined or ((r is None or r.state != S.ROUND_STATE_OPEN) and not open_phase):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{site} has no open assignment to round {rnd} of task {task_id}; nothing to hold")
         if a.held == reason:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import grpc
 
+from fedclinic.evaluation.combine import is_suppressed, suppress_cell
 from fedclinic.training import safl
 from fedclinic.errors import Refused
 from fedclinic.proto import control_pb2
 
-from aggregator_service.round_metrics import update_layers
+from aggregator_service.result_matrix import result_phase_status
+from aggregator_service.round_metrics import site_evaluations, update_layers
 from aggregator_service.store import Store, TaskRecord
 from aggregator_service import distributed_dp
 
@@ -46,6 +48,14 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
                                  error=t.error, owner=t.owner, created_unix_ms=t.created_ms,
                                  updated_unix_ms=t.updated_ms, initial_model_hash=t.initial_model,
                                  final_model_hash=t.final_model, signed=bool(store.signed_task(task_id)))
+    phase = result_phase_status(store, task_id)
+    if phase is not None:
+        out.results.CopyFrom(phase)
+        if phase.work == "statistics":  # the statistics view the SDK's table reads (fedclinic.evaluation.statistics)
+            for cell in phase.cells:
+                out.site_statistics[cell.site_id].values.update(cell.values)
+            for pooled in phase.pooled:
+                out.pooled_statistics.update(pooled.values)
     safl_task = t.spec.update.selection == safl.SAFL
     for r in store.rounds_of(task_id):
         assigned = store.assignments_of(task_id, r.round)
@@ -56,14 +66,21 @@ def status_of(store: Store, task_id: str) -> control_pb2.TaskStatus:
             declined=[f"{a.site}: {a.declined}" for a in assigned if a.declined],
             metrics=r.metrics, uplink_bytes=r.uplink_bytes, downlink_bytes=r.downlink_bytes,
             opened_unix_ms=r.opened_ms, closed_unix_ms=r.closed_ms, deadline_unix_ms=r.deadline_ms,
-            model_hash=r.model_hash, downlink_wire_bytes=sum(a.downlink_wire_bytes for a in assigned))
+            model_hash=r.model_hash, downlink_wire_bytes=sum(a.downlink_wire_bytes for a in assigned),
+            eval_sites=int(r.metrics.get("eval_sites", 0)), eval_model_hash=r.base_model)
         distributed_dp.fill_summary(rs, t.spec)
         reported: set[str] = set()
-        for u in sorted(store.updates_of(task_id, r.round), key=lambda u: u.site):
+        updates = store.updates_of(task_id, r.round)
+        evals = {s: (suppress_cell(v, k), k) for s, (v, k) in site_evaluations(
+            updates, store.results_of(task_id, r.round)).items()}
+        for u in sorted(updates, key=lambda u: u.site):
             a = fetched.get(u.site)
+            ev = evals.get(u.site, ({}, 0))[0]
+            hidden = is_suppressed(ev)
             rs.reports.append(control_pb2.SiteReport(
                 site_id=u.site, num_samples=u.num_samples, uplink_bytes=u.nbytes, metrics=u.metrics,
-                eval_metrics=u.eval_metrics, uplink_fp32_bytes=u.fp32_bytes, uplink_wire_bytes=u.wire_bytes,
+                eval_metrics={} if hidden else ev, eval_rows=0 if hidden else int(ev.get("eval_rows", 0)),
+                eval_suppressed=hidden, uplink_fp32_bytes=u.fp32_bytes, uplink_wire_bytes=u.wire_bytes,
                 selected_layers=update_layers(u.layout) if safl_task else [],
                 downlink_bytes=a.downlink_bytes if a is not None else 0,
                 downlink_wire_bytes=a.downlink_wire_bytes if a is not None else 0))

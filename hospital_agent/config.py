@@ -42,6 +42,9 @@ Example::
     # min_cohort = 5                      # decline tasks whose rounds may close with fewer sites than this
     # max_epsilon = 8.0                   # decline tasks whose target epsilon is larger (or that declare none)
     # publish_updates_allowed = true      # take part in tasks that show each site's update to their owner
+    # min_cell_rows = 10                  # evaluation/statistics cells of fewer rows are withheld (default 10)
+    # allow_evaluation = false            # do not evaluate models for others (final model, "evaluate" tasks)
+    # allow_statistics = false            # do not answer "statistics" tasks
 
 The site policy is enforced here, at the hospital, whatever the aggregator asks.
 """
@@ -67,7 +70,8 @@ APPROVAL_MODES = ("auto", "manual")
 TLS_KEYS = ("cert", "key", "ca")
 POLICY_KEYS = ("allowed_families", "allowed_datasets", "secure_aggregation_min_cohort", "approval",
                "require_signed_tasks", "allowed_owners", "signed_task_max_age_days", "require_secure_aggregation",
-               "require_dp", "min_cohort", "max_epsilon", "publish_updates_allowed")
+               "require_dp", "min_cohort", "max_epsilon", "publish_updates_allowed", "min_cell_rows",
+               "allow_evaluation", "allow_statistics")
 DATASET_KEYS = ("path", "format", "text_field", "label_field", "eval_path", "entities_field", "tokenizer_sha256",
                 "question_field", "answer_field", "context_field", "image_field", "privacy_epsilon",
                 "privacy_delta", "group_field")
@@ -133,6 +137,24 @@ def _protection_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _results_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
+    """The policy keys of non-training work: min_cell_rows (an integer >= 1), allow_evaluation and
+    allow_statistics (true or false)."""
+    out: dict[str, Any] = {}
+    if "min_cell_rows" in pol:
+        k = pol["min_cell_rows"]
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 1_000_000:
+            raise ConfigError(f"{where} min_cell_rows must be an integer 1-1000000 (cells of fewer rows are "
+                              f"withheld; default 10), got {k!r}")
+        out["min_cell_rows"] = k
+    for key in ("allow_evaluation", "allow_statistics"):
+        if key in pol:
+            if not isinstance(pol[key], bool):
+                raise ConfigError(f"{where} {key} must be true or false, got {pol[key]!r}")
+            out[key] = pol[key]
+    return out
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     name: str
@@ -187,6 +209,13 @@ class SitePolicy:
     #: take part in tasks that publish each site's committed update to the task's owner (``[verification]
     #: publish_updates``, for `fedclinic task verify`); off by default: the owner otherwise sees only aggregates
     publish_updates_allowed: bool = False
+    #: k of small-cell suppression: an evaluation or statistics cell of fewer rows is withheld (sent with the
+    #: results; the aggregator shows such a cell as suppressed and pools it into nothing)
+    min_cell_rows: int = 10
+    #: evaluate models for others: the final model after training, and tasks of kind "evaluate"
+    allow_evaluation: bool = True
+    #: answer tasks of kind "statistics" (statistics of the site's dataset)
+    allow_statistics: bool = True
 
     def secagg_policy(self):
         """The site's fedclinic.secagg.ClientPolicy."""
@@ -311,7 +340,8 @@ class AgentConfig:
             raise ConfigError(f"{source}: [policy] publish_updates_allowed must be true or false, got {published!r}")
         policy = SitePolicy(tuple(pol.get("allowed_families", ["text-classification"])),
                             tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval,
-                            publish_updates_allowed=published, **_protection_policy(pol, f"{source}: [policy]"))
+                            publish_updates_allowed=published, **_protection_policy(pol, f"{source}: [policy]"),
+                            **_results_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level", "metrics_address"}
         if unknown:

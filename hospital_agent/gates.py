@@ -125,7 +125,9 @@ class SignedTaskGate:
                                         spec=a.spec, model_hash=model_hash)
         except (PkiError, FedclinicError) as exc:
             return self._decline(a, f"the task's signature does not hold: {exc}")
-        if not 1 <= a.round <= a.spec.rounds.num_rounds:
+        # a training task's final evaluation is the phase after its last round (aggregator_service.results)
+        last = a.spec.rounds.num_rounds + (1 if a.work == "evaluate" and not a.spec.kind else 0)
+        if not 1 <= a.round <= last:
             return self._decline(a, f"round {a.round} is outside the {a.spec.rounds.num_rounds} round(s) the owner "
                                     "signed")
         owner = signed.signer.name

@@ -3,10 +3,13 @@
 For an assignment whose model is synced (hospital_agent.model_sync)::
 
     private values -> the model (memory, else the private store, else the global model's initial values)
-    eval_metrics   = evaluate(model, the site's held-out split)      (when configured)
+    eval_metrics   = evaluate(model, the site's held-out split)      (secure rounds; when configured)
     site round     = fedclinic.federation.site_round.run_site_round(task, site = this site's name, round, send_tensors,
                      private tensors, codec + this task's error-feedback state, SAFL, DP-SGD plan)
     keep the private tensors (memory and the private store) before the update exists
+    ... the update is sent ...
+    evaluate_base  = the model synced back to the round's base (from the cache) + the private values from before
+                     the round, evaluated on the held-out split   (plain rounds: the same values, after the update)
 
 The site round derives the training seed from (the task's seed, round, site name), exactly as the simulator
 does for a site of that name. The caller charges privacy, then :meth:`TrainingStep.stage_feedback` makes the
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection
 
+import numpy as np
 import structlog
 
 from fedclinic.transport import codec_wire
@@ -49,6 +53,9 @@ class Trained:
     site: SiteRoundResult
     metrics: dict[str, float]                   # reported with the update (site round's + train_seconds)
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    #: the site's private tensors as they were before this round trained them (for the round's evaluation after
+    #: the update, :meth:`TrainingStep.restore_base`); None without private modules
+    private_before: dict | None = None
 
 
 class TrainingStep:
@@ -94,17 +101,23 @@ class TrainingStep:
                 log.info("private modules restored", tensors=len(private), from_round=stored[1])
         load_tensors(state.loaded.module, state.private_values)
 
-    def run(self, a: agent_pb2.Assignment, state: TaskState, cfg: "TrainConfig", private: list[str]) -> Trained:
+    def run(self, a: agent_pb2.Assignment, state: TaskState, cfg: "TrainConfig", private: list[str], *,
+            evaluate: bool = True) -> Trained:
         """Evaluate the synced model (global shared tensors + this site's private ones) on the site's held-out
-        split, run the site round and keep the private tensors. IntegrityError if a private tensor is to be sent
-        (the last gate before anything is written)."""
+        split (``evaluate``; otherwise the caller evaluates it after the update, :meth:`evaluate_base`), run the
+        site round and keep the private tensors. IntegrityError if a private tensor is to be sent (the last gate
+        before anything is written)."""
         from fedclinic.training import trainer as training  # torch-heavy: imported when a round runs
+        from fedclinic.models import module_tensors
 
         loaded = state.loaded
         # the round's report leaves out the threshold histograms (for the final-model evaluation) and, for very
-        # many labels, the per-label figures: an update carries at most 256 evaluation values
+        # many labels, the per-label figures: an update carries at most 256 evaluation values. A secure round's
+        # travel inside the masked vector, so it evaluates first; a plain round after its update (evaluate_base)
         eval_metrics = (round_report_metrics(training.evaluate(loaded, state.eval_data))
-                        if state.eval_data is not None else {})
+                        if evaluate and state.eval_data is not None else {})
+        private_before = ({k: np.array(v, copy=True) for k, v in module_tensors(loaded.module, private).items()}
+                          if private and not evaluate and state.eval_data is not None else None)
         started = time.monotonic()
 
         def progress(step: int, total: int, loss: float) -> None:
@@ -142,7 +155,22 @@ class TrainingStep:
             if rate is not None:
                 metrics["tokenizer_unk_rate"] = rate
             state.coverage_reported = True
-        return Trained(out, metrics, {k: float(v) for k, v in eval_metrics.items()})
+        return Trained(out, metrics, eval_metrics, private_before)
+
+    def evaluate_base(self, a: agent_pb2.Assignment, state: TaskState, trained: Trained, sync) -> dict[str, float]:
+        """The round's evaluation, after its update left: the warm model brought back to the round's base model
+        (``sync``: hospital_agent.model_sync.ModelSync.sync reloads, from the cache, the tensors training changed)
+        with this site's private tensors as they were before the round, evaluated on the held-out split. The same
+        values :meth:`run` would have computed before training (without the threshold histograms, which are for
+        the final model's evaluation); empty without a held-out split."""
+        from fedclinic.models import load_tensors  # torch-heavy: imported when a round runs
+
+        if state.eval_data is None:
+            return {}
+        sync()
+        if trained.private_before is not None:
+            load_tensors(state.loaded.module, trained.private_before)
+        return round_report_metrics(evaluate_warm(state))
 
     def stage_feedback(self, task_id: str, trained: Trained) -> None:
         """Make the round's staged error-feedback residual durable (before the update exists; committed when the
@@ -154,7 +182,26 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep", "coverage_rate", "reader_kwargs"]
+__all__ = ["Trained", "TrainingStep", "coverage_rate", "evaluate_warm", "evaluation_values", "reader_kwargs"]
+
+
+def evaluate_warm(state: TaskState) -> dict[str, float]:
+    """The warm model as it is now on the site's held-out split, as it leaves the site (:func:`evaluation_values`;
+    ``eval_rows`` = the split's rows when the family's metrics do not count them)."""
+    from fedclinic.training import trainer  # torch-heavy: imported when a model is evaluated
+
+    values = evaluation_values(trainer.evaluate(state.loaded, state.eval_data))
+    values.setdefault("eval_rows", float(len(state.eval_data)))
+    return values
+
+
+def evaluation_values(metrics: dict) -> dict[str, float]:
+    """An evaluation as it leaves the site: floats, with ``eval_rows`` (the rows evaluated, the trainer's ``n``)
+    by which the aggregator weights it (fedclinic.evaluation.combine)."""
+    values = {k: float(v) for k, v in metrics.items() if k != "n"}
+    if "n" in metrics:
+        values["eval_rows"] = float(metrics["n"])
+    return values
 
 
 def coverage_rate(loaded, rows: list | None) -> float | None:

@@ -7,11 +7,17 @@ and queues what arrives; the main thread handles one assignment at a time, each 
    tasks approve``), the declared tokenizer, private modules; then the data contract and the privacy budget.
    Nothing is downloaded before they pass; a refusal reaches the task owner with its reason;
 2. model sync (hospital_agent.model_sync): fetch only the tensors whose hash is not in the local cache;
-3. training step (hospital_agent.training_step): evaluate the global model on the site's held-out split, run
-   the one site round the simulator runs (fedclinic.federation.site_round: seed, SAFL, training, delta, codec);
+3. training step (hospital_agent.training_step): run the one site round the simulator runs
+   (fedclinic.federation.site_round: seed, SAFL, training, delta, codec);
 4. privacy is charged, the update written to the outbox (durable) and uploaded with its idempotency key
    (hospital_agent.uploader); under secure aggregation the delta instead leaves only masked, in the round's
-   SecAgg session (hospital_agent.secure_aggregation; phase messages are answered on their own thread).
+   SecAgg session (hospital_agent.secure_aggregation; phase messages are answered on their own thread);
+5. then the round's base model is evaluated on the site's held-out split and the values sent with
+   ``SubmitResult`` (hospital_agent.result_work), off the round's critical path (a secure round, or an
+   aggregator without "results-v1", evaluates before training and sends them with the update, as before).
+
+An assignment with ``work`` set trains nothing (hospital_agent.result_work): the final model's evaluation, an
+"evaluate" or a "statistics" task.
 
 The model and the encoded dataset of a task stay in memory across its rounds. Every call takes its stub from
 hospital_agent.connection.AgentChannel, which switches to a new channel when the site's certificate is renewed on
@@ -52,6 +58,7 @@ from hospital_agent.metrics import AgentMetrics
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
 from hospital_agent.outgoing import outgoing_reason
+from hospital_agent.result_work import FEATURE as RESULTS_FEATURE, ResultWork
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
 from fedclinic.verification.round_statement import FEATURE as STATEMENT_FEATURE
 from hospital_agent.site_model import private_store_folder
@@ -99,6 +106,7 @@ class Agent:
         self.reload_requested = threading.Event()
         self._resend_outbox = threading.Event()
         self._watch_call = None
+        self.aggregator_features: frozenset[str] = frozenset()
         self.approval = ApprovalGate(config, self.approvals, self.audit, self.site_name)
         #: (owner, idempotency key) <-> task id of the signed tasks this site accepted (hospital_agent.task_bindings)
         self.task_bindings = TaskBindings(config.work_dir / "task-bindings.sqlite")
@@ -114,6 +122,10 @@ class Agent:
                                     self.stop_event)
         self.training = TrainingStep(config, self.private_store, self.metrics, lambda: self.site_id, self.stop_event,
                                      self._cancelled)
+        #: work that trains nothing: the final model's evaluation, "evaluate" and "statistics" tasks, and each
+        #: round's evaluation sent after its update (hospital_agent.result_work)
+        self.results = ResultWork(config, self.stub, self.training, self.model_sync, self.model_checks, self._passes,
+                                  self.decline_round, lambda: self.privacy.ledger, self.audit)
         self.secagg = SiteSecAgg(self)
         self._secagg_queue: "queue.Queue[agent_pb2.SecAggPhase]" = queue.Queue()
 
@@ -167,11 +179,13 @@ class Agent:
 
         device = select_device(self.config.device)
         caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw", *available_codecs()], secure_aggregation=True,
-                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE, STATEMENT_FEATURE])
+                                      families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE, STATEMENT_FEATURE, RESULTS_FEATURE])
         resp = self.stub().Hello(agent_pb2.HelloRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
                                                        agent_version=fedclinic.__version__, capabilities=caps),
                                 timeout=30)
         self.site_id = resp.site_id
+        #: what the aggregator speaks (HelloResponse.features), e.g. "results-v1": round evaluations follow updates
+        self.aggregator_features = frozenset(resp.features)
         return resp
 
     def stop(self) -> None:
@@ -385,6 +399,11 @@ class Agent:
     def handle(self, a: agent_pb2.Assignment) -> None:
         if not self._passes(a, self.admission.check(a)):
             return  # refused, held for approval, or rejected: nothing is downloaded, read or trained
+        if a.work:  # evaluate or statistics: nothing trains (hospital_agent.result_work)
+            self.results.handle(a, self._tasks.setdefault(a.task_id, TaskState()))
+            if (a.task_id, a.round) in self.results.answered:
+                self._tasks.pop(a.task_id, None)  # the task's last work here: its model and data leave memory
+            return
         secure = a.spec.secure_aggregation.enabled
         if secure and self.secagg.resume(a):
             return  # trained this round already: joined again with the vector it holds
@@ -418,7 +437,11 @@ class Agent:
         self.model_sync.sync(a, manifest, state)
         if private:
             self.training.restore_private(a.task_id, state, private)
-        trained = self.training.run(a, state, cfg, private)
+        # a plain round's evaluation follows its update (off the round's critical path) where the aggregator takes
+        # it (SubmitResult); a secure round's metrics travel inside the masked vector, so it evaluates first, and so
+        # does a round for an older aggregator (in the update's header, as before)
+        deferred = not secure and RESULTS_FEATURE in self.aggregator_features
+        trained = self.training.run(a, state, cfg, private, evaluate=not deferred)
         failpoint("agent.trained")  # kill campaign: trained, not charged or written
         result = trained.site.train
         dp_report = None
@@ -448,3 +471,18 @@ class Agent:
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
         self.uploader.upload(entry)
+        if deferred:
+            self._evaluate_round(a, manifest, state, trained)
+
+    def _evaluate_round(self, a: agent_pb2.Assignment, manifest, state: TaskState, trained) -> None:
+        """After the update left: evaluate the round's base model and send it (hospital_agent.result_work); a
+        failure here is logged, the round is not affected."""
+        try:
+            values = self.training.evaluate_base(a, state, trained, lambda: self.model_sync.sync(a, manifest, state))
+        except Stopped:
+            raise
+        except Exception:  # noqa: BLE001 - the update is sent; its evaluation is a report, not the round
+            log.exception("round evaluation failed; the update was sent without it")
+            return
+        if values:
+            self.results.send_round_eval(a.task_id, a.round, manifest.model_hash, values)

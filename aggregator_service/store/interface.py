@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable
 from fedclinic.transport.package import Manifest
 from fedclinic.proto import task_pb2, tensors_pb2
 
-from aggregator_service.store.records import (AssignmentRecord, EventRecord, RoundRecord, StateGauges, TaskRecord,
-                                              UpdateRecord)
+from aggregator_service.store.records import (AssignmentRecord, EventRecord, ResultPhaseRecord, RoundRecord,
+                                              SiteResultRecord, StateGauges, TaskRecord, UpdateRecord)
 
 CommitHook = Callable[[list[dict[str, Any]]], None]
 
@@ -127,6 +127,22 @@ class StoreTransaction(ABC):
     @abstractmethod
     def add_downlink(self, task_id: str, nbytes: int, *, site: str = "", wire_bytes: int = 0) -> None:
         """Charge bytes sent to the task's open round; with ``site`` also to its assignment there."""
+
+    # result phases (aggregator_service.results) ----------------------------------------------------------
+    @abstractmethod
+    def open_result_phase(self, phase: ResultPhaseRecord) -> None:
+        """Open the task's result phase (one per task) and mark the task running with ``phase.round`` current."""
+
+    @abstractmethod
+    def close_result_phase(self, task_id: str, closed_ms: int) -> None: ...
+
+    @abstractmethod
+    def record_result(self, result: SiteResultRecord) -> bool:
+        """Keep a site's values for one model; False (nothing written) when that cell is already there."""
+
+    @abstractmethod
+    def set_round_metrics(self, task_id: str, rnd: int, metrics: dict[str, float]) -> None:
+        """Replace a closed round's figures (a site's evaluation of it arrived after it closed)."""
 
 
 class Store(ABC):
@@ -269,6 +285,22 @@ class Store(ABC):
     @abstractmethod
     def events_of(self, task_id: str, after_seq: int = 0) -> list[EventRecord]:
         """The task's events with ``seq > after_seq``, in order."""
+
+    @abstractmethod
+    def result_phase(self, task_id: str) -> ResultPhaseRecord | None: ...
+
+    @abstractmethod
+    def open_result_phases(self) -> list[ResultPhaseRecord]:
+        """Result phases not closed, of running tasks."""
+
+    @abstractmethod
+    def results_of(self, task_id: str, rnd: int) -> list[SiteResultRecord]:
+        """The site results kept for the task's round or phase ``rnd``, by site then model."""
+
+    @abstractmethod
+    def reported_sites(self, task_id: str) -> list[str]:
+        """The sites that sent an update or a signed round statement in any round of the task (those that
+        trained), sorted."""
 
     @abstractmethod
     def gauges(self) -> StateGauges:

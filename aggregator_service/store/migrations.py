@@ -124,6 +124,20 @@ def _to_v9(c: sqlite3.Connection, state_dir: Path) -> None:
               " params TEXT NOT NULL, PRIMARY KEY (task_id, round))")
 
 
+def _to_v10(c: sqlite3.Connection, state_dir: Path) -> None:
+    # the result phase of a task (aggregator_service.results): the final model's evaluation after its last round,
+    # or an "evaluate" / "statistics" task's only phase; at most one per task
+    c.execute("CREATE TABLE IF NOT EXISTS result_phases ("
+              " task_id TEXT PRIMARY KEY, round INTEGER NOT NULL, work TEXT NOT NULL, model_hash TEXT NOT NULL,"
+              " opened_ms INTEGER NOT NULL, deadline_ms INTEGER NOT NULL, closed_ms INTEGER NOT NULL DEFAULT 0)")
+    # the sites' results (SubmitResult): flat values per (task, round, site, model); a training round's
+    # evaluation sent after its update is kept here too (work 'round-eval')
+    c.execute("CREATE TABLE IF NOT EXISTS site_results ("
+              " task_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, model TEXT NOT NULL,"
+              " work TEXT NOT NULL, model_hash TEXT NOT NULL, vals TEXT NOT NULL, min_cell INTEGER NOT NULL,"
+              " received_ms INTEGER NOT NULL, PRIMARY KEY (task_id, round, site, model))")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step of the store schema, from version ``to - 1`` to ``to``; ``apply`` runs inside the migration's
@@ -145,6 +159,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "tasks.signed_task (the scientist's signature) and site_statements (the sites' signed rounds)",
               _to_v8),
     Migration(9, "secure_sums: a secure round's unmasked sum and survivors, for `fedclinic task verify`", _to_v9),
+    Migration(10, "result_phases and site_results: the final-model evaluation, evaluate and statistics tasks",
+              _to_v10),
 )
 """Every schema step in order; append a step (never edit a released one) and its number is the new version."""
 

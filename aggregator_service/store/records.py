@@ -90,6 +90,36 @@ class UpdateRecord:
 
 
 @dataclass(frozen=True)
+class ResultPhaseRecord:
+    """A task's result phase (aggregator_service.results): ``work`` "evaluate" | "statistics", its number
+    ``round`` in the task's assignments, the model evaluated ("" for statistics); ``closed_ms`` 0 while open."""
+
+    task_id: str
+    round: int
+    work: str
+    model_hash: str
+    opened_ms: int
+    deadline_ms: int
+    closed_ms: int
+
+
+@dataclass(frozen=True)
+class SiteResultRecord:
+    """One site's values for one model (or its dataset) in a result phase or a training round, as received
+    (suppression is applied when they are read out, with the site's ``min_cell``)."""
+
+    task_id: str
+    round: int
+    site: str
+    model: str
+    work: str
+    model_hash: str
+    values: dict[str, float]
+    min_cell: int
+    received_ms: int
+
+
+@dataclass(frozen=True)
 class EventRecord:
     """A journalled task event, as ``WatchTask`` streams it (``seq`` grows over all tasks)."""
 

@@ -28,8 +28,8 @@ from fedclinic.proto import control_pb2, task_pb2, tensors_pb2
 
 from aggregator_service.store.interface import Store, StoreTransaction
 from aggregator_service.store.migrations import migrate, read_schema_version
-from aggregator_service.store.records import (AssignmentRecord, EventRecord, RoundRecord, StateGauges, TaskRecord,
-                                              UpdateRecord, now_ms)
+from aggregator_service.store.records import (AssignmentRecord, EventRecord, ResultPhaseRecord, RoundRecord,
+                                              SiteResultRecord, StateGauges, TaskRecord, UpdateRecord, now_ms)
 
 log = structlog.get_logger("fedclinic.aggregator.store")
 
@@ -91,6 +91,16 @@ def _update(r: sqlite3.Row) -> UpdateRecord:
                         r["nbytes"], r["spill_path"], r["layout"], json.loads(r["metrics"]),
                         json.loads(r["eval_metrics"]), r["received_ms"], r["fp32_bytes"], r["wire_bytes"],
                         r["spill_sha256"])
+
+
+def _phase(r: sqlite3.Row) -> ResultPhaseRecord:
+    return ResultPhaseRecord(r["task_id"], r["round"], r["work"], r["model_hash"], r["opened_ms"], r["deadline_ms"],
+                             r["closed_ms"])
+
+
+def _result(r: sqlite3.Row) -> SiteResultRecord:
+    return SiteResultRecord(r["task_id"], r["round"], r["site"], r["model"], r["work"], r["model_hash"],
+                            json.loads(r["vals"]), r["min_cell"], r["received_ms"])
 
 
 class SqliteTransaction(StoreTransaction):
@@ -202,6 +212,25 @@ class SqliteTransaction(StoreTransaction):
                             "downlink_wire_bytes = downlink_wire_bytes + ? WHERE task_id=? AND site=? AND round = "
                             "(SELECT round FROM rounds WHERE task_id=? AND state=?)",
                             (nbytes, wire_bytes, task_id, site, task_id, S.ROUND_STATE_OPEN))
+
+    def open_result_phase(self, p: ResultPhaseRecord) -> None:
+        self._c.execute("INSERT INTO result_phases(task_id, round, work, model_hash, opened_ms, deadline_ms) "
+                        "VALUES (?, ?, ?, ?, ?, ?)", (p.task_id, p.round, p.work, p.model_hash, p.opened_ms,
+                                                      p.deadline_ms))
+        self._c.execute("UPDATE tasks SET state=?, current_round=?, updated_ms=? WHERE task_id=?",
+                        (S.TASK_STATE_RUNNING, p.round, p.opened_ms, p.task_id))
+
+    def close_result_phase(self, task_id: str, closed_ms: int) -> None:
+        self._c.execute("UPDATE result_phases SET closed_ms=? WHERE task_id=?", (closed_ms, task_id))
+
+    def record_result(self, r: SiteResultRecord) -> bool:
+        return self._c.execute(
+            "INSERT OR IGNORE INTO site_results(task_id, round, site, model, work, model_hash, vals, min_cell, "
+            "received_ms) VALUES (?,?,?,?,?,?,?,?,?)", (r.task_id, r.round, r.site, r.model, r.work, r.model_hash,
+                                                        json.dumps(r.values), r.min_cell, r.received_ms)).rowcount > 0
+
+    def set_round_metrics(self, task_id: str, rnd: int, metrics: dict[str, float]) -> None:
+        self._c.execute("UPDATE rounds SET metrics=? WHERE task_id=? AND round=?", (json.dumps(metrics), task_id, rnd))
 
 
 class SqliteStore(Store):
@@ -427,6 +456,22 @@ class SqliteStore(Store):
     def events_of(self, task_id: str, after_seq: int = 0) -> list[EventRecord]:
         return [EventRecord(r["seq"], r["task_id"], r["kind"], r["message"], r["unix_ms"]) for r in self._rows(
             "SELECT * FROM events WHERE task_id=? AND seq>? ORDER BY seq", (task_id, after_seq))]
+
+    def result_phase(self, task_id: str) -> ResultPhaseRecord | None:
+        r = self._row("SELECT * FROM result_phases WHERE task_id=?", (task_id,))
+        return _phase(r) if r is not None else None
+
+    def open_result_phases(self) -> list[ResultPhaseRecord]:
+        return [_phase(r) for r in self._rows("SELECT p.* FROM result_phases p JOIN tasks t USING (task_id) WHERE "
+                                              "p.closed_ms=0 AND t.state=?", (S.TASK_STATE_RUNNING,))]
+
+    def results_of(self, task_id: str, rnd: int) -> list[SiteResultRecord]:
+        return [_result(r) for r in self._rows("SELECT * FROM site_results WHERE task_id=? AND round=? "
+                                               "ORDER BY site, model", (task_id, rnd))]
+
+    def reported_sites(self, task_id: str) -> list[str]:
+        return [r[0] for r in self._rows("SELECT site FROM updates WHERE task_id=? UNION SELECT site_id FROM "
+                                         "site_statements WHERE task_id=? ORDER BY 1", (task_id, task_id))]
 
     def gauges(self) -> StateGauges:
         by_state = {r["state"]: r["n"] for r in self._rows("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")}

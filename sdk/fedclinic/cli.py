@@ -52,7 +52,7 @@ def _client(args):
 
 def _print_status(st, as_json: bool) -> None:
     # lazy: grpc loads only for the task subcommands (every other command starts without it)
-    from fedclinic.client import held_sites, state_name, waiting_sites
+    from fedclinic.client import evaluated_model, held_sites, state_name, waiting_sites
 
     if as_json:
         print(json_format.MessageToJson(st, preserving_proto_field_name=True))
@@ -70,10 +70,17 @@ def _print_status(st, as_json: bool) -> None:
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()) if "/" not in k)
         if per_label:
             metrics += f" (+{per_label} per-label: --json)"
+        of = (f" (eval_*: {evaluated_model(r.round)}, the one the round started from, evaluated by {r.eval_sites} "
+              "site(s))" if r.eval_sites else "")
         print(f"  round {r.round}: {len(r.reports)}/{r.sites_target} sites, up {r.uplink_bytes} B, "
-              f"down {r.downlink_bytes} B {metrics}")
+              f"down {r.downlink_bytes} B {metrics}{of}")
         for d in r.declined:
             print(f"    declined: {d}")
+    if st.HasField("results"):
+        from fedclinic.client import results_lines  # with the client, as above
+
+        for line in results_lines(st):
+            print(line)
     waiting = waiting_sites(st)
     held = held_sites(st)
     for site in waiting:  # who to ask when a round stalls, and why when the site said so

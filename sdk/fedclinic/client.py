@@ -104,6 +104,9 @@ class Client:
             from fedclinic.evaluation.class_weights import resolve_task_pos_weight
 
             task = resolve_task_pos_weight(task, self.status)
+        named = task.evaluation.get("model_task", "") if task.kind == "evaluate" else ""
+        if named:
+            return self._submit_evaluation_of(task, named, idempotency_key)
         if package is None:
             # lazy: the model families (and torch, when packaging) load only when a task is packaged here
             from fedclinic.models import package_for_task
@@ -121,6 +124,23 @@ class Client:
                                               signed_task=signed.to_proto())
 
         return self._call(self._submit_raw, submission_stream(header, package, manifest), timeout=3600)
+
+    def _submit_evaluation_of(self, task: Task, named: str, idempotency_key: str | None) -> control_pb2.TaskStatus:
+        """Submit an "evaluate" task of the final model of ``named`` (a completed task of this client's owner):
+        no model travels, the signature covers that model's hash, the aggregator checks the ownership."""
+        source = self.status(named)
+        if not source.final_model_hash:
+            raise FedclinicError(f"task {named} has no final model yet ({state_name(source.state)}); evaluate it "
+                                 "once it completed")
+        spec = task.to_spec(tokenizer_sha256=source.spec.tokenizer_sha256)
+        key = idempotency_key or uuid.uuid4().hex
+        owner = identity_from_pem(self._tls.cert.read_bytes()).name
+        signed = sign_task(Signer(key_path=self._tls.key, cert_path=self._tls.cert), spec,
+                           model_hash=source.final_model_hash, idempotency_key=key, owner=owner)
+        header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=key, signed_task=signed.to_proto())
+        chunks = [control_pb2.SubmitTaskChunk(header=header).SerializeToString(),
+                  control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()]
+        return self._call(self._submit_raw, iter(chunks), timeout=600)
 
     def status(self, task_id: str) -> control_pb2.TaskStatus:
         return self._call(self._stub.GetTask, control_pb2.GetTaskRequest(task_id=task_id), timeout=60)
@@ -291,15 +311,24 @@ def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,
 
 
 #: round metric -> how the progress line names it (the first one a round has is shown)
-HEADLINE_METRICS = (("eval_macro_auc", "site-eval macro AUC"), ("eval_accuracy", "site-eval acc"),
-                    ("eval_strict_f1", "site-eval entity F1"), ("eval_rougeL", "site-eval ROUGE-L"))
+HEADLINE_METRICS = (("eval_macro_auc", "macro AUC"), ("eval_accuracy", "acc"),
+                    ("eval_strict_f1", "entity F1"), ("eval_rougeL", "ROUGE-L"))
 
 
-def _headline(metrics) -> str:
-    """The round's headline metric, then its privacy spend when the task is private."""
-    text = next((f" {name} {metrics[key]:.3f}" for key, name in HEADLINE_METRICS if key in metrics), "")
+def evaluated_model(round_: int) -> str:
+    """Which model a round's site evaluation is of: the one the round started from."""
+    return "the initial model" if round_ <= 1 else f"the round-{round_ - 1} model"
+
+
+def _headline(metrics, round_: int = 0) -> str:
+    """The round's headline metric (the sites' evaluation of the model the round started from), then its privacy
+    spend when the task is private."""
+    of = f" (of {evaluated_model(round_)})" if round_ else ""
+    text = next((f" site-eval{of} {name} {metrics[key]:.3f}" for key, name in HEADLINE_METRICS if key in metrics),
+                "")
     if "eval_macro_auc" in metrics and "eval_macro_f1" in metrics:  # multi-label: exact match says little
-        text = f" site-eval macro-F1 {metrics['eval_macro_f1']:.3f} macro-AUC {metrics['eval_macro_auc']:.3f}"
+        text = (f" site-eval{of} macro-F1 {metrics['eval_macro_f1']:.3f} "
+                f"macro-AUC {metrics['eval_macro_auc']:.3f}")
     if "dp_epsilon" in metrics:  # sample-level DP: the largest cumulative spend of any site
         text += f" eps {metrics['dp_epsilon']:.2f} (delta {metrics.get('dp_delta', 0.0):.0e})"
     elif "client_dp_epsilon" in metrics:
@@ -311,6 +340,40 @@ def _headline(metrics) -> str:
     if layers:  # SAFL: how many sites sent each layer this round
         text += " layers " + " ".join(f"{layer}:{n}" for layer, n in layers)
     return text
+
+
+#: the values the matrix shows first for an evaluation (then up to RESULT_COLUMNS in name order)
+RESULT_FIRST = ("eval_rows", "accuracy", "macro_f1", "macro_auc", "strict_f1", "rougeL", "loss")
+RESULT_COLUMNS = 6
+
+
+def results_lines(status: control_pb2.TaskStatus) -> list[str]:
+    """The task's result phase as text: which model, one line per (site, model) cell (a suppressed cell says so),
+    the pooled values per model, the sites that declined and those it still waits for."""
+    ph = status.results
+    what = ("statistics of the sites' data" if ph.work == "statistics" else
+            f"evaluation of the final model {ph.model_hash[:12]}" if not status.spec.kind else
+            f"evaluation of model {ph.model_hash[:12]}")
+    lines = [f"  {what}: {'open' if ph.open else 'closed'}, {len({c.site_id for c in ph.cells})} site(s) answered"]
+
+    def shown(values) -> str:
+        keys = [k for k in RESULT_FIRST if k in values] + sorted(k for k in values if k not in RESULT_FIRST)
+        more = len(keys) - RESULT_COLUMNS
+        text = " ".join(f"{k}={values[k]:.4g}" for k in keys[:RESULT_COLUMNS])
+        return text + (f" (+{more} more: --json)" if more > 0 else "")
+
+    if ph.work == "statistics":  # the table is printed from site_statistics / pooled_statistics
+        return lines + [f"    declined: {d}" for d in ph.declined] + (
+            [f"    waiting for: {', '.join(ph.waiting)}"] if ph.waiting else [])
+    for c in ph.cells:
+        body = "suppressed (fewer evaluated rows than the site's min_cell_rows)" if c.suppressed else shown(c.values)
+        lines.append(f"    {c.site_id} x {c.model}: {body}")
+    for p in ph.pooled:
+        lines.append(f"    pooled {p.model} ({p.sites} site(s)): " + (shown(p.values) if p.values else p.note))
+    lines += [f"    declined: {d}" for d in ph.declined]
+    if ph.waiting:
+        lines.append(f"    waiting for: {', '.join(ph.waiting)}")
+    return lines
 
 
 class ProgressDisplay:
@@ -329,7 +392,7 @@ class ProgressDisplay:
         reported = len(current.reports) if current else 0
         target = current.sites_target if current else 0
         closed = [r for r in st.rounds if r.state == control_pb2.ROUND_STATE_CLOSED]
-        acc_txt = _headline(closed[-1].metrics) if closed else ""
+        acc_txt = _headline(closed[-1].metrics, closed[-1].round) if closed else ""
         if closed and closed[-1].metrics.get("uplink_fp32_bytes"):  # update codecs: bytes sent vs fp32 deltas
             m = closed[-1].metrics
             acc_txt += f" up {closed[-1].uplink_bytes:,} B (fp32 {int(m['uplink_fp32_bytes']):,} B"

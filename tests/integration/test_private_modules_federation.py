@@ -107,6 +107,8 @@ def test_private_modules_stay_at_each_site_for_two_rounds_and_the_site_exports_i
                                capture_output=True, text=True, timeout=120)
 
     assert list(final.spec.update.private_patterns) == list(PAPER_PRIVATE_PATTERNS)
+    # the final evaluation: each site scores the final shared model and its own (with its private tensors)
+    assert {(c.site_id, c.model) for c in final.results.cells} == {(s, m) for s in SITES for m in ("final", "own")}
     # what reached the aggregator: the shared tensors only, from both sites, in both rounds
     assert stored == {(site, rnd): set(SHARED) for site in SITES for rnd in (1, 2)}
     expected, private, evals = _replay(models[-1], final.spec, rounds=2)

@@ -155,7 +155,8 @@ def test_a_folder_or_unreadable_file_given_as_config_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t + '[policy]\naproval = "manual"\n', r"\[policy\]: unknown setting\(s\) \['aproval'\].*known: "
-                                                     r"allowed_datasets, allowed_families, allowed_owners, approval"),
+                                                     r"allow_evaluation, allow_statistics, allowed_datasets, allowed_families, "
+                                                     r"allowed_owners, approval"),
     (lambda t: t.replace('path = "notes.jsonl"', 'path = "notes.jsonl"\neval_pth = "val.jsonl"'),
      r"\[datasets.notes\]: unknown setting\(s\) \['eval_pth'\]"),
     (lambda t: t.replace('ca = "ca.crt"', 'ca = "ca.crt"\ncrl = "crl.pem"'),

@@ -179,8 +179,9 @@ def thresholds_from_evaluation(evaluation: Any, labels: Sequence[str], *, bins: 
 
     ``evaluation`` is the pooled values of the final model's evaluation, either a plain mapping (``{"count/thr/0/
     27/pos": 3.0, ...}``) or an object that exposes them as ``pooled_values(model)`` / ``final_evaluation`` /
-    ``evaluation`` (a ``TaskStatus`` once the services record the final evaluation). ValueError when it holds no
-    threshold histogram (the model is not multi-label, or no site evaluated it)."""
+    ``evaluation``, or a ``TaskStatus`` (its ``results`` phase's pooled "final" model, or an "evaluate" task's
+    "model"). ValueError when it holds no threshold histogram (the model is not multi-label, or no site evaluated
+    it)."""
     pooled = evaluation_values(evaluation)
     if not any(k.startswith(HISTOGRAM_PREFIX) for k in pooled):
         raise ValueError("the evaluation holds no threshold histograms (count/thr/...): the model is not a "
@@ -193,6 +194,11 @@ def evaluation_values(evaluation: Any) -> dict[str, float]:
     them (see :func:`thresholds_from_evaluation`)."""
     if isinstance(evaluation, Mapping):
         return {str(k): float(v) for k, v in evaluation.items()}
+    phase = getattr(evaluation, "results", None)  # a TaskStatus: its result phase's pooled "final" (or "model")
+    for model in ("final", "model"):
+        pooled = next((p for p in getattr(phase, "pooled", ()) if p.model == model), None)
+        if pooled is not None:
+            return {str(k): float(v) for k, v in pooled.values.items()}
     for name in ("final_evaluation", "evaluation"):
         value = getattr(evaluation, name, None)
         if value is None:

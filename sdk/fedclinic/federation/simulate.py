@@ -36,6 +36,7 @@ from fedclinic.codecs import ErrorFeedback
 from fedclinic.data.text import Example
 from fedclinic.errors import ConfigError
 from fedclinic.models import build_model, load_tensors
+from fedclinic.evaluation.combine import weighted_metrics
 from fedclinic.transport.package import ModelPackage
 from fedclinic.training import safl as safl_layers
 from fedclinic.strategies import make_strategy
@@ -228,9 +229,10 @@ def simulate(
     initial_private = {n: global_tensors[n] for n in private_names}  # a site's values before its first round
 
     def evaluate_sites() -> dict[str, float]:
+        """Each site's model on its own set, and ``sites/...`` combined as the aggregator combines the sites'
+        evaluations (fedclinic.evaluation.combine: weighted by rows evaluated, counts summed)."""
         out: dict[str, float] = {}
-        totals: dict[str, float] = {}
-        n_total = 0
+        per_site: dict[str, dict[str, float]] = {}
         if site_eval:
             load_tensors(loaded.module, global_tensors)  # once; per site only its private tensors change
         for i, data in enumerate(site_eval):
@@ -238,11 +240,9 @@ def simulate(
                 load_tensors(loaded.module, private.get(i) or initial_private)
             m = evaluate(loaded, data)
             out.update({f"site-{i}/{k}": v for k, v in m.items()})
-            for k, v in m.items():
-                if k != "n":
-                    totals[k] = totals.get(k, 0.0) + v * m["n"]
-            n_total += int(m["n"])
-        out.update({f"sites/{k}": v / n_total for k, v in totals.items()} if n_total else {})
+            per_site[f"site-{i}"] = {**{k: v for k, v in m.items() if k != "n"}, "eval_rows": m["n"]}
+        pooled = weighted_metrics(per_site)
+        out.update({f"sites/{k}": v for k, v in pooled.items() if k != "eval_rows"} if pooled.get("eval_rows") else {})
         return out
 
     initial = {**evaluate_all(), **evaluate_sites()}

@@ -60,7 +60,7 @@ class Heartbeat(_message.Message):
     def __init__(self, unix_ms: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("task_id", "round", "attempt", "spec", "model", "deadline_unix_ms", "send_tensors", "downlink_deltas", "signed_task")
+    __slots__ = ("task_id", "round", "attempt", "spec", "model", "deadline_unix_ms", "send_tensors", "downlink_deltas", "signed_task", "work")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Assignment(_message.Message):
     SEND_TENSORS_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_DELTAS_FIELD_NUMBER: _ClassVar[int]
     SIGNED_TASK_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     attempt: int
@@ -79,7 +80,8 @@ class Assignment(_message.Message):
     send_tensors: _containers.RepeatedScalarFieldContainer[str]
     downlink_deltas: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.DownlinkDelta]
     signed_task: _task_pb2.SignedStatement
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ..., downlink_deltas: _Optional[_Iterable[_Union[_tensors_pb2.DownlinkDelta, _Mapping]]] = ..., signed_task: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ...) -> None: ...
+    work: str
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ..., downlink_deltas: _Optional[_Iterable[_Union[_tensors_pb2.DownlinkDelta, _Mapping]]] = ..., signed_task: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ..., work: _Optional[str] = ...) -> None: ...
 
 class CancelWork(_message.Message):
     __slots__ = ("task_id", "reason")
@@ -475,3 +477,42 @@ class HoldRequest(_message.Message):
 class HoldResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ResultValues(_message.Message):
+    __slots__ = ("model", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, model: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SubmitResultRequest(_message.Message):
+    __slots__ = ("task_id", "round", "work", "model_hash", "results", "min_cell_rows")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CELL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    round: int
+    work: str
+    model_hash: str
+    results: _containers.RepeatedCompositeFieldContainer[ResultValues]
+    min_cell_rows: int
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., work: _Optional[str] = ..., model_hash: _Optional[str] = ..., results: _Optional[_Iterable[_Union[ResultValues, _Mapping]]] = ..., min_cell_rows: _Optional[int] = ...) -> None: ...
+
+class SubmitResultResponse(_message.Message):
+    __slots__ = ("stored", "note")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    note: str
+    def __init__(self, stored: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...

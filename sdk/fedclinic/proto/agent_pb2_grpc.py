@@ -82,6 +82,11 @@ class AgentServiceStub:
                 request_serializer=fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.SerializeToString,
                 response_deserializer=fedclinic_dot_v1_dot_control__pb2.TaskRecords.FromString,
                 _registered_method=True)
+        self.SubmitResult = channel.unary_unary(
+                '/fedclinic.v1.AgentService/SubmitResult',
+                request_serializer=fedclinic_dot_v1_dot_agent__pb2.SubmitResultRequest.SerializeToString,
+                response_deserializer=fedclinic_dot_v1_dot_agent__pb2.SubmitResultResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -156,6 +161,15 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitResult(self, request, context):
+        """A site's results of non-training work ("results-v1"): the final model's evaluation, an "evaluate" or
+        "statistics" task's answer, or a training round's evaluation sent after its update (off the round's critical
+        path). Only from a site assigned to that task and phase; flat values only (docs/protocol.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +217,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.GetTaskRecords,
                     request_deserializer=fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.FromString,
                     response_serializer=fedclinic_dot_v1_dot_control__pb2.TaskRecords.SerializeToString,
+            ),
+            'SubmitResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitResult,
+                    request_deserializer=fedclinic_dot_v1_dot_agent__pb2.SubmitResultRequest.FromString,
+                    response_serializer=fedclinic_dot_v1_dot_agent__pb2.SubmitResultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +467,33 @@ class AgentService:
             '/fedclinic.v1.AgentService/GetTaskRecords',
             fedclinic_dot_v1_dot_control__pb2.GetTaskRecordsRequest.SerializeToString,
             fedclinic_dot_v1_dot_control__pb2.TaskRecords.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedclinic.v1.AgentService/SubmitResult',
+            fedclinic_dot_v1_dot_agent__pb2.SubmitResultRequest.SerializeToString,
+            fedclinic_dot_v1_dot_agent__pb2.SubmitResultResponse.FromString,
             options,
             channel_credentials,
             insecure,

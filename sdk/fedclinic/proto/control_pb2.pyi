@@ -64,7 +64,7 @@ class SubmitTaskChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitTaskHeader, _Mapping]] = ..., file: _Optional[_Union[_tensors_pb2.FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[_tensors_pb2.TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[SubmitTaskCommit, _Mapping]] = ...) -> None: ...
 
 class SiteReport(_message.Message):
-    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics", "uplink_fp32_bytes", "uplink_wire_bytes", "selected_layers", "downlink_bytes", "downlink_wire_bytes")
+    __slots__ = ("site_id", "num_samples", "uplink_bytes", "metrics", "eval_metrics", "uplink_fp32_bytes", "uplink_wire_bytes", "selected_layers", "downlink_bytes", "downlink_wire_bytes", "eval_rows", "eval_suppressed")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class SiteReport(_message.Message):
     SELECTED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DOWNLINK_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SUPPRESSED_FIELD_NUMBER: _ClassVar[int]
     site_id: str
     num_samples: int
     uplink_bytes: int
@@ -99,10 +101,12 @@ class SiteReport(_message.Message):
     selected_layers: _containers.RepeatedScalarFieldContainer[int]
     downlink_bytes: int
     downlink_wire_bytes: int
-    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ..., selected_layers: _Optional[_Iterable[int]] = ..., downlink_bytes: _Optional[int] = ..., downlink_wire_bytes: _Optional[int] = ...) -> None: ...
+    eval_rows: int
+    eval_suppressed: bool
+    def __init__(self, site_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., uplink_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., uplink_fp32_bytes: _Optional[int] = ..., uplink_wire_bytes: _Optional[int] = ..., selected_layers: _Optional[_Iterable[int]] = ..., downlink_bytes: _Optional[int] = ..., downlink_wire_bytes: _Optional[int] = ..., eval_rows: _Optional[int] = ..., eval_suppressed: _Optional[bool] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined", "downlink_wire_bytes", "held", "ddp_epsilon", "ddp_delta", "ddp_noise_sites", "ddp_noise_stddev", "ddp_mechanism")
+    __slots__ = ("round", "state", "attempt", "sites_target", "sites_assigned", "reports", "metrics", "uplink_bytes", "downlink_bytes", "opened_unix_ms", "closed_unix_ms", "deadline_unix_ms", "model_hash", "declined", "downlink_wire_bytes", "held", "ddp_epsilon", "ddp_delta", "ddp_noise_sites", "ddp_noise_stddev", "ddp_mechanism", "eval_sites", "eval_model_hash")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,8 @@ class RoundSummary(_message.Message):
     DDP_NOISE_SITES_FIELD_NUMBER: _ClassVar[int]
     DDP_NOISE_STDDEV_FIELD_NUMBER: _ClassVar[int]
     DDP_MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SITES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     round: int
     state: RoundState
     attempt: int
@@ -152,10 +158,12 @@ class RoundSummary(_message.Message):
     ddp_noise_sites: int
     ddp_noise_stddev: float
     ddp_mechanism: str
-    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., ddp_epsilon: _Optional[float] = ..., ddp_delta: _Optional[float] = ..., ddp_noise_sites: _Optional[int] = ..., ddp_noise_stddev: _Optional[float] = ..., ddp_mechanism: _Optional[str] = ...) -> None: ...
+    eval_sites: int
+    eval_model_hash: str
+    def __init__(self, round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., attempt: _Optional[int] = ..., sites_target: _Optional[int] = ..., sites_assigned: _Optional[_Iterable[str]] = ..., reports: _Optional[_Iterable[_Union[SiteReport, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., uplink_bytes: _Optional[int] = ..., downlink_bytes: _Optional[int] = ..., opened_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., model_hash: _Optional[str] = ..., declined: _Optional[_Iterable[str]] = ..., downlink_wire_bytes: _Optional[int] = ..., held: _Optional[_Iterable[str]] = ..., ddp_epsilon: _Optional[float] = ..., ddp_delta: _Optional[float] = ..., ddp_noise_sites: _Optional[int] = ..., ddp_noise_stddev: _Optional[float] = ..., ddp_mechanism: _Optional[str] = ..., eval_sites: _Optional[int] = ..., eval_model_hash: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash", "signed", "site_statistics", "pooled_statistics")
+    __slots__ = ("task_id", "spec", "state", "current_round", "rounds", "error", "owner", "created_unix_ms", "updated_unix_ms", "initial_model_hash", "final_model_hash", "signed", "results", "site_statistics", "pooled_statistics")
     class SiteStatisticsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +190,7 @@ class TaskStatus(_message.Message):
     INITIAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     SIGNED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     SITE_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     POOLED_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
@@ -196,9 +205,10 @@ class TaskStatus(_message.Message):
     initial_model_hash: str
     final_model_hash: str
     signed: bool
+    results: ResultPhase
     site_statistics: _containers.MessageMap[str, StatisticsValues]
     pooled_statistics: _containers.ScalarMap[str, float]
-    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., signed: _Optional[bool] = ..., site_statistics: _Optional[_Mapping[str, StatisticsValues]] = ..., pooled_statistics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, task_id: _Optional[str] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., current_round: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., error: _Optional[str] = ..., owner: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., initial_model_hash: _Optional[str] = ..., final_model_hash: _Optional[str] = ..., signed: _Optional[bool] = ..., results: _Optional[_Union[ResultPhase, _Mapping]] = ..., site_statistics: _Optional[_Mapping[str, StatisticsValues]] = ..., pooled_statistics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StatisticsValues(_message.Message):
     __slots__ = ("values",)
@@ -212,6 +222,72 @@ class StatisticsValues(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.ScalarMap[str, float]
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ResultCell(_message.Message):
+    __slots__ = ("site_id", "model", "values", "suppressed", "rows")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SITE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESSED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    site_id: str
+    model: str
+    values: _containers.ScalarMap[str, float]
+    suppressed: bool
+    rows: int
+    def __init__(self, site_id: _Optional[str] = ..., model: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ..., suppressed: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class PooledResult(_message.Message):
+    __slots__ = ("model", "values", "sites", "note")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    values: _containers.ScalarMap[str, float]
+    sites: int
+    note: str
+    def __init__(self, model: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ..., sites: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+
+class ResultPhase(_message.Message):
+    __slots__ = ("work", "round", "open", "model_hash", "opened_unix_ms", "deadline_unix_ms", "closed_unix_ms", "cells", "pooled", "declined", "waiting")
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CELLS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    work: str
+    round: int
+    open: bool
+    model_hash: str
+    opened_unix_ms: int
+    deadline_unix_ms: int
+    closed_unix_ms: int
+    cells: _containers.RepeatedCompositeFieldContainer[ResultCell]
+    pooled: _containers.RepeatedCompositeFieldContainer[PooledResult]
+    declined: _containers.RepeatedScalarFieldContainer[str]
+    waiting: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, work: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[bool] = ..., model_hash: _Optional[str] = ..., opened_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., closed_unix_ms: _Optional[int] = ..., cells: _Optional[_Iterable[_Union[ResultCell, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledResult, _Mapping]]] = ..., declined: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
     __slots__ = ("task_id",)

@@ -152,7 +152,7 @@ class SecureAggregationConfig(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., threshold: _Optional[int] = ..., min_cohort: _Optional[int] = ..., clip: _Optional[float] = ..., bits: _Optional[int] = ..., rounding: _Optional[str] = ..., degree: _Optional[int] = ..., weighting: _Optional[str] = ..., weight_cap: _Optional[int] = ..., metric_clip: _Optional[float] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
-    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options", "verification", "statistics")
+    __slots__ = ("name", "family", "architecture", "dataset", "labels", "multi_label", "training", "rounds", "strategy", "strategy_params", "update", "privacy", "secure_aggregation", "sites", "tokenizer_sha256", "description", "strategy_options", "verification", "kind", "evaluation", "statistics")
     class StrategyParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,8 @@ class TaskSpec(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
@@ -204,14 +206,24 @@ class TaskSpec(_message.Message):
     description: str
     strategy_options: _containers.ScalarMap[str, str]
     verification: VerificationConfig
+    kind: str
+    evaluation: EvaluationConfig
     statistics: StatisticsConfig
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ..., verification: _Optional[_Union[VerificationConfig, _Mapping]] = ..., statistics: _Optional[_Union[StatisticsConfig, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., dataset: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., multi_label: _Optional[bool] = ..., training: _Optional[_Union[TrainingConfig, _Mapping]] = ..., rounds: _Optional[_Union[RoundConfig, _Mapping]] = ..., strategy: _Optional[str] = ..., strategy_params: _Optional[_Mapping[str, float]] = ..., update: _Optional[_Union[UpdateConfig, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyConfig, _Mapping]] = ..., secure_aggregation: _Optional[_Union[SecureAggregationConfig, _Mapping]] = ..., sites: _Optional[_Iterable[str]] = ..., tokenizer_sha256: _Optional[str] = ..., description: _Optional[str] = ..., strategy_options: _Optional[_Mapping[str, str]] = ..., verification: _Optional[_Union[VerificationConfig, _Mapping]] = ..., kind: _Optional[str] = ..., evaluation: _Optional[_Union[EvaluationConfig, _Mapping]] = ..., statistics: _Optional[_Union[StatisticsConfig, _Mapping]] = ...) -> None: ...
 
 class StatisticsConfig(_message.Message):
     __slots__ = ("epsilon",)
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     epsilon: float
     def __init__(self, epsilon: _Optional[float] = ...) -> None: ...
+
+class EvaluationConfig(_message.Message):
+    __slots__ = ("model_task", "timeout_s")
+    MODEL_TASK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model_task: str
+    timeout_s: float
+    def __init__(self, model_task: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class VerificationConfig(_message.Message):
     __slots__ = ("publish_updates",)

@@ -159,6 +159,13 @@ class Task:
     #: min_cohort (>= 3), threshold (0 = ceil(2h/3)), clip (|delta| range, default 1.0), bits (default 20),
     #: rounding ("stochastic" | "nearest"), degree (0 = complete graph). See fedclinic.secagg.task_config.
     secure_aggregation: dict[str, Any] = field(default_factory=dict)
+    #: ``kind``: "train" (default: rounds, then every site that trained evaluates the final model on its held-out
+    #: split), "evaluate" (no training: each site evaluates the model and sends metrics only) or "statistics" (no
+    #: training: each site sends statistics of its dataset). Sites may refuse the last two by policy.
+    kind: str = "train"
+    #: ``[evaluation]``: model_task = "<task id>" (kind "evaluate": that finished task's final model, yours only,
+    #: instead of ``model``); timeout_s (how long the evaluation phase waits for the sites; 0 = round_timeout_s)
+    evaluation: dict[str, Any] = field(default_factory=dict)
     #: ``[verification]``: publish_updates = true keeps every site's committed update and lets the task's owner
     #: fetch it, so that `fedclinic task verify` recomputes each plain round's model from them (a new exposure:
     #: the owner then sees each site's update, not only aggregates; sites may refuse such tasks). Default off.
@@ -206,6 +213,7 @@ class Task:
         p.extend(privacy_input_problems(self.privacy))
         p.extend(secure_aggregation_input_problems(self.secure_aggregation))
         p.extend(verification_input_problems(self.verification))
+        p.extend(evaluation_input_problems(self.kind, self.evaluation))
         p.extend(statistics_input_problems(self.statistics))
         p.extend(problem for _, problem in self._number_problems())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 63):
@@ -294,6 +302,9 @@ class Task:
             verification=task_pb2.VerificationConfig(
                 publish_updates=self.verification.get("publish_updates") is True
                 if isinstance(self.verification, dict) else False),
+            kind="" if self.kind in ("", "train") or not isinstance(self.kind, str) else self.kind,
+            evaluation=evaluation_config(self.evaluation) if checked or not evaluation_input_problems(
+                "train", self.evaluation) else task_pb2.EvaluationConfig(),
             statistics=statistics_config(self.statistics),
             tokenizer_sha256=tokenizer_sha256)
 
@@ -395,6 +406,30 @@ def verification_input_problems(doc: Any) -> list[str]:
     if "publish_updates" in doc and not isinstance(doc["publish_updates"], bool):
         p.append(f"verification: publish_updates must be true or false, got {doc['publish_updates']!r}")
     return p
+
+
+EVALUATION_KEYS = ("model_task", "timeout_s")
+
+
+def evaluation_input_problems(kind: Any, doc: Any) -> list[str]:
+    """What ``kind`` and an ``[evaluation]`` table hold that the spec cannot."""
+    p = []
+    if kind not in ("train", "", "evaluate", "statistics"):
+        p.append(f'kind must be "train", "evaluate" or "statistics", got {kind!r}')
+    if not isinstance(doc, dict):
+        return p + ['evaluation must be a table (e.g. [evaluation] model_task = "t-...")']
+    p += [f"evaluation: unknown setting {k!r} (known: {', '.join(EVALUATION_KEYS)})" for k in doc
+          if k not in EVALUATION_KEYS]
+    if "model_task" in doc and not isinstance(doc["model_task"], str):
+        p.append(f"evaluation: model_task must be a task id (a string), got {doc['model_task']!r}")
+    if "timeout_s" in doc and not _is_number(doc["timeout_s"]):
+        p.append(f"evaluation: timeout_s must be a number of seconds, got {doc['timeout_s']!r}")
+    return p
+
+
+def evaluation_config(doc: dict[str, Any]) -> task_pb2.EvaluationConfig:
+    return task_pb2.EvaluationConfig(model_task=str(doc.get("model_task", "")),
+                                     timeout_s=float(doc.get("timeout_s", 0.0)))
 
 
 STATISTICS_KEYS = ("epsilon",)

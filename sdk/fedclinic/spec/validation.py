@@ -87,9 +87,12 @@ BOUNDS: dict[str, Bound] = {
     "secure_aggregation.clip": Bound(0, 1e6),
     "secure_aggregation.weight_cap": Bound(0, 1 << 24, integer=True),
     "secure_aggregation.metric_clip": Bound(0, 1e9),
+    "evaluation.timeout_s": Bound(0, 7 * 24 * 3600.0, hint="seconds; 0 = rounds.round_timeout_s"),
     "statistics.epsilon": Bound(0.01, 100.0, zero_default=True,
                                 hint="the epsilon of a statistics answer at each site; 0 = no noise"),
 }
+#: TaskSpec.kind values: "" trains (then evaluates the final model), the others train nothing
+KINDS = ("", "evaluate", "statistics")
 #: the largest magnitude of a numeric strategy parameter (server_lr, beta, byzantine, ...); each must be finite
 MAX_STRATEGY_PARAM = 1e6
 
@@ -256,6 +259,20 @@ def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
     p.extend(selection)
     if u.selection == safl.SAFL and not selection and strategy is not None:
         p.extend(safl.composition_problems(strategy, spec.secure_aggregation.enabled))
+    p.extend(kind_problems(spec))
+    return p
+
+
+def kind_problems(spec: task_pb2.TaskSpec) -> list[str]:
+    """What the task's kind does not allow: an unknown kind; ``model_task`` outside an "evaluate" task; an
+    "evaluate" or "statistics" task that asks for training-time protections it cannot use."""
+    p = []
+    if spec.kind not in KINDS:
+        p.append(f"kind {spec.kind!r} is unknown; choose \"train\" (the default), \"evaluate\" or \"statistics\"")
+    if spec.evaluation.model_task and spec.kind != "evaluate":
+        p.append('[evaluation] model_task names a model to evaluate: it needs kind = "evaluate"')
+    if spec.kind in ("evaluate", "statistics") and spec.secure_aggregation.enabled:
+        p.append(f"a {spec.kind} task trains nothing: remove [secure_aggregation] (only metrics leave the sites)")
     return p
 
 

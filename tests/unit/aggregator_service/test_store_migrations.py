@@ -124,3 +124,29 @@ def test_a_moved_state_folder_relocates_its_spill_paths(tmp_path):
     expected = tmp_path / "new" / "updates" / "t-1" / "1" / "u-1.bin"
     assert store.one("SELECT spill_path FROM updates").spill_path == str(expected)
     assert store.one("SELECT value FROM meta WHERE key='state_dir'").value == str(tmp_path / "new")
+
+
+def test_version_10_adds_the_result_tables_and_keeps_a_version_9_database(tmp_path):
+    from aggregator_service.store import ResultPhaseRecord, SiteResultRecord
+
+    _v1_database(tmp_path)
+    db = sqlite3.connect(tmp_path / "aggregator.sqlite")
+    db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path)  # 1 -> current, through step 10
+    assert {"task_id", "round", "work", "model_hash", "deadline_ms", "closed_ms"} <= _columns(store, "result_phases")
+    assert {"site", "model", "vals", "min_cell"} <= _columns(store, "site_results")
+    assert store.one("SELECT site FROM updates WHERE update_id='u-1'").site == "site-a"
+    with store.transaction() as tx:
+        tx.open_result_phase(ResultPhaseRecord("t-1", 2, "evaluate", "m1", 5, 6, 0))
+        assert tx.record_result(SiteResultRecord("t-1", 2, "site-a", "final", "evaluate", "m1",
+                                                 {"eval_rows": 12.0, "accuracy": 0.5}, 10, 7))
+        assert not tx.record_result(SiteResultRecord("t-1", 2, "site-a", "final", "evaluate", "m1",
+                                                     {"eval_rows": 1.0}, 10, 8))  # a second copy writes nothing
+    store.close()
+    store = Store(tmp_path)
+    assert store.result_phase("t-1").work == "evaluate" and store.open_result_phases()[0].round == 2
+    (r,) = store.results_of("t-1", 2)
+    assert (r.site, r.model, r.values["eval_rows"], r.min_cell) == ("site-a", "final", 12.0, 10)
+    assert store.reported_sites("t-1") == ["site-a"]
