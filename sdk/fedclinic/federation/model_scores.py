@@ -11,31 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from fedclinic.evaluation.combine import COUNT_PREFIX, weighted_metrics
+from fedclinic.evaluation.combine import ROWS as EVAL_ROWS
+
 if TYPE_CHECKING:
     from fedclinic.models import LoadedModel
 
-#: the rows a site's figures were computed on (the weight of its figures in the pool)
-EVAL_ROWS = "eval_rows"
-#: keys with this prefix are raw counts: summed over sites, not averaged
-COUNT_PREFIX = "count/"
-
 
 def pool_by_rows(per_site: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """The sites' figures pooled: ``count/*`` summed, every other key weighted by ``eval_rows`` over the sites
-    that report it; ``eval_rows`` itself summed. Empty when no site has evaluation rows."""
-    sites = [m for m in per_site.values() if m.get(EVAL_ROWS, 0) > 0]
-    if not sites:
-        return {}
-    out: dict[str, float] = {EVAL_ROWS: float(sum(m[EVAL_ROWS] for m in sites))}
-    keys = dict.fromkeys(k for m in sites for k in m if k != EVAL_ROWS)
-    for k in keys:
-        having = [m for m in sites if k in m]
-        if k.startswith(COUNT_PREFIX):
-            out[k] = float(sum(m[k] for m in having))
-        else:
-            rows = sum(m[EVAL_ROWS] for m in having)
-            out[k] = float(sum(m[k] * m[EVAL_ROWS] for m in having) / rows)
-    return out
+    """The sites' figures pooled by the one combining rule (:func:`fedclinic.evaluation.combine.weighted_metrics`:
+    ``count/*`` and ``eval_rows`` summed, every other key weighted by ``eval_rows``) over the sites that evaluated
+    rows; nothing is suppressed (these are the scientist's own files). Empty when no site has evaluation rows."""
+    sites = {name: m for name, m in per_site.items() if m.get(EVAL_ROWS, 0) > 0}
+    return weighted_metrics(sites) if sites else {}
 
 
 def evaluation_figures(loaded: "LoadedModel", data: Any) -> dict[str, float]:
