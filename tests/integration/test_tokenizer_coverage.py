@@ -1,15 +1,18 @@
-"""Tokenizer coverage at training acceptance, over real processes: a site whose text is in a script the task's
-tokenizer does not cover reports its [UNK] rate (a rate, never text) with its first update, and
-``fedclinic task watch``'s progress warns the scientist naming the site and the rate."""
+"""Tokenizer coverage over real processes: a site whose text is in a script the task's tokenizer does not cover
+reports its [UNK] rate (a rate, never text) with its first update of a training task, and ``fedclinic task
+watch``'s progress warns the scientist naming the site and the rate; a statistics task on the same sites reports
+that site's ``unk_rate`` above 50 % and the SDK's statistics warnings name it."""
 
 from __future__ import annotations
 
 import io
 import json
+import math
 
 import pytest
 
 from fedclinic.client import state_name
+from fedclinic.evaluation.statistics_table import statistics_warnings
 
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import LABELS, tiny_package
@@ -40,3 +43,15 @@ def test_a_site_the_tokenizer_does_not_cover_is_named_with_its_unk_rate(federati
     rate = 100 * first["site-b"]["tokenizer_unk_rate"]
     assert f"site site-b: {rate:.1f}% of its tokens are the tokenizer's unknown token" in warnings[0]
     assert not any(word in out.getvalue() for word in DEVANAGARI)  # the rate, never text
+
+    # the same sites asked for statistics before any training: the coverage is in the table, per site
+    with fed.client() as client:
+        st = client.submit(make_task(kind="statistics", min_sites=2), package=tiny_package("logreg"))
+        done = client.wait(st.task_id, timeout=120, progress=False)
+    assert state_name(done.state) == "completed", done.error
+    per_site = {s: dict(v.values) for s, v in done.site_statistics.items()}
+    assert set(per_site) == {"site-a", "site-b"}
+    assert per_site["site-a"]["unk_rate"] == 0.0 and per_site["site-b"]["unk_rate"] > 0.5
+    assert math.isclose(per_site["site-b"]["unk_rate"], first["site-b"]["tokenizer_unk_rate"], rel_tol=1e-9)
+    warned = statistics_warnings(per_site, dict(done.pooled_statistics), list(done.spec.labels))
+    assert [w for w in warned if "unknown token" in w] and all("site-a" not in w for w in warned if "unknown" in w)
