@@ -23,6 +23,7 @@ from fedclinic.runtime.metrics_endpoint import MetricsServer
 from hospital_agent.install import install_service
 from hospital_agent.site_model import export_site_model
 from hospital_agent.tasks_cli import run as run_tasks
+from hospital_agent.torch_threads import apply_torch_threads
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_address is not None:
             config = config.with_metrics_address(args.metrics_address, "--metrics-address")
         logs.configure(config.log_level)
+        apply_torch_threads(config.torch_threads)  # before any training: the inter-op pool is sized only once
         agent = Agent(config)
         endpoint = (MetricsServer(agent.metrics.registry, config.metrics_address)
                     if config.metrics_address is not None else None)

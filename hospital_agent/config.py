@@ -6,6 +6,8 @@ Example::
     work_dir = "/var/lib/hospital-agent"
     device = "auto"            # "cpu", "cuda", "cuda:1"; auto = CUDA when present
     mixed_precision = false    # allow autocast on CUDA when a task asks for it
+    torch_threads = 0          # torch CPU threads (intra- and inter-op); 0 = every core (split them between
+                               # agents sharing a host)
     metrics_address = "127.0.0.1:9465"   # optional: Prometheus endpoint (HTTP GET /metrics); off when absent
 
     [tls]
@@ -131,6 +133,13 @@ def _protection_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
                 raise ConfigError(f"{where} {key} must be a number > 0, e.g. {example}, got {value!r}")
             out[key] = float(value)
     return out
+
+
+def _torch_threads(value: Any, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4096:
+        raise ConfigError(f"{source}: torch_threads must be a whole number of CPU threads, 0-4096 (0 = every core), "
+                          f"got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,8 @@ class AgentConfig:
     source: str = ""
     #: where the Prometheus endpoint listens (fedclinic.runtime.metrics_endpoint); None: no endpoint, no open port
     metrics_address: MetricsAddress | None = None
+    #: torch's intra-op and inter-op CPU threads (hospital_agent.torch_threads); 0: every core of this machine
+    torch_threads: int = 0
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -313,14 +324,15 @@ class AgentConfig:
                             tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval,
                             publish_updates_allowed=published, **_protection_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
-                              "mixed_precision", "log_level", "metrics_address"}
+                              "mixed_precision", "log_level", "metrics_address", "torch_threads"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
         return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
                    tls=tls, datasets=datasets, policy=policy, server_name=doc.get("server_name"),
                    device=str(doc.get("device", "auto")), mixed_precision=bool(doc.get("mixed_precision", False)),
                    log_level=str(doc.get("log_level", "info")), source=source,
-                   metrics_address=parse_metrics_address(doc.get("metrics_address"), source))
+                   metrics_address=parse_metrics_address(doc.get("metrics_address"), source),
+                   torch_threads=_torch_threads(doc.get("torch_threads", 0), source))
 
     def with_metrics_address(self, value: str, where: str) -> "AgentConfig":
         """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""
