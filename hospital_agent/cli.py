@@ -121,9 +121,10 @@ def privacy_finish(config_path: str, task_id: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hospital-agent`` command line: every subcommand with its one-line help."""
     parser = argparse.ArgumentParser(prog="hospital-agent", description="fedclinic hospital agent")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="connect to the aggregator and work until SIGTERM/SIGINT (SIGHUP: reload certificates)")
     run.add_argument("--config", required=True, help="path to agent.toml")
     run.add_argument("--metrics-address", metavar="HOST:PORT",
@@ -155,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--unit", help="the unit file to install (default: deploy/systemd/hospital-agent.service)")
     ins.add_argument("--site", default="SITE", help="site name used in the example agent.toml")
     ins.add_argument("--aggregator", default="aggregator.example.org:7443", help="for the example agent.toml")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command == "install-service":
         try:
