@@ -21,7 +21,8 @@ Where the federated run's extra time goes, read off the services' logs (UTC time
 ``train_seconds``: start-up (processes start, import torch, TLS hello), the client's packaging and upload, and
 per round the slowest site's model download, evaluation, training and upload, then the aggregation until the
 round closes. Each is printed beside the baseline's own split (start-up and model load, tokenization,
-evaluation, training, averaging).
+evaluation, training, averaging). Also printed: the CPU seconds (user + system) of every process of each run,
+which the federation's parallel sites do not hide.
 
 Target (issue 19): the federated run takes at most 10 % more wall time than the baseline. Ends with
 ``RESULT overhead ratio=... target=<=1.10x met=yes|no``. ``--smoke``: 1 round, a few rows per site (with
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -208,16 +210,19 @@ def federated_split(fed: dict[str, Any], sites: list[str]) -> dict[str, float]:
 
     ``startup``: from the start to the last agent's ``connected`` (PKI, processes, imports, TLS hello), beyond the
     client's submit when that ended later; ``submit``: the client packaging and uploading the model, while the
-    agents start; per round (summed), the slowest site's ``download`` (round open -> ``model fetched``),
-    ``eval_and_prepare`` (-> ``update ready``, less its training), ``train`` (its ``train_seconds``: training,
-    delta, encoding), ``upload`` (-> ``update acknowledged``), then ``aggregate`` (the last acknowledgement ->
-    ``round closed``); ``finish``: the last round's close until the client sees the task completed."""
+    agents start; per round (summed), the slowest site's ``download`` (round open -> ``model fetched``), the time
+    from there to ``update ready`` less its training: in the first round ``first_prepare`` (importing the model
+    stack, building the model, reading and tokenizing the site's rows, evaluating), in later ones
+    ``eval_and_outbox`` (evaluating the round's global model, writing the update to the outbox), ``train`` (its
+    ``train_seconds``: training, delta, encoding), ``upload`` (-> ``update acknowledged``), then ``aggregate`` (the
+    last acknowledgement -> ``round closed``); ``finish``: the last round's close until the client sees the task
+    completed."""
     logs = fed["logs"]
     connected = max((e["t"] for s in sites for e in logs[f"agent-{s}"] if e.get("event") == "connected"),
                     default=fed["t0_wall"])
     closes = {e["round"]: e["t"] for e in logs["aggregator"] if e.get("event") == "round closed"}
-    out = {"startup": 0.0, "submit": 0.0, "download": 0.0, "eval_and_prepare": 0.0, "train": 0.0, "upload": 0.0,
-           "aggregate": 0.0, "finish": 0.0}
+    out = {"startup": 0.0, "submit": 0.0, "download": 0.0, "first_prepare": 0.0, "eval_and_outbox": 0.0, "train": 0.0,
+           "upload": 0.0, "aggregate": 0.0, "finish": 0.0}
     opened = max(connected, fed["submitted_wall"])
     out["submit"] = fed["submitted_wall"] - fed["t0_wall"]
     out["startup"] = max(0.0, connected - fed["submitted_wall"])
@@ -229,8 +234,9 @@ def federated_split(fed: dict[str, Any], sites: list[str]) -> dict[str, float]:
             ready = next((e["t"] for e in ev if e.get("event") == "update ready"), fetched)
             acked = next((e["t"] for e in ev if e.get("event") == "update acknowledged"), ready)
             train = float(fed["train_seconds"].get((rnd, s), 0.0))
-            per_site.append((acked, {"download": fetched - opened, "eval_and_prepare": max(0.0, ready - fetched - train),
-                                     "train": train, "upload": acked - ready}))
+            rest = max(0.0, ready - fetched - train)
+            per_site.append((acked, {"download": fetched - opened, "train": train, "upload": acked - ready,
+                                     "first_prepare" if rnd == min(closes) else "eval_and_outbox": rest}))
         last_ack, slowest = max(per_site, key=lambda x: x[0])
         for k, v in slowest.items():
             out[k] += v
@@ -271,6 +277,12 @@ def make_plan(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "sites": sites, "baseline_threads": args.baseline_threads}
 
 
+def _cpu(who: int) -> float:
+    """User + system CPU seconds of this process (RUSAGE_SELF) or of its waited-for children (RUSAGE_CHILDREN)."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -307,10 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cores {os.cpu_count()}, load average before: {_load()}")
         print(f"model {plan['model']}; {args.rounds} round(s); training rows per site {rows}; batch 16, "
               f"max_length {args.max_length}", flush=True)
+        children = _cpu(resource.RUSAGE_CHILDREN)
         base = run_baseline(plan, work)
+        base["cpu"] = _cpu(resource.RUSAGE_CHILDREN) - children
+        children, own = _cpu(resource.RUSAGE_CHILDREN), _cpu(resource.RUSAGE_SELF)
         print(f"baseline (one process, torch + transformers, {base['torch_threads']} torch threads): "
               f"{base['wall']:.1f} s", flush=True)
         fed = run_federated(plan, work)
+        # the services are waited for when the federation closes: their CPU is in RUSAGE_CHILDREN; the client's here
+        fed["cpu"] = _cpu(resource.RUSAGE_CHILDREN) - children + _cpu(resource.RUSAGE_SELF) - own
         print(f"federated (aggregator + {args.sites} agents, {fed['agent_threads']} torch thread(s) each): "
               f"{fed['wall']:.1f} s", flush=True)
         load_after = _load()
@@ -322,9 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwhere the time goes (seconds)")
     print("  baseline:  " + ", ".join(f"{k} {v:.1f}" for k, v in base_split.items()))
     print("  federated: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
-          + "  (per round: the slowest site; eval_and_prepare = its evaluation, data and outbox)")
+          + "  (per round: the slowest site)")
     print(f"  extra: {fed['wall'] - base['wall']:+.1f} s; load average after: {load_after}")
+    print(f"CPU seconds (user + system, every process): baseline {base['cpu']:.1f}, federated {fed['cpu']:.1f} "
+          f"({fed['cpu'] / base['cpu']:.2f}x)")
     figures = {"baseline_seconds": base["wall"], "federated_seconds": fed["wall"], "ratio": ratio,
+               "baseline_cpu_seconds": base["cpu"], "federated_cpu_seconds": fed["cpu"],
                "baseline": base_split, "federated": split, "agent_threads": fed["agent_threads"],
                "baseline_threads": base["torch_threads"], "rounds": args.rounds, "rows": rows,
                "load_after": load_after}
