@@ -24,6 +24,7 @@ from hospital_agent.install import install_service
 from hospital_agent.site_model import export_site_model
 from hospital_agent.tasks_cli import run as run_tasks
 from hospital_agent.torch_threads import apply_torch_threads
+from hospital_agent.warm_start import preload_training_stack
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             config = config.with_metrics_address(args.metrics_address, "--metrics-address")
         logs.configure(config.log_level)
         apply_torch_threads(config.torch_threads)  # before any training: the inter-op pool is sized only once
+        if config.preload_training_stack:
+            preload_training_stack()  # in the background, while the agent connects and waits for work
         agent = Agent(config)
         endpoint = (MetricsServer(agent.metrics.registry, config.metrics_address)
                     if config.metrics_address is not None else None)

@@ -8,6 +8,7 @@ Example::
     mixed_precision = false    # allow autocast on CUDA when a task asks for it
     torch_threads = 0          # torch CPU threads (intra- and inter-op); 0 = every core (split them between
                                # agents sharing a host)
+    preload_training_stack = true   # import the model stack at start-up, not in the first round
     metrics_address = "127.0.0.1:9465"   # optional: Prometheus endpoint (HTTP GET /metrics); off when absent
 
     [tls]
@@ -142,6 +143,13 @@ def _torch_threads(value: Any, source: str) -> int:
     return value
 
 
+def _flag(doc: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    value = doc.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     name: str
@@ -273,6 +281,8 @@ class AgentConfig:
     metrics_address: MetricsAddress | None = None
     #: torch's intra-op and inter-op CPU threads (hospital_agent.torch_threads); 0: every core of this machine
     torch_threads: int = 0
+    #: import the training stack in the background at start-up (hospital_agent.warm_start), not in the first round
+    preload_training_stack: bool = True
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -324,7 +334,8 @@ class AgentConfig:
                             tuple(pol.get("allowed_datasets", list(datasets))), min_cohort, approval,
                             publish_updates_allowed=published, **_protection_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
-                              "mixed_precision", "log_level", "metrics_address", "torch_threads"}
+                              "mixed_precision", "log_level", "metrics_address", "torch_threads",
+                              "preload_training_stack"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
         return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
@@ -332,7 +343,8 @@ class AgentConfig:
                    device=str(doc.get("device", "auto")), mixed_precision=bool(doc.get("mixed_precision", False)),
                    log_level=str(doc.get("log_level", "info")), source=source,
                    metrics_address=parse_metrics_address(doc.get("metrics_address"), source),
-                   torch_threads=_torch_threads(doc.get("torch_threads", 0), source))
+                   torch_threads=_torch_threads(doc.get("torch_threads", 0), source),
+                   preload_training_stack=_flag(doc, "preload_training_stack", True, source))
 
     def with_metrics_address(self, value: str, where: str) -> "AgentConfig":
         """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""

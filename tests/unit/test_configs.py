@@ -32,6 +32,7 @@ def test_agent_torch_threads_default_all_cores_and_override(tmp_path, monkeypatc
 
     (tmp_path / "agent.toml").write_text(AGENT)
     assert AgentConfig.load(tmp_path / "agent.toml").torch_threads == 0
+    assert AgentConfig.load(tmp_path / "agent.toml").preload_training_stack is True
     assert resolve_threads(0) == available_cores() and resolve_threads(3) == 3
     assert [cores_per_process(n, cores=2) for n in (1, 2, 3)] == [2, 1, 1]
     assert cores_per_process(3, cores=16) == 5
@@ -57,6 +58,7 @@ def test_agent_env_override(tmp_path, monkeypatch):
     (lambda t: t + "[broken", "not valid TOML"),
     (lambda t: "torch_threads = -1\n" + t, "torch_threads must be a whole number"),
     (lambda t: "torch_threads = 1.5\n" + t, "torch_threads must be a whole number"),
+    (lambda t: 'preload_training_stack = "yes"\n' + t, "preload_training_stack must be true or false"),
 ])
 def test_agent_config_errors(tmp_path, edit, message):
     (tmp_path / "agent.toml").write_text(edit(AGENT))

@@ -364,7 +364,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", codec=args.codec,
                 downlink_codec=args.downlink_codec, **selection, **family)
     report: dict = {"rounds": []}
-    with LocalFederation(out / "federation", sites) as fed:  # each agent gets max(1, cores // sites) torch threads
+    # each agent gets max(1, cores // sites) torch threads and imports its model stack while the task is packaged
+    with LocalFederation(out / "federation", sites, preload_training_stack=True) as fed:
         fed.start()
         _say(f"aggregator on {fed.address}; {args.sites} agents started (logs in {fed.logs})")
         with fed.client() as client:

@@ -89,11 +89,14 @@ class LocalFederation:
 
     def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
                  aggregator_settings: dict[str, Any] | None = None, log_level: str = "info",
-                 metrics_address: str | None = None) -> None:
+                 metrics_address: str | None = None, preload_training_stack: bool = False) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.sites = {s.name: s for s in sites}
         self.agent_threads = agent_threads if agent_threads is not None else cores_per_process(len(sites))
+        #: the agents' ``preload_training_stack``: off here by default (a test's tiny models need no Hugging Face
+        #: import); the demo turns it on, as a production agent has it
+        self.preload_training_stack = preload_training_stack
         self.aggregator_settings = aggregator_settings or {}
         self.log_level = log_level
         #: every service's Prometheus endpoint listens here (port 0: each on a free port; see metrics_url)
@@ -172,6 +175,7 @@ class LocalFederation:
                                "log_level": self.log_level, "server_name": "localhost",
                                **({"metrics_address": self.metrics_address} if self.metrics_address is not None else {}),
                                "torch_threads": self.agent_threads,
+                               "preload_training_stack": self.preload_training_stack,
                                **s.extra,
                                "tls": self.creds(site), "datasets": s.datasets}
         if s.policy is not None:
