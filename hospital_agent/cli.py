@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.configure(config.log_level)
         apply_torch_threads(config.torch_threads)  # before any training: the inter-op pool is sized only once
         if config.preload_training_stack:
-            preload_training_stack()  # in the background, while the agent connects and waits for work
+            preload_training_stack()  # before connecting, in this thread (not beside a round's own imports)
         agent = Agent(config)
         endpoint = (MetricsServer(agent.metrics.registry, config.metrics_address)
                     if config.metrics_address is not None else None)

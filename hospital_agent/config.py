@@ -281,7 +281,7 @@ class AgentConfig:
     metrics_address: MetricsAddress | None = None
     #: torch's intra-op and inter-op CPU threads (hospital_agent.torch_threads); 0: every core of this machine
     torch_threads: int = 0
-    #: import the training stack in the background at start-up (hospital_agent.warm_start), not in the first round
+    #: import the training stack at start-up, before connecting (hospital_agent.warm_start), not in the first round
     preload_training_stack: bool = True
 
     @classmethod

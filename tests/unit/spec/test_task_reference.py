@@ -1,5 +1,7 @@
 """docs/task-reference.md lists every task.toml key with the default the code has (fedclinic.spec.task and the
-tables it reads): a key added to the code, or a default changed there, fails here until the page says it."""
+tables it reads): a key added to the code, or a default changed there, fails here until the page says it. (A row
+for a key the code does not have is not caught by the field check: the sections' own key tuples are compared
+exactly.)"""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from fedclinic.spec.task import PRIVACY_KEYS, Task, privacy_config
 from fedclinic.strategies import STRATEGIES
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "task-reference.md"
-#: Task fields that are not keys of their own: the [strategy] table's parameters
-NOT_KEYS = {"strategy_params"}
+#: Task fields that are not keys written by hand: the [strategy] table's parameters; where a pos_weight of
+#: "from-statistics:..." came from (the SDK sets it when it resolves one)
+NOT_KEYS = {"strategy_params", "pos_weight_source"}
 #: tables whose keys are listed in a section of their own (the top level shows each as an empty table)
 TABLES = ("model_config", "privacy", "secure_aggregation", "verification")
+#: the sections a plain Task field may be written in
+FIELD_SECTIONS = ("Top level", "[training]", "[rounds]", "[update]")
 
 
 def _toml(value: Any) -> str:
@@ -65,17 +70,15 @@ def _code_defaults(names) -> dict[str, str]:
     return {n: "required" if _default(by_name[n]) is None else _toml(_default(by_name[n])) for n in names}
 
 
-def test_training_rounds_and_update_keys_and_defaults():
+def test_every_task_field_is_listed_with_its_default():
+    page = {key: (section, default) for section in FIELD_SECTIONS for key, default in _page(section).items()}
+    code = _code_defaults([f.name for f in fields(Task) if f.name not in NOT_KEYS])
+    assert {k: page[k][1] if k in page else "(not on the page)" for k in code} == code
     for section, keys in (("[training]", task_module._TRAIN), ("[rounds]", task_module._ROUNDS),
                           ("[update]", task_module._UPDATE)):
-        assert _page(section) == _code_defaults(keys), section
-
-
-def test_top_level_keys_and_defaults():
-    sectioned = {*task_module._TRAIN, *task_module._ROUNDS, *task_module._UPDATE, *NOT_KEYS}
-    top = [f.name for f in fields(Task) if f.name not in sectioned]
-    assert set(TABLES) <= set(top)
-    assert _page("Top level") == _code_defaults(top)
+        assert {k for k, (where, _) in page.items() if k in keys} == set(keys)
+        assert all(page[k][0] == section for k in keys), section
+    assert all(page[t] == ("Top level", "{}") for t in TABLES)
 
 
 def test_strategy_parameters_and_defaults():
@@ -100,6 +103,16 @@ def test_secure_aggregation_keys_and_defaults():
     code.update(enabled="false", weighting=_toml(task_config.WEIGHTINGS[0]),
                 weight_cap=_toml(task_config.DEFAULT_WEIGHT_CAP), metric_clip=_toml(task_config.DEFAULT_METRIC_CLIP))
     assert _page("[secure_aggregation]") == code
+
+
+def test_evaluation_and_statistics_tables():
+    for section, keys_name, config in (("[evaluation]", "EVALUATION_KEYS", "evaluation_config"),
+                                       ("[statistics]", "STATISTICS_KEYS", "statistics_config")):
+        keys = getattr(task_module, keys_name, None)
+        if keys is None:  # the table does not exist in this code yet
+            continue
+        cfg = getattr(task_module, config)({})
+        assert _page(section) == {k: _toml(getattr(cfg, k)) for k in keys}, section
 
 
 def test_verification_and_model_config_keys():
