@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test bench bench-secagg bench-dp-utility campaign protos clean
+.PHONY: install demo test bench bench-secagg bench-dp-utility bench-overhead campaign protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,12 @@ bench-secagg: $(STAMP)
 bench-dp-utility: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/dp_utility.py
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/dp_utility.py --task ner
+
+# fedclinic's wall-time overhead (issue 19): the demo's 3-site federation (MiniLM, drug reviews, 5 rounds, default
+# settings) against the same training in one plain torch + transformers process, in the same run (a few minutes on
+# 2 cores): docs/results/overhead.md. `make test` runs its --smoke (tests/integration/test_overhead_bench.py).
+bench-overhead: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/overhead.py
 
 # The reliability campaign of issue 16 (fuzz, kills, network faults, disk full, load): under 60 min on 2 cores,
 # writes docs/results/reliability.md. `make test` runs a smoke of each part (tests/campaign/).

@@ -49,9 +49,10 @@ def _restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedclinic-aggregator`` command line: every subcommand with its one-line help."""
     parser = argparse.ArgumentParser(prog="fedclinic-aggregator", description="fedclinic aggregator service")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = sub.add_parser("serve", help="run the service until SIGTERM/SIGINT (SIGHUP: reload certificates, CRL)")
     serve.add_argument("--config", required=True, help="path to aggregator.toml")
     serve.add_argument("--metrics-address", metavar="HOST:PORT",
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     for command in (verify, restore):
         command.add_argument("--ca", metavar="CA_CERT", help="the fedclinic CA certificate: also require the "
                              "aggregator's signature of the backup (backups taken with --config are signed)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         try:
             config = AggregatorConfig.load(args.config)

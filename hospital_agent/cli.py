@@ -23,6 +23,8 @@ from fedclinic.runtime.metrics_endpoint import MetricsServer
 from hospital_agent.install import install_service
 from hospital_agent.site_model import export_site_model
 from hospital_agent.tasks_cli import run as run_tasks
+from hospital_agent.torch_threads import apply_torch_threads
+from hospital_agent.warm_start import preload_training_stack
 
 log = structlog.get_logger("fedclinic.agent")
 
@@ -120,9 +122,10 @@ def privacy_finish(config_path: str, task_id: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hospital-agent`` command line: every subcommand with its one-line help."""
     parser = argparse.ArgumentParser(prog="hospital-agent", description="fedclinic hospital agent")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="connect to the aggregator and work until SIGTERM/SIGINT (SIGHUP: reload certificates)")
     run.add_argument("--config", required=True, help="path to agent.toml")
     run.add_argument("--metrics-address", metavar="HOST:PORT",
@@ -154,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--unit", help="the unit file to install (default: deploy/systemd/hospital-agent.service)")
     ins.add_argument("--site", default="SITE", help="site name used in the example agent.toml")
     ins.add_argument("--aggregator", default="aggregator.example.org:7443", help="for the example agent.toml")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command == "install-service":
         try:
@@ -191,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_address is not None:
             config = config.with_metrics_address(args.metrics_address, "--metrics-address")
         logs.configure(config.log_level)
+        apply_torch_threads(config.torch_threads)  # before any training: the inter-op pool is sized only once
+        if config.preload_training_stack:
+            preload_training_stack()  # before connecting, in this thread (not beside a round's own imports)
         agent = Agent(config)
         endpoint = (MetricsServer(agent.metrics.registry, config.metrics_address)
                     if config.metrics_address is not None else None)

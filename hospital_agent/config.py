@@ -6,6 +6,9 @@ Example::
     work_dir = "/var/lib/hospital-agent"
     device = "auto"            # "cpu", "cuda", "cuda:1"; auto = CUDA when present
     mixed_precision = false    # allow autocast on CUDA when a task asks for it
+    torch_threads = 0          # torch CPU threads (intra- and inter-op); 0 = every core (split them between
+                               # agents sharing a host)
+    preload_training_stack = true   # import the model stack at start-up, not in the first round
     metrics_address = "127.0.0.1:9465"   # optional: Prometheus endpoint (HTTP GET /metrics); off when absent
 
     [tls]
@@ -155,6 +158,20 @@ def _results_policy(pol: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _torch_threads(value: Any, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4096:
+        raise ConfigError(f"{source}: torch_threads must be a whole number of CPU threads, 0-4096 (0 = every core), "
+                          f"got {value!r}")
+    return value
+
+
+def _flag(doc: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    value = doc.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     name: str
@@ -291,6 +308,10 @@ class AgentConfig:
     source: str = ""
     #: where the Prometheus endpoint listens (fedclinic.runtime.metrics_endpoint); None: no endpoint, no open port
     metrics_address: MetricsAddress | None = None
+    #: torch's intra-op and inter-op CPU threads (hospital_agent.torch_threads); 0: every core of this machine
+    torch_threads: int = 0
+    #: import the training stack at start-up, before connecting (hospital_agent.warm_start), not in the first round
+    preload_training_stack: bool = True
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -343,14 +364,17 @@ class AgentConfig:
                             publish_updates_allowed=published, **_protection_policy(pol, f"{source}: [policy]"),
                             **_results_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
-                              "mixed_precision", "log_level", "metrics_address"}
+                              "mixed_precision", "log_level", "metrics_address", "torch_threads",
+                              "preload_training_stack"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
         return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
                    tls=tls, datasets=datasets, policy=policy, server_name=doc.get("server_name"),
                    device=str(doc.get("device", "auto")), mixed_precision=bool(doc.get("mixed_precision", False)),
                    log_level=str(doc.get("log_level", "info")), source=source,
-                   metrics_address=parse_metrics_address(doc.get("metrics_address"), source))
+                   metrics_address=parse_metrics_address(doc.get("metrics_address"), source),
+                   torch_threads=_torch_threads(doc.get("torch_threads", 0), source),
+                   preload_training_stack=_flag(doc, "preload_training_stack", True, source))
 
     def with_metrics_address(self, value: str, where: str) -> "AgentConfig":
         """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""

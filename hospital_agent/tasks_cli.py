@@ -11,8 +11,8 @@ import getpass
 import math
 import sys
 
-from google.protobuf import json_format
 
+from fedclinic.runtime.proto_json import message_to_json
 from fedclinic.errors import FedclinicError
 from fedclinic.proto import task_pb2
 
@@ -143,7 +143,7 @@ def describe(config, r: TaskApproval) -> str:
     else:
         lines.append("  differential privacy: none")
     lines += ["", "declarative spec, as the aggregator sent it:",
-              json_format.MessageToJson(spec, preserving_proto_field_name=True, indent=2)]
+              message_to_json(spec)]  # 64-bit fields (the seed) as numbers
     return "\n".join(lines)
 
 

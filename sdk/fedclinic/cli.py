@@ -14,10 +14,9 @@ FEDCLINIC_ADDRESS, FEDCLINIC_CERT, FEDCLINIC_KEY, FEDCLINIC_CA.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-
-from google.protobuf import json_format
 
 from fedclinic.errors import FedclinicError
 from fedclinic.evaluation.statistics_table import statistics_report
@@ -25,9 +24,11 @@ from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
 from fedclinic.federation.simulate_command import add_simulate_command
+from fedclinic.models.mean_pooling import pooling_notice
 from fedclinic.pki import add_pki_commands
 from fedclinic.privacy.plan_command import add_privacy_commands
 from fedclinic.runtime.audit_log import add_audit_commands
+from fedclinic.runtime.proto_json import message_to_dict, message_to_json
 from fedclinic.serving.http_server import add_serve_command
 from fedclinic.spec.task import Task
 
@@ -54,8 +55,8 @@ def _print_status(st, as_json: bool) -> None:
     # lazy: grpc loads only for the task subcommands (every other command starts without it)
     from fedclinic.client import evaluated_model, held_sites, state_name, waiting_sites
 
-    if as_json:
-        print(json_format.MessageToJson(st, preserving_proto_field_name=True))
+    if as_json:  # 64-bit fields (byte counts, times, the seed) as numbers, not json_format's strings
+        print(message_to_json(st))
         return
     print(f"{st.task_id}  {st.spec.name!r}  {state_name(st.state)}  round {st.current_round}/"
           f"{st.spec.rounds.num_rounds}  owner {st.owner}" + ("" if st.signed else "  UNSIGNED"))
@@ -94,13 +95,26 @@ def _print_status(st, as_json: bool) -> None:
                                 dict(st.pooled_statistics), list(st.spec.labels), multi_label=st.spec.multi_label))
 
 
+def pooling_notice_for(task: Task) -> str | None:
+    """The notice ``task submit`` prints when a text-classification transformer task's model folder declares
+    another pooling (its sentence-transformers config) than the task chose (``[model_config] pooling``, default
+    ``cls``); None otherwise."""
+    if (task.family, task.architecture) != ("text-classification", "transformer") or not task.model:
+        return None
+    return pooling_notice(task.model, str(task.model_config.get("pooling", "cls")))
+
+
 def _task_command(args) -> int:
     # lazy: grpc loads only for the task subcommands (every other command starts without it)
     from fedclinic.client import state_name
 
+    task = Task.from_toml(args.file) if args.task_cmd == "submit" else None
+    notice = pooling_notice_for(task) if task is not None else None
+    if notice:  # before packaging: the scientist may still switch (stderr: stdout's first line stays the task id)
+        print(f"note: {notice}", file=sys.stderr, flush=True)
     with _client(args) as client:
-        if args.task_cmd == "submit":
-            st = client.submit(Task.from_toml(args.file))
+        if task is not None:
+            st = client.submit(task)
             print(f"submitted {st.task_id} ({st.spec.name!r})")
             if args.wait:
                 st = client.wait(st.task_id, progress=True)
@@ -110,9 +124,12 @@ def _task_command(args) -> int:
             _print_status(client.status(args.task_id), args.json)
         elif args.task_cmd == "list":
             tasks = list(client.list(include_finished=args.all))
+            if args.json:  # one JSON document: an array of task statuses
+                print(json.dumps([message_to_dict(st) for st in tasks], indent=2))
+                return 0
             for st in tasks:
-                _print_status(st, args.json)
-            if not tasks and not args.json:
+                _print_status(st, False)
+            if not tasks:
                 print("no tasks" if args.all else "no queued or running tasks (--all lists finished ones too)")
         elif args.task_cmd == "watch" and args.eval:
             from fedclinic.client import ProgressDisplay
@@ -138,8 +155,6 @@ def _task_command(args) -> int:
 
 def _verify_command(args) -> int:
     """``fedclinic task verify``: exit 0 when every check passes, 1 when one fails (fedclinic.verification)."""
-    import json
-
     from fedclinic.verification.verifier import verify_task
 
     with _client(args) as client:
@@ -150,35 +165,42 @@ def _verify_command(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedclinic", description="fedclinic: federated learning for hospitals")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     add_pki_commands(sub)
 
-    task = sub.add_parser("task", help="submit and follow federated tasks")
-    tsub = task.add_subparsers(dest="task_cmd", required=True)
-    p = tsub.add_parser("submit", help="submit task.toml")
-    p.add_argument("file")
+    task = sub.add_parser("task", help="submit and follow federated tasks",
+                          description="Submit a task.toml to the aggregator and follow, cancel, download and "
+                                      "verify your tasks. Connection settings: --address/--cert/--key/--ca or "
+                                      "FEDCLINIC_ADDRESS, FEDCLINIC_CERT, FEDCLINIC_KEY, FEDCLINIC_CA.")
+    tsub = task.add_subparsers(dest="task_cmd", metavar="COMMAND", required=True)
+    p = tsub.add_parser("submit", help="validate and package task.toml's model, sign the task and submit it; prints "
+                                       "the task id")
+    p.add_argument("file", help="the task.toml (every key: docs/task-reference.md)")
     p.add_argument("--wait", action="store_true", help="follow progress until the task ends")
     _connection_args(p)
-    for name in ("status", "watch", "cancel"):
-        p = tsub.add_parser(name)
-        p.add_argument("task_id")
+    for name, what in (("status", "a task's state, rounds, metrics and the sites it waits for"),
+                       ("watch", "follow a task's progress until it ends, then print its status"),
+                       ("cancel", "stop a queued or running task; the sites are told")):
+        p = tsub.add_parser(name, help=what)
+        p.add_argument("task_id", help="the id `task submit` printed (t-...)")
         _connection_args(p)
         if name == "status":
-            p.add_argument("--json", action="store_true")
+            p.add_argument("--json", action="store_true", help="the status as JSON (64-bit numbers as numbers)")
         if name == "cancel":
-            p.add_argument("--reason", default="")
+            p.add_argument("--reason", default="", help="why (recorded with the task)")
         if name == "watch":
             p.add_argument("--eval", metavar="TEST", help="score every round's model on your own test file (JSONL, "
                                                           "CSV or TSV) as the round closes, beside the sites' figures")
-    p = tsub.add_parser("list")
+    p = tsub.add_parser("list", help="your queued and running tasks (--all: finished ones too)")
     p.add_argument("--all", action="store_true", help="include finished tasks")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the statuses as one JSON array")
     _connection_args(p)
-    p = tsub.add_parser("download", help="download the final model (or a round's)")
-    p.add_argument("task_id")
-    p.add_argument("out")
-    p.add_argument("--round", type=int, default=0)
+    p = tsub.add_parser("download", help="download the final model (or a round's), check the aggregator's signature "
+                                         "and write it with its model card")
+    p.add_argument("task_id", help="the task's id (t-...)")
+    p.add_argument("out", help="the folder to write the model into")
+    p.add_argument("--round", type=int, default=0, help="a round's global model instead of the final one")
     p.add_argument("--allow-unsigned", action="store_true",
                    help="accept a model the aggregator sent no signature for (an older aggregator); a signature "
                         "that does not verify is refused regardless")
@@ -190,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in tsub.choices.values():
         p.set_defaults(func=_task_command)
     p = tsub.add_parser("verify", help="check a task's rounds against the sites' signed statements")
-    p.add_argument("task_id")
+    p.add_argument("task_id", help="the task's id (t-...)")
     p.add_argument("--json", action="store_true", help="the verdict as JSON")
     _connection_args(p)
     p.set_defaults(func=_verify_command)

@@ -3,6 +3,8 @@ its tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -38,3 +40,14 @@ def pretrained_bert_folder(tmp_path, tok_json, *, prefix=False, legacy_ln=False,
     (folder / "tokenizer.json").write_bytes(tok_json)
     (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
     return folder, {k: v.numpy() for k, v in enc.state_dict().items()}
+
+
+def declare_pooling(folder, **modes) -> None:
+    """Make ``folder`` a sentence-transformers folder whose Pooling module sets ``pooling_mode_<k> = v``."""
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    config = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}
+    config.update({f"pooling_mode_{k}": v for k, v in modes.items()})
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -114,6 +115,13 @@ on_quorum_miss = "fail"
     run = cli("task", "status", task_id)
     assert run.returncode == 0, run.stderr
     assert "completed" in run.stdout and "round 1: 2/2 sites" in run.stdout
+    run = cli("task", "status", task_id, "--json")  # 64-bit fields as JSON numbers, not json_format's strings
+    doc = json.loads(run.stdout)
+    assert doc["task_id"] == task_id and type(doc["created_unix_ms"]) is int and doc["created_unix_ms"] > 0
+    assert type(doc["rounds"][0]["uplink_bytes"]) is int and doc["rounds"][0]["uplink_bytes"] > 0
+    assert {type(r["num_samples"]) for r in doc["rounds"][0]["reports"]} == {int}
+    run = cli("task", "list", "--all", "--json")  # one JSON document
+    assert [d["task_id"] for d in json.loads(run.stdout)] == [task_id], run.stdout
     run = cli("task", "download", task_id, str(tmp_path / "out"))
     assert run.returncode == 0 and (tmp_path / "out" / "model.safetensors").exists()
     run = cli("task", "list")  # nothing running: said in words, not an empty screen

@@ -26,6 +26,20 @@ def test_agent_config_defaults_and_relative_paths(tmp_path):
     assert cfg.policy.allowed_datasets == ("notes",) and cfg.policy.allowed_families == ("text-classification",)
 
 
+def test_agent_torch_threads_default_all_cores_and_override(tmp_path, monkeypatch):
+    from hospital_agent.torch_threads import resolve_threads
+    from fedclinic.runtime.cpu_cores import available_cores, cores_per_process
+
+    (tmp_path / "agent.toml").write_text(AGENT)
+    assert AgentConfig.load(tmp_path / "agent.toml").torch_threads == 0
+    assert AgentConfig.load(tmp_path / "agent.toml").preload_training_stack is True
+    assert resolve_threads(0) == available_cores() and resolve_threads(3) == 3
+    assert [cores_per_process(n, cores=2) for n in (1, 2, 3)] == [2, 1, 1]
+    assert cores_per_process(3, cores=16) == 5
+    monkeypatch.setenv("FEDCLINIC_AGENT_TORCH_THREADS", "2")
+    assert AgentConfig.load(tmp_path / "agent.toml").torch_threads == 2
+
+
 def test_agent_env_override(tmp_path, monkeypatch):
     (tmp_path / "agent.toml").write_text(AGENT)
     monkeypatch.setenv("FEDCLINIC_AGENT_AGGREGATOR", "other:1")
@@ -42,6 +56,9 @@ def test_agent_env_override(tmp_path, monkeypatch):
     (lambda t: t.replace('path = "notes.jsonl"', 'file = "n"'), "needs a 'path'"),
     (lambda t: t.replace('work_dir = "work"', "work_dir = 3"), "must be a str"),
     (lambda t: t + "[broken", "not valid TOML"),
+    (lambda t: "torch_threads = -1\n" + t, "torch_threads must be a whole number"),
+    (lambda t: "torch_threads = 1.5\n" + t, "torch_threads must be a whole number"),
+    (lambda t: 'preload_training_stack = "yes"\n' + t, "preload_training_stack must be true or false"),
 ])
 def test_agent_config_errors(tmp_path, edit, message):
     (tmp_path / "agent.toml").write_text(edit(AGENT))

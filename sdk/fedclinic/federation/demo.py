@@ -364,9 +364,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 learning_rate=args.learning_rate, optimizer=args.optimizer, max_length=args.max_length, seed=args.seed,
                 trainable=trainable_patterns, round_timeout_s=900, on_quorum_miss="fail", codec=args.codec,
                 downlink_codec=args.downlink_codec, **selection, **family)
-    threads = 1 if args.sites > 1 else None
     report: dict = {"rounds": []}
-    with LocalFederation(out / "federation", sites, agent_threads=threads) as fed:
+    # each agent gets max(1, cores // sites) torch threads and imports its model stack while the task is packaged
+    with LocalFederation(out / "federation", sites, preload_training_stack=True) as fed:
         fed.start()
         _say(f"aggregator on {fed.address}; {args.sites} agents started (logs in {fed.logs})")
         with fed.client() as client:

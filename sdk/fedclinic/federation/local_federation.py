@@ -17,6 +17,7 @@ from typing import Any
 
 from fedclinic.errors import FedclinicError
 from fedclinic import pki
+from fedclinic.runtime.cpu_cores import cores_per_process
 
 
 @dataclass
@@ -80,15 +81,22 @@ class LocalFederation:
     The services run in sessions of their own (a terminal's Ctrl-C reaches only the owner, which then stops them
     in order). While the federation is entered in the main thread, a SIGTERM to the owning process (``timeout``,
     ``kill``, a CI job ending) raises SystemExit(143) there, so the services are stopped as on any other exit
-    instead of being left running; the previous SIGTERM handling is restored on exit."""
+    instead of being left running; the previous SIGTERM handling is restored on exit.
+
+    ``agent_threads``: each agent's torch threads (its ``torch_threads`` setting, and OMP/MKL threads for the
+    libraries under it); None gives each of the N agents ``max(1, cores // N)`` of this host's cores
+    (fedclinic.runtime.cpu_cores.cores_per_process), so agents sharing the host do not oversubscribe it."""
 
     def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
                  aggregator_settings: dict[str, Any] | None = None, log_level: str = "info",
-                 metrics_address: str | None = None) -> None:
+                 metrics_address: str | None = None, preload_training_stack: bool = False) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.sites = {s.name: s for s in sites}
-        self.agent_threads = agent_threads
+        self.agent_threads = agent_threads if agent_threads is not None else cores_per_process(len(sites))
+        #: the agents' ``preload_training_stack``: off here by default (a test's tiny models need no Hugging Face
+        #: import); the demo turns it on, as a production agent has it
+        self.preload_training_stack = preload_training_stack
         self.aggregator_settings = aggregator_settings or {}
         self.log_level = log_level
         #: every service's Prometheus endpoint listens here (port 0: each on a free port; see metrics_url)
@@ -166,6 +174,8 @@ class LocalFederation:
         cfg: dict[str, Any] = {"aggregator": address or self.address, "work_dir": str(self.root / f"agent-{site}"),
                                "log_level": self.log_level, "server_name": "localhost",
                                **({"metrics_address": self.metrics_address} if self.metrics_address is not None else {}),
+                               "torch_threads": self.agent_threads,
+                               "preload_training_stack": self.preload_training_stack,
                                **s.extra,
                                "tls": self.creds(site), "datasets": s.datasets}
         if s.policy is not None:

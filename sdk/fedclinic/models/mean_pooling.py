@@ -46,6 +46,18 @@ def sentence_transformers_pooling(folder: str | Path) -> str | None:
             frozenset({"pooling_mode_cls_token"}): "cls"}.get(frozenset(modes))
 
 
+def pooling_notice(folder: str | Path, chosen: str) -> str | None:
+    """A sentence saying that ``folder`` declares another pooling (its sentence-transformers config) than the
+    task's ``chosen`` one (``"cls"`` or ``"mean"``) and how to switch; None when it declares none or the same."""
+    declared = sentence_transformers_pooling(folder)
+    if declared is None or declared == chosen:
+        return None
+    why = " (the task's default)" if chosen == "cls" else ""
+    return (f"{folder} was trained with {declared} pooling (its sentence-transformers config) but the task uses "
+            f"{chosen} pooling{why}; set [model_config] pooling = \"{declared}\" to use the pooling it was trained "
+            f"with, or keep {chosen}")
+
+
 @functools.cache
 def mean_pooled_classifier_class():
     """The torch module class (built once, lazily, so importing fedclinic does not import torch)."""

@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.models.mean_pooling import (POOLINGS, mean_pooled_classifier_class, pooling_problem,
-                                           sentence_transformers_pooling)
+from fedclinic.models.mean_pooling import POOLINGS, mean_pooled_classifier_class, pooling_notice, pooling_problem
 # ALLOWED_MODEL_TYPES, encode_texts, tokenize_truncated and wordlevel_tokenizer_json are also re-exported here,
 # where they were defined before fedclinic.models.base
 from fedclinic.models.base import (  # noqa: F401
@@ -303,10 +302,9 @@ def package_pretrained(
     check_max_length(max_length)
     merged = {**hf_cfg, **dict(config or {})}
     pooling = _pop_pooling(merged)
-    declared = sentence_transformers_pooling(folder)
-    if declared is not None and declared != pooling:
-        log.info("%s was trained with %s pooling; set pooling = %r in the model config to use it, or keep %s",
-                 folder, declared, declared, pooling)
+    notice = pooling_notice(folder, pooling)
+    if notice is not None:
+        log.info("%s", notice)
     hf_config = _hf_config(merged, labels, multi_label)
     tokenizer = load_tokenizer(tokenizer_json)
     check_transformer_fits(hf_config, tokenizer.get_vocab_size(with_added_tokens=True), max_length)

@@ -32,6 +32,9 @@ set, the base model (a local pretrained folder) and the training/round settings.
     safl_profile_samples = 64         # rows each site profiles per round (0 = 64)
     safl_token = "cls"                # task-relevant tokens: cls | last | entities ("" = the family's default)
 
+Every key, its type, default and meaning: docs/task-reference.md (tests/unit/spec/test_task_reference.py fails when
+a key or a default here is missing there).
+
 Limits: every number must be finite and within fedclinic.spec.validation.BOUNDS (the aggregator and the sites
 check the same): local_epochs 1-1000, batch_size 1-65536, 0 < learning_rate <= 10, weight_decay 0-10,
 max_grad_norm 0-1e6, max_steps 0-1e7, proximal_mu 0-1000, max_length 8-32768, num_rounds 1-1000, min_sites
@@ -70,6 +73,8 @@ _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_de
           "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
            "max_round_retries")
+_UPDATE = ("trainable", "frozen", "private", "codec", "downlink_codec", "selection", "safl_top_k",
+           "safl_profile_samples", "safl_token")
 #: Task field -> its number in the spec, bounded by fedclinic.spec.validation.BOUNDS
 _BOUNDED = {**{k: f"training.{k}" for k in ("local_epochs", "batch_size", "learning_rate", "weight_decay",
                                             "max_grad_norm", "max_steps", "proximal_mu", "max_length")},
@@ -319,8 +324,7 @@ class Task:
             elif key == "rounds":
                 flat.update(_section(value, _ROUNDS, "rounds"))
             elif key == "update":
-                flat.update(_section(value, ("trainable", "frozen", "private", "codec", "downlink_codec", "selection",
-                                             "safl_top_k", "safl_profile_samples", "safl_token"), "update"))
+                flat.update(_section(value, _UPDATE, "update"))
             elif key == "strategy" and isinstance(value, dict):
                 flat["strategy"] = value.get("name", "fedavg")
                 flat["strategy_params"] = {k: v for k, v in value.items() if k != "name"}

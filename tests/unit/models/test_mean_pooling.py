@@ -16,7 +16,7 @@ from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models import build_model, package_from_config, package_pretrained, wordlevel_tokenizer_json
 from fedclinic.models.mean_pooling import sentence_transformers_pooling
 from fedclinic.transport.package import META_FILE, ModelPackage
-from tests.helpers.pretrained import WORDS, pretrained_bert_folder
+from tests.helpers.pretrained import WORDS, declare_pooling, pretrained_bert_folder
 from tests.helpers.symptom_models import TINY_BERT
 
 LABELS = ["resp", "skin", "gi"]
@@ -112,28 +112,19 @@ def test_package_pretrained_takes_the_encoder_and_leaves_the_checkpoints_pooler(
     build_model(pkg)
 
 
-def _declare_pooling(folder, **modes) -> None:
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    config = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}
-    config.update({f"pooling_mode_{k}": v for k, v in modes.items()})
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
-
-
 def test_a_folder_declaring_mean_pooling_is_named_in_the_log_but_the_default_stays(tmp_path, tok_json, caplog):
     folder, _ = pretrained_bert_folder(tmp_path, tok_json)
     assert sentence_transformers_pooling(folder) is None
-    _declare_pooling(folder, mean_tokens=True)
+    declare_pooling(folder, mean_tokens=True)
     assert sentence_transformers_pooling(folder) == "mean"
     with caplog.at_level(logging.INFO, logger="fedclinic.models"):
         pkg = package_pretrained(folder, labels=LABELS, max_length=32)
     assert pkg.meta["arch_config"] == {"model_type": "bert"}
-    assert "was trained with mean pooling; set pooling = 'mean'" in caplog.text
-    _declare_pooling(folder, cls_token=True)
+    assert "was trained with mean pooling (its sentence-transformers config) but the task uses cls pooling" in caplog.text
+    assert 'set [model_config] pooling = "mean"' in caplog.text
+    declare_pooling(folder, cls_token=True)
     assert sentence_transformers_pooling(folder) == "cls"
-    _declare_pooling(folder, mean_tokens=True, max_tokens=True)
+    declare_pooling(folder, mean_tokens=True, max_tokens=True)
     assert sentence_transformers_pooling(folder) is None  # a combination this package does not implement
     (folder / "1_Pooling" / "config.json").write_text("{not json")
     assert sentence_transformers_pooling(folder) is None
