@@ -10,7 +10,8 @@ Counters (``_total``) and histograms, prefix ``fedclinic_aggregator_``:
 - ``tasks_submitted_total``; ``tasks_ended_total{state}`` (completed | failed | cancelled: failed counts
   tasks that missed quorum for good or whose aggregation failed)
 - ``rounds_opened_total{task_id}``; ``rounds_closed_total{task_id}``; ``round_quorum_misses_total{task_id}``
-  (a deadline passed short of ``min_sites`` and the round was reopened); ``site_declines_total{task_id}``
+  (a deadline passed short of ``min_sites`` and the round was reopened); ``site_declines_total{task_id}`` (a
+  round, or the final evaluation phase, declined by a site)
 - ``round_duration_seconds`` (histogram): from a round's opening to its closing, retries included
 - ``updates_received_total{task_id}``: updates stored and folded (plain and secure-aggregation masked inputs)
 - ``site_updates_received_total{site}``: the same per sending site

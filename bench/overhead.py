@@ -15,7 +15,8 @@ process started by this script, timed from its start to its exit): the same fold
 ``AutoModelForSequenceClassification``, the same sites' rows tokenized once (same tokenizer, truncation,
 batches padded to their longest row), and per round and site exactly what an agent does: evaluate the round's
 global model on the site's held-out rows, train one epoch from it (same steps, batch, optimizer, clipping,
-trainable tensors), then the sample-weighted mean of the three sites' trained tensors (FedAvg). Torch uses
+trainable tensors), then the sample-weighted mean of the three sites' trained tensors (FedAvg); after the last round, the final
+model on each site's held-out rows (the task's evaluation phase, which every site runs). Torch uses
 every core (its default). The two runs are measured in the same invocation, one after the other.
 
 Where the federated run's extra time goes, read off the services' logs (UTC timestamps) and the sites' reported
@@ -91,6 +92,17 @@ def baseline_child(plan_path: str) -> int:
             mask[j, :len(ids[i])] = 1
         return x, mask
 
+    def evaluate(data: dict) -> None:
+        t = time.monotonic()
+        ids, _ = data["eval"]
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, len(ids), 64):
+                rows = list(range(start, min(start + 64, len(ids))))
+                x, mask = batch(ids, rows)
+                model(input_ids=x, attention_mask=mask).logits.argmax(-1)
+        phases["evaluate"] += time.monotonic() - t
+
     phases.update(evaluate=0.0, train=0.0, average=0.0)
     torch.manual_seed(plan["seed"])
     for rnd in range(plan["rounds"]):
@@ -100,15 +112,7 @@ def baseline_child(plan_path: str) -> int:
             with torch.no_grad():
                 for n, p in trainable:
                     p.copy_(global_values[n])
-            t = time.monotonic()
-            ids, y = data["eval"]
-            model.eval()
-            with torch.no_grad():
-                for start in range(0, len(ids), 64):
-                    rows = list(range(start, min(start + 64, len(ids))))
-                    x, mask = batch(ids, rows)
-                    model(input_ids=x, attention_mask=mask).logits.argmax(-1)
-            phases["evaluate"] += time.monotonic() - t
+            evaluate(data)
             t = time.monotonic()
             ids, y = data["train"]
             model.train()
@@ -134,6 +138,8 @@ def baseline_child(plan_path: str) -> int:
         phases["average"] += time.monotonic() - t
         print(f"  baseline round {rnd + 1}/{plan['rounds']} done at {time.monotonic() - started:.1f} s", file=sys.stderr,
               flush=True)
+    for data in sites.values():  # the task's evaluation phase: every site scores the final model
+        evaluate(data)
     phases["total_inside"] = time.monotonic() - started
     phases["torch_threads"] = torch.get_num_threads()
     print("BASELINE " + json.dumps(phases), flush=True)
