@@ -9,11 +9,12 @@ import json
 import pytest
 
 from fedclinic.client import state_name
-from fedclinic.federation.local_federation import LocalFederation, SiteSetup
+from fedclinic.federation.local_federation import LocalFederation, SiteSetup, wait_until
 from fedclinic.privacy.accounting import epsilon_of
 from fedclinic.spec.task import Task
 from hospital_agent.privacy_ledger import PrivacyLedger
 
+from tests.helpers.federation import streams_open
 from tests.helpers.text_models import LABELS, tiny_package, write_site_data
 
 pytestmark = pytest.mark.integration
@@ -42,6 +43,8 @@ def test_a_patient_level_task_is_charged_in_patients_and_declined_without_patien
                          "max_grad_norm": 1.0})
     with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
         fed.start()
+        # both sites in the round: a site that connects after round 1 opened would not be asked (min_sites = 1)
+        wait_until(lambda: streams_open(fed) >= {"site-a", "site-b"}, 60, "both agents' work streams")
         with fed.client() as client:
             st = client.submit(task, package=tiny_package("transformer"))
             final = client.wait(st.task_id, timeout=300, progress=False)
