@@ -56,19 +56,11 @@ def pos_weight_from_statistics(pooled: Mapping[str, float], labels: Sequence[str
 
 
 def statistics_values(status: Any) -> dict[str, float]:
-    """The pooled values of a statistics task: a plain mapping as is, or from a ``TaskStatus`` exposing them
-    (``statistics.pooled``, ``pooled_statistics`` or ``statistics`` as a map). ConfigError when there are none."""
-    if isinstance(status, Mapping):
-        return {str(k): float(v) for k, v in status.items()}
-    for name in ("statistics", "pooled_statistics"):
-        value = getattr(status, name, None)
-        if value is None:
-            continue
-        nested = getattr(value, "pooled", None)
-        if nested is not None and hasattr(nested, "items"):
-            return {str(k): float(v) for k, v in nested.items()}
-        if hasattr(value, "items"):
-            return {str(k): float(v) for k, v in value.items()}
+    """The pooled values of a statistics task: a plain mapping as is, or a ``TaskStatus``'s ``pooled_statistics``.
+    ConfigError when there are none."""
+    values = status if isinstance(status, Mapping) else getattr(status, "pooled_statistics", None)
+    if values:
+        return {str(k): float(v) for k, v in values.items()}
     raise ConfigError("the task holds no pooled statistics: is it a finished statistics task (kind = "
                       "\"statistics\")? Give [training] pos_weight as numbers instead")
 

@@ -178,9 +178,8 @@ def thresholds_from_evaluation(evaluation: Any, labels: Sequence[str], *, bins: 
     """The SDK entry point: thresholds from a task's final-model evaluation.
 
     ``evaluation`` is the pooled values of the final model's evaluation, either a plain mapping (``{"count/thr/0/
-    27/pos": 3.0, ...}``) or an object that exposes them as ``pooled_values(model)`` / ``final_evaluation`` /
-    ``evaluation``, or a ``TaskStatus`` (its ``results`` phase's pooled "final" model, or an "evaluate" task's
-    "model"). ValueError when it holds no threshold histogram (the model is not multi-label, or no site evaluated
+    27/pos": 3.0, ...}``) or a ``TaskStatus`` (its ``results`` phase's pooled "final" model, or an "evaluate"
+    task's "model"). ValueError when it holds no threshold histogram (the model is not multi-label, or no site evaluated
     it)."""
     pooled = evaluation_values(evaluation)
     if not any(k.startswith(HISTOGRAM_PREFIX) for k in pooled):
@@ -190,27 +189,16 @@ def thresholds_from_evaluation(evaluation: Any, labels: Sequence[str], *, bins: 
 
 
 def evaluation_values(evaluation: Any) -> dict[str, float]:
-    """Pooled evaluation values as a plain ``dict[str, float]`` from a mapping, or from a status object holding
-    them (see :func:`thresholds_from_evaluation`)."""
+    """Pooled evaluation values as a plain ``dict[str, float]``: a mapping as is, or a ``TaskStatus``'s result
+    phase's pooled "final" model (an "evaluate" task's "model"). ValueError for anything else."""
     if isinstance(evaluation, Mapping):
         return {str(k): float(v) for k, v in evaluation.items()}
-    phase = getattr(evaluation, "results", None)  # a TaskStatus: its result phase's pooled "final" (or "model")
     for model in ("final", "model"):
-        pooled = next((p for p in getattr(phase, "pooled", ()) if p.model == model), None)
+        pooled = next((p for p in getattr(getattr(evaluation, "results", None), "pooled", ()) if p.model == model), None)
         if pooled is not None:
             return {str(k): float(v) for k, v in pooled.values.items()}
-    for name in ("final_evaluation", "evaluation"):
-        value = getattr(evaluation, name, None)
-        if value is None:
-            continue
-        for inner in ("pooled", "values"):  # a message with a pooled map, or the map itself
-            nested = getattr(value, inner, None)
-            if nested is not None and hasattr(nested, "items"):
-                return {str(k): float(v) for k, v in nested.items()}
-        if hasattr(value, "items"):
-            return {str(k): float(v) for k, v in value.items()}
-    raise ValueError(f"cannot read pooled evaluation values from a {type(evaluation).__name__}; pass the mapping "
-                     "of the final evaluation's pooled values")
+    raise ValueError(f"cannot read pooled evaluation values from a {type(evaluation).__name__}; pass a TaskStatus "
+                     "whose final evaluation has closed, or the mapping of its pooled values")
 
 
 def set_card_thresholds(folder: str | os.PathLike[str], values: Any, *, source: str, rows: int | None = None,

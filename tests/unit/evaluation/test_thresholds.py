@@ -3,7 +3,6 @@ label counts."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from fedclinic.errors import ConfigError
 from fedclinic.evaluation.class_weights import POS_WEIGHT_CAP, pos_weight_from_statistics, resolve_task_pos_weight
 from fedclinic.evaluation.multilabel import multilabel_scores, round_report_metrics
+from fedclinic.proto import control_pb2
 from fedclinic.evaluation.thresholds import (
     BINS,
     DEFAULT_THRESHOLD,
@@ -122,7 +122,8 @@ def test_thresholds_from_an_evaluation_and_their_checks():
     pooled = {"macro_f1": 0.1, "eval_rows": 480.0, **_pool(threshold_histogram(t, p) for t, p in sites)}
     assert thresholds_from_evaluation(pooled, ["common", "rare"]) == tune_thresholds(pooled, ["common", "rare"])
 
-    status = SimpleNamespace(final_evaluation=SimpleNamespace(pooled=pooled))  # as a TaskStatus will expose them
+    status = control_pb2.TaskStatus()  # as the aggregator sends it: the final model's pooled evaluation
+    status.results.pooled.add(model="final", values=pooled)
     assert thresholds_from_evaluation(status, ["common", "rare"]) == tune_thresholds(pooled, ["common", "rare"])
     with pytest.raises(ValueError, match="no threshold histograms"):
         thresholds_from_evaluation({"macro_f1": 0.3}, ["a", "b"])
