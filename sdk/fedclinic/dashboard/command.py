@@ -36,7 +36,7 @@ def run_dashboard(args: Any, client: Any) -> int:
     from fedclinic.pki import identity_from_pem
 
     ident = identity_from_pem(Path(args.cert).read_bytes())
-    server = DashboardServer(client, args.host, args.port, identity=f"{ident.role} {ident.name}",
+    server = DashboardServer(client, args.host, args.port, identity=f"{ident.name} ({ident.role})",
                              allow_remote=args.allow_remote, https_cert=args.https_cert, https_key=args.https_key,
                              allowed_hosts=args.allowed_host, poll_s=args.poll)
 

@@ -12,9 +12,14 @@ import time
 from typing import Any, Mapping, Sequence
 
 from fedclinic.dashboard.svg_plot import fmt, line_plot
+from fedclinic.dashboard.task_view import metric_order
 
 #: the order plots are shown in
 PLOT_ORDER = ("global", "sites", "bytes", "epsilon")
+#: metric columns of the rounds table at most
+ROUND_COLUMNS = 5
+#: the newest events listed openly (the earlier ones are folded)
+EVENTS_SHOWN = 12
 
 
 def _e(value: Any) -> str:
@@ -71,20 +76,22 @@ def rounds(view: Mapping[str, Any]) -> str:
     """One row per round: state, sites, bytes, ε and the headline metrics."""
     if not view["rounds"]:
         return '<p class="empty">no round opened yet</p>'
-    keys = sorted({k for r in view["rounds"] for k in r["metrics"]})[:6]
-    head = "".join(f"<th>{_e(k)}</th>" for k in keys)
+    keys = metric_order({k for r in view["rounds"] for k in r["metrics"]})[:ROUND_COLUMNS]
+    private = any(r["epsilon"] is not None for r in view["rounds"])
+    head = ("<th>ε</th>" if private else "") + "".join(f"<th>{_e(k)}</th>" for k in keys)
     body = []
     for r in view["rounds"]:
-        cells = "".join(f'<td class="num">{_num(r["metrics"].get(k))}</td>' for k in keys)
+        cells = (f'<td class="num">{_num(r["epsilon"])}</td>' if private else "") + "".join(
+            f'<td class="num">{_num(r["metrics"].get(k))}</td>' for k in keys)
         body.append(f'<tr class="round round-{_e(r["state"])}" data-round="{r["round"]}"><td>{r["round"]}</td>'
                     f'<td>{_e(r["state"])}</td><td class="num">{r["reports"]}/{r["sites_target"]}</td>'
                     f'<td class="num">{_e(fmt(r["uplink_bytes"], "B"))}</td>'
-                    f'<td class="num">{_e(fmt(r["downlink_bytes"], "B"))}</td>'
-                    f'<td class="num">{_num(r["epsilon"])}</td>{cells}</tr>')
-    note = ('<p class="meta">eval_* figures are the sites\' evaluation of the model each round started from.</p>'
+                    f'<td class="num">{_e(fmt(r["downlink_bytes"], "B"))}</td>{cells}</tr>')
+    note = ('<p class="meta">eval_* figures are the sites\' evaluation of the model each round started from; '
+            "every figure: <code>fedclinic task status ID --json</code>.</p>"
             if any(r["eval_sites"] for r in view["rounds"]) else "")
     return ('<h3>Rounds</h3><table class="rounds"><tr><th>round</th><th>state</th><th>sites</th><th>up</th>'
-            f'<th>down</th><th>ε</th>{head}</tr>{"".join(body)}</table>{note}')
+            f'<th>down</th>{head}</tr>{"".join(body)}</table>{note}')
 
 
 def plots(view: Mapping[str, Any]) -> str:
@@ -137,13 +144,23 @@ def results(view: Mapping[str, Any]) -> str:
 
 
 def events(items: Sequence[Mapping[str, Any]], note: str = "") -> str:
-    """The task's events, newest first (kind, time, message)."""
+    """The task's events, newest first (time, kind, message): the last :data:`EVENTS_SHOWN`, the earlier ones
+    folded under a ``<details>``."""
     if not items and not note:
         return ""
-    rows = "".join(f'<tr class="event event-{_e(ev["kind"])}"><td>{_e(_when(ev["unix_ms"]))}</td>'
-                   f'<td>{_e(ev["kind"])}</td><td>{_e(ev["message"])}</td></tr>' for ev in reversed(items))
-    return (f'<h3>Events</h3>{f"<p class=meta>{_e(note)}</p>" if note else ""}'
-            f'<table class="events"><tr><th>time</th><th>event</th><th>message</th></tr>{rows}</table>')
+
+    def row(ev: Mapping[str, Any]) -> str:
+        return (f'<tr class="event event-{_e(ev["kind"])}"><td>{_e(_when(ev["unix_ms"]))}</td>'
+                f'<td class="kind">{_e(ev["kind"])}</td><td>{_e(ev["message"])}</td></tr>')
+
+    head = "<tr><th>time</th><th>event</th><th>message</th></tr>"
+    newest = list(reversed(items))
+    parts = [f'<h3>Events</h3>{f"<p class=meta>{_e(note)}</p>" if note else ""}',
+             f'<table class="events">{head}{"".join(map(row, newest[:EVENTS_SHOWN]))}</table>']
+    if len(newest) > EVENTS_SHOWN:
+        parts.append(f'<details><summary>{len(newest) - EVENTS_SHOWN} earlier event(s)</summary>'
+                     f'<table class="events">{head}{"".join(map(row, newest[EVENTS_SHOWN:]))}</table></details>')
+    return "".join(parts)
 
 
 def task_sections(view: Mapping[str, Any], event_items: Sequence[Mapping[str, Any]], event_note: str = ""

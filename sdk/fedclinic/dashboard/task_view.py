@@ -16,10 +16,13 @@ from typing import Any
 from fedclinic.client import RESULT_FIRST, evaluated_model, held_sites, state_name, waiting_sites
 from fedclinic.proto import control_pb2
 
-#: a round's figures the "global metrics" plot draws first, when present (then other eval_* keys in name order)
-GLOBAL_FIRST = ("eval_macro_auc", "eval_accuracy", "eval_macro_f1", "eval_strict_f1", "eval_rougeL", "loss")
-#: at most this many global metrics are plotted (the table keeps them all)
+#: a round's figures the "global metrics" plot draws first, when present (then other eval_* scores in name order)
+GLOBAL_FIRST = ("eval_macro_auc", "eval_accuracy", "eval_macro_f1", "eval_strict_f1", "eval_rougeL", "eval_loss",
+                "loss", "train_loss")
+#: at most this many global metrics are plotted
 GLOBAL_SERIES = 4
+#: eval_* round figures that are counts or rates, not scores: neither plotted nor shown in the rounds table
+COUNT_SUFFIXES = ("_rows", "_sites", "steps", "_bytes", "_seconds", "_rate")
 #: the per-site figure plotted: the first of these a site reported (training loss, then its evaluation)
 SITE_METRICS = ("loss", "train_loss", "eval_macro_auc", "eval_accuracy", "eval_strict_f1")
 #: privacy spend per round, by kind of DP (the first present is plotted)
@@ -85,6 +88,16 @@ def _closed(st: control_pb2.TaskStatus) -> list[control_pb2.RoundSummary]:
     return [r for r in st.rounds if r.state == control_pb2.ROUND_STATE_CLOSED]
 
 
+def metric_order(keys: set[str] | list[str]) -> list[str]:
+    """The round metrics the page shows (``task status --json`` has them all): :data:`GLOBAL_FIRST` first, then
+    the other ``eval_*`` scores in name order; counts and rates (:data:`COUNT_SUFFIXES`), per-label figures
+    (``name/label``) and the rest (timings, privacy figures: their own column and plot) left out."""
+    keys = set(keys)
+    return [k for k in GLOBAL_FIRST if k in keys] + sorted(
+        k for k in keys if k.startswith("eval_") and k not in GLOBAL_FIRST and "/" not in k
+        and not k.endswith(COUNT_SUFFIXES))
+
+
 def plot_series(st: control_pb2.TaskStatus) -> dict[str, dict[str, Any]]:
     """The plots of the closed rounds: name -> {"title", "series": {label: [[round, value], ...]}, "unit"}.
 
@@ -95,12 +108,11 @@ def plot_series(st: control_pb2.TaskStatus) -> dict[str, dict[str, Any]]:
     A plot without any point is left out."""
     closed = _closed(st)
     plots: dict[str, dict[str, Any]] = {}
-    keys = sorted({k for r in closed for k in r.metrics if "/" not in k})
-    ordered = [k for k in GLOBAL_FIRST if k in keys] + [k for k in keys if k.startswith("eval_") and
-                                                        k not in GLOBAL_FIRST]
+    ordered = metric_order({k for r in closed for k in r.metrics if "/" not in k})
     series = {k: [[r.round, v] for r in closed if k in r.metrics
-                  for v in [_finite(r.metrics[k])] if v is not None] for k in ordered[:GLOBAL_SERIES]}
-    if any(series.values()):
+                  for v in [_finite(r.metrics[k])] if v is not None] for k in ordered}
+    series = dict(list((k, v) for k, v in series.items() if v)[:GLOBAL_SERIES])
+    if series:
         plots["global"] = {"title": "global metrics per round (sample-weighted over the reporting sites)",
                            "series": series, "unit": ""}
     site_key = next((k for k in SITE_METRICS if any(k in rep.metrics or k in rep.eval_metrics
