@@ -174,3 +174,33 @@ def test_requests_without_the_token_with_a_foreign_host_or_writing_are_refused(d
     answer = page.goto(f"{parts.scheme}://{parts.netloc}/#{task_id}")
     assert answer.status == 403 and task_id not in page.content()
     assert answer.headers["content-security-policy"].startswith("default-src 'none'")
+
+
+def test_https_serves_the_same_page_with_a_server_certificate_and_still_needs_the_token(fed):
+    """The HTTPS path `--allow-remote` requires, tried on loopback (tests never bind beyond it)."""
+    import ssl
+
+    from fedclinic.dashboard.server import DashboardServer
+
+    c = fed.creds("aggregator")  # a server certificate of the federation's CA, for localhost
+    with fed.client() as client:
+        server = DashboardServer(client, "127.0.0.1", 0, https_cert=c["cert"], https_key=c["key"], poll_s=1.0)
+        server.start_in_thread()
+        try:
+            assert server.url.startswith("https://127.0.0.1:")
+            ctx = ssl.create_default_context(cafile=c["ca"])
+            ctx.check_hostname = False  # the certificate names localhost; the URL has the address
+            for token, expected in ((server.token, 200), ("", 403)):
+                conn = http.client.HTTPSConnection("127.0.0.1", server.port, context=ctx, timeout=30)
+                conn.request("GET", "/api/tasks", headers={"X-Fedclinic-Token": token})
+                answer = conn.getresponse()
+                body = json.loads(answer.read())
+                conn.close()
+                assert answer.status == expected, body
+            plain = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+                plain.request("GET", "/api/tasks", headers={"X-Fedclinic-Token": server.token})
+                plain.getresponse().read()
+            plain.close()
+        finally:
+            server.stop()
