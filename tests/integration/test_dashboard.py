@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.parse
+from typing import Callable
 
 import pytest
 from playwright import sync_api as playwright_api
@@ -35,9 +36,9 @@ pytestmark = pytest.mark.integration
 ROUNDS = 2
 
 
-def _start_dashboard(fed: LocalFederation) -> tuple[subprocess.Popen, str]:
+def _start_dashboard(fed: LocalFederation) -> tuple[subprocess.Popen, Callable[[], str]]:
     """`fedclinic dashboard --port 0` as the scientist (settings from the environment, as for `task status`);
-    returns the process and the URL it printed."""
+    returns the process and a function waiting for the URL it prints (so the agents start meanwhile)."""
     c = fed.creds("scientist")
     env = {**os.environ, "FEDCLINIC_ADDRESS": fed.address, "FEDCLINIC_CERT": c["cert"], "FEDCLINIC_KEY": c["key"],
            "FEDCLINIC_CA": c["ca"], "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -52,14 +53,17 @@ def _start_dashboard(fed: LocalFederation) -> tuple[subprocess.Popen, str]:
             seen.append(lines.get())
         return any("?token=" in line for line in seen)
 
-    wait_until(url_printed, 60, "the dashboard to print its URL",
-               check=lambda: proc.poll() is None or pytest.fail("dashboard exited:\n" + "".join(seen)))
-    url = next(line.strip() for line in seen if "?token=" in line)
+    def url() -> str:
+        wait_until(url_printed, 60, "the dashboard to print its URL",
+                   check=lambda: proc.poll() is None or pytest.fail("dashboard exited:\n" + "".join(seen)))
+        return next(line.strip() for line in seen if "?token=" in line)
+
     return proc, url
 
 
 @pytest.fixture(scope="module")
-def fed(tmp_path_factory):
+def served(tmp_path_factory):
+    """(the federation, the dashboard's URL): two agents (site-b with manual approval) and the dashboard process."""
     root = tmp_path_factory.mktemp("dashboard")
     sites = []
     for i, name in enumerate(("site-a", "site-b")):
@@ -69,17 +73,28 @@ def fed(tmp_path_factory):
                                                          "eval_path": str(held)}},
                                policy={"approval": "manual"} if name == "site-b" else None))
     with LocalFederation(root / "fed", sites, agent_threads=1) as f:
-        f.start()
-        wait_until(lambda: streams_open(f) == {"site-a", "site-b"}, 60, "both agents' work streams")
-        yield f
+        f.make_pki()
+        f.start_aggregator()
+        proc, url = _start_dashboard(f)  # its start overlaps the agents'
+        try:
+            for site in f.sites:
+                f.start_agent(site)
+            printed = url()
+            wait_until(lambda: streams_open(f) == {"site-a", "site-b"}, 60, "both agents' work streams")
+            yield f, printed
+        finally:
+            proc.terminate()
+            proc.wait(20)
 
 
 @pytest.fixture(scope="module")
-def dashboard(fed):
-    proc, url = _start_dashboard(fed)
-    yield url
-    proc.terminate()
-    proc.wait(20)
+def fed(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def dashboard(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +165,23 @@ def test_the_page_marks_the_held_site_then_shows_rounds_plots_and_results_as_the
     assert "held" in events and "round-closed" in events and "completed" in events
 
 
-def test_requests_without_the_token_with_a_foreign_host_or_writing_are_refused(dashboard, page):
+def test_requests_without_the_token_with_a_foreign_host_or_writing_are_refused(fed, dashboard, page):
     parts = urllib.parse.urlsplit(dashboard)
     token = urllib.parse.parse_qs(parts.query)["token"][0]
-    ok, doc = _get(dashboard, "/api/tasks", headers={"X-Fedclinic-Token": token})
-    assert ok == 200 and doc["tasks"], doc
-    task_id = doc["tasks"][0]["task_id"]
+    with fed.client() as client:  # a task of its own (site-b holds it; cancelled at the end)
+        task_id = client.submit(make_task(name="dashboard-guard", num_rounds=1, min_sites=2),
+                                package=tiny_package("logreg")).task_id
+    try:
+        _check_refusals(dashboard, page, token, task_id)
+    finally:
+        with fed.client() as client:
+            client.cancel(task_id, "end of the test")
+
+
+def _check_refusals(dashboard: str, page, token: str, task_id: str) -> None:
+    parts = urllib.parse.urlsplit(dashboard)
+    ok, doc = _get(dashboard, f"/api/tasks/{task_id}", headers={"X-Fedclinic-Token": token})
+    assert ok == 200 and doc["task"]["task_id"] == task_id, doc
     for path, headers in (("/api/tasks", {}), (f"/api/tasks/{task_id}", {}), ("/", {}),
                           ("/static/dashboard.js", {}), ("/api/tasks?token=wrong" + token[5:], {}),
                           ("/api/tasks", {"X-Fedclinic-Token": token[:-1]})):
