@@ -44,3 +44,19 @@ def test_a_non_loopback_address_needs_allow_remote_and_https():
     with pytest.raises(ConfigError, match="both"):
         check_binding("127.0.0.1", allow_remote=False, https_cert="c.pem", https_key=None)
     check_binding("0.0.0.0", allow_remote=True, https_cert="c.pem", https_key="k.pem")
+
+
+def test_the_command_refuses_a_non_loopback_bind_with_a_clear_error(tmp_path, capsys):
+    from fedclinic import pki
+    from fedclinic.cli import main
+
+    pki.init_ca(tmp_path / "ca", common_name="test CA", days=1)
+    pki.issue(tmp_path / "ca", role="scientist", name="alice", out_dir=tmp_path / "alice", days=1)
+    creds = ["--address", "127.0.0.1:9", "--cert", str(tmp_path / "alice" / "alice.crt"),
+             "--key", str(tmp_path / "alice" / "alice.key"), "--ca", str(tmp_path / "alice" / "ca.crt")]
+    assert main(["dashboard", "--host", "0.0.0.0", *creds]) == 2
+    assert "not a loopback address" in capsys.readouterr().err
+    assert main(["dashboard", "--host", "0.0.0.0", "--allow-remote", *creds]) == 2
+    assert "needs HTTPS" in capsys.readouterr().err
+    assert main(["dashboard", "--poll", "0", *creds]) == 2
+    assert "--poll must be" in capsys.readouterr().err

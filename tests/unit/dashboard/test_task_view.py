@@ -98,3 +98,17 @@ def test_events_are_followed_in_the_background_and_a_failure_becomes_the_note():
     follow.events("t-gone")
     wait_until(lambda: follow.events("t-gone")[1], 10, "the failure note")
     assert follow.events("t-gone")[1] == "events unavailable: task t-gone not found"
+
+
+def test_a_statistics_task_shows_its_table_per_site_with_the_pooled_column():
+    st = control_pb2.TaskStatus(task_id="t-2", state=control_pb2.TASK_STATE_COMPLETED)
+    st.results.work = "statistics"
+    st.site_statistics["a"].values.update({"rows": 20.0, "label/cardio": 8.0})
+    st.site_statistics["b"].values.update({"rows": 30.0})
+    st.pooled_statistics.update({"rows": 50.0, "label/cardio": 8.0})
+    view = task_view(st)
+    stats = view["results"]["statistics"]
+    assert stats["sites"] == ["a", "b"] and stats["keys"] == ["label/cardio", "rows"]
+    html = task_sections(view, [], "")["results"]
+    assert '<table class="statistics">' in html and "<th>pooled</th>" in html and 'class="matrix"' not in html
+    assert '<tr><td>rows</td><td class="num">20</td><td class="num">30</td><td class="num">50</td></tr>' in html
