@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test bench bench-secagg bench-dp-utility bench-overhead campaign protos clean
+.PHONY: install demo test dashboard-screenshots bench bench-secagg bench-dp-utility bench-overhead campaign protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports
 	sh scripts/install_postgresql.sh $(BIN)/python
+	sh scripts/install_chromium.sh  # Debian's Chromium for the dashboard's browser test (returns at once when present)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
@@ -56,6 +57,12 @@ bench-overhead: $(STAMP)
 # writes docs/results/reliability.md. `make test` runs a smoke of each part (tests/campaign/).
 campaign: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m campaign.run
+
+# docs/img/dashboard-*.png from the real page: a local federation, `fedclinic dashboard`'s server and Debian's
+# Chromium driven by Playwright (about a minute on 2 cores).
+dashboard-screenshots: $(STAMP)
+	sh scripts/install_chromium.sh
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python scripts/dashboard_screenshots.py
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
