@@ -63,12 +63,12 @@ def check_select(query: object, where: str) -> str:
         first = words[0].upper() if words else "nothing"
         raise ConfigError(f"{where}: the query must be a SELECT (or WITH ... SELECT), not {first}; a data source "
                           "only reads")
+    _no_row_locks(words, where)
     bad = sorted({w for w in words if w in FORBIDDEN_WORDS})
     if bad:
         raise ConfigError(f"{where}: the query uses {', '.join(w.upper() for w in bad)}, which a read-only SELECT "
                           "does not need (writes, schema or session changes are refused); keep it to one plain "
                           "SELECT (a column of that name goes in double quotes)")
-    _no_row_locks(words, where)
     return text[:semis[0]].strip() if semis else text
 
 
