@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from fedclinic.data.sources import SOURCE_KEYS, SOURCE_KINDS, DataSource, ParquetSource, parse_source
+from fedclinic.data.sources.database import refuse_password
 from fedclinic.errors import ConfigError
 from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_address
 from fedclinic.proto import task_pb2
@@ -222,6 +223,7 @@ def _source_entry(name: str, entry: dict[str, Any], base: Path, where: str) -> D
         raise ConfigError(f"{where}: source must be one of {', '.join(SOURCE_KINDS)}, got {kind!r} (a file dataset "
                           "has no source key, only path)")
     columns = ("text_field", "label_field", "group_field") if kind == "sql" else ()
+    refuse_password(entry, where)  # before the unknown keys: say where a password goes
     refuse_unknown(entry, COMMON_DATASET_KEYS + SOURCE_KEYS[kind] + columns, where, ENV_PREFIX)
     data_source = parse_source(name, entry, base, where)
     group = entry.get("group_field") if kind == "sql" else IMPLIED_GROUP.get(kind)

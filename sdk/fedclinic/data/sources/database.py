@@ -50,10 +50,7 @@ class Database:
     @classmethod
     def from_entry(cls, entry: dict[str, Any], base: Path, where: str) -> "Database":
         """The database settings of a dataset table (ConfigError says what to change)."""
-        if "password" in entry:
-            raise ConfigError(f"{where}: do not put the database password in agent.toml; write it to a file only "
-                              "the agent's user can read and set password_file, or set password_env to the name "
-                              "of an environment variable holding it")
+        refuse_password(entry, where)
         engine = entry.get("engine")
         if engine not in ENGINES:
             raise ConfigError(f"{where}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -194,6 +191,14 @@ class Database:
                 conn.close()
 
 
+def refuse_password(entry: dict[str, Any], where: str) -> None:
+    """ConfigError when a dataset table holds a ``password`` (it belongs in password_file or password_env)."""
+    if "password" in entry:
+        raise ConfigError(f"{where}: do not put the database password in agent.toml; write it to a file only "
+                          "the agent's user can read and set password_file, or set password_env to the name "
+                          "of an environment variable holding it")
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -245,4 +250,4 @@ def read_only_report(db: Database, run: Runner) -> tuple[list[str], list[str], l
     else:
         facts.append(f"database user {user!r} holds no write privilege on any table")
     return facts, problems, notes
-__all__ = ["DATABASE_KEYS", "ENGINES", "Database", "REFUSED", "UNREACHABLE", "read_only_report"]
+__all__ = ["DATABASE_KEYS", "ENGINES", "Database", "REFUSED", "UNREACHABLE", "read_only_report", "refuse_password"]
