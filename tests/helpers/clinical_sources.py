@@ -170,3 +170,22 @@ def omop_settings(**db) -> dict:
 def fhir_settings(folder: Path) -> dict:
     """The ``[datasets.NAME]`` table of the FHIR twin."""
     return {"source": "fhir", "path": str(folder), "labels": dict(FHIR_LABELS)}
+
+
+def load_postgres_omop(server, dbname: str, records: list[dict], *, schema: str = "cdm") -> dict:
+    """Load the OMOP twin of ``records`` into ``schema`` of database ``dbname`` on ``server``
+    (tests/helpers/postgres_server.py) and create a login role that may only read it; returns the OMOP table
+    settings that connect as that role (``dsn`` without a password, ``password_file`` beside the server's)."""
+    import secrets
+
+    role, password = f"reader_{dbname}", secrets.token_urlsafe(12)
+    server.admin_sql(f"CREATE SCHEMA {schema}; SET search_path = {schema};\n" + omop_script(records)
+                     + f"CREATE SEQUENCE {schema}.note_seq;", dbname)
+    server.admin_sql(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'; GRANT USAGE ON SCHEMA {schema} TO {role}; "
+                     f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}; "
+                     f"GRANT USAGE, SELECT ON SEQUENCE {schema}.note_seq TO {role}", dbname)
+    pw = server.root / f"{role}.password"
+    pw.write_text(password + "\n")
+    pw.chmod(0o600)
+    return {"engine": "postgresql", "dsn": f"host={server.host} port={server.port} dbname={dbname} user={role}",
+            "password_file": str(pw), "schema": schema}
