@@ -16,3 +16,27 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for this pytest process (each xdist worker starts its own), started on first use
+    and stopped when the session ends (tests/helpers/postgres_server.py)."""
+    from tests.helpers.postgres_server import start_server
+
+    server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def postgres_database(postgres_server):
+    """A fresh, empty database on :func:`postgres_server` for one test module; dropped afterwards. Yields its name
+    (``postgres_server.dsn(name)`` is its URL, ``postgres_server.password_file()`` its password)."""
+    name = postgres_server.create_database()
+    try:
+        yield name
+    finally:
+        postgres_server.drop_database(name)
