@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from fedclinic.data.sources import parse_source
-from fedclinic.data.sources.database import REFUSED, UNREACHABLE
+from fedclinic.data.sources.database import REFUSED, UNREACHABLE, SourceUnavailable
 from fedclinic.data.text import read_classification, read_source_classification
 from fedclinic.errors import DatasetError
+from hospital_agent.outgoing import declined_for_good, outgoing_reason
 
 from tests.helpers.clinical_sources import clinical_records, jsonl_twin, load_postgres_omop, omop_settings
 
@@ -44,7 +45,7 @@ def test_a_write_hidden_from_the_guard_is_refused_by_the_read_only_transaction(c
                           tmp_path, "x")
     with pytest.raises(DatasetError, match="read-only transaction") as caught:
         source.records()
-    assert caught.value.rule == REFUSED
+    assert caught.value.rule == REFUSED and declined_for_good(caught.value)
     dbname = db["dsn"].split("dbname=")[1].split()[0]
     assert postgres_server.admin_sql("SELECT last_value, is_called FROM cdm.note_seq", dbname) == [(1, False)]
 
@@ -59,6 +60,11 @@ def test_an_unreachable_server_and_a_wrong_password_say_what_to_check(cdw, tmp_p
         with pytest.raises(DatasetError, match=says) as caught:
             source.records()
         assert caught.value.rule == UNREACHABLE and "not-the-password" not in str(caught.value)
+        # the agent declines the round, not the task: the database may be back for the next one
+        assert isinstance(caught.value, SourceUnavailable) and not declined_for_good(caught.value)
+        assert outgoing_reason(caught.value, dataset="notes") == (
+            "the dataset 'notes' does not meet the task's data contract: the data source's database cannot be "
+            "reached; the site's IT has the details in the agent log")
         assert any("check host, port, dbname, user and the password" in p for p in source.check().problems)
 
 

@@ -32,6 +32,13 @@ DATABASE_KEYS = ("engine", "dsn", "database", "password_file", "password_env", "
 UNREACHABLE = "the data source's database cannot be reached"
 REFUSED = "the database refused the data source's query"
 
+class SourceUnavailable(DatasetError):
+    """The data source's database cannot be reached now (down, refusing, a password file missing): the agent
+    declines the round for now, not the task for good (``transient``); the public part is the rule only."""
+
+    transient = True
+
+
 #: run(sql) -> (column names, rows)
 Runner = Callable[[str], tuple[list[str], list[tuple]]]
 
@@ -103,13 +110,13 @@ class Database:
             try:
                 return self.password_file.read_text(encoding="utf-8").rstrip("\r\n")
             except OSError as exc:
-                raise DatasetError(f"password_file {self.password_file} cannot be read ({exc.strerror or exc}); "
+                raise SourceUnavailable(f"password_file {self.password_file} cannot be read ({exc.strerror or exc}); "
                                    "create it, readable by the agent's user only (chmod 600)",
                                    rule=UNREACHABLE) from None
         if self.password_env is not None:
             value = os.environ.get(self.password_env)
             if value is None:
-                raise DatasetError(f"the environment variable {self.password_env} (password_env) is not set for "
+                raise SourceUnavailable(f"the environment variable {self.password_env} (password_env) is not set for "
                                    "the agent; set it in the service's environment (e.g. a systemd EnvironmentFile)",
                                    rule=UNREACHABLE)
             return value
@@ -136,13 +143,13 @@ class Database:
     @contextmanager
     def _sqlite(self) -> Iterator[Runner]:
         if self.path is None or not self.path.is_file():
-            raise DatasetError(f"{self.describe()}: no such database file; check database = in the dataset's table",
+            raise SourceUnavailable(f"{self.describe()}: no such database file; check database = in the dataset's table",
                                rule=UNREACHABLE)
         try:
             db = sqlite3.connect(f"file:{quote(str(self.path))}?mode=ro", uri=True, timeout=self.connect_timeout_s)
             db.execute("PRAGMA query_only = ON")
         except sqlite3.Error as exc:
-            raise DatasetError(f"{self.describe()}: cannot open the database read-only ({exc}); check the file and "
+            raise SourceUnavailable(f"{self.describe()}: cannot open the database read-only ({exc}); check the file and "
                                "that the agent's user may read it", rule=UNREACHABLE) from None
 
         def run(sql: str) -> tuple[list[str], list[tuple]]:
@@ -169,7 +176,7 @@ class Database:
         try:
             conn = psycopg.connect(self.dsn, autocommit=False, **kwargs)
         except psycopg.Error as exc:
-            raise DatasetError(f"{self.describe()}: cannot connect ({_first_line(exc)}); check host, port, dbname, "
+            raise SourceUnavailable(f"{self.describe()}: cannot connect ({_first_line(exc)}); check host, port, dbname, "
                                "user and the password, and that the server accepts this machine",
                                rule=UNREACHABLE) from None
         conn.read_only = True  # every transaction: BEGIN READ ONLY
@@ -250,4 +257,5 @@ def read_only_report(db: Database, run: Runner) -> tuple[list[str], list[str], l
     else:
         facts.append(f"database user {user!r} holds no write privilege on any table")
     return facts, problems, notes
-__all__ = ["DATABASE_KEYS", "ENGINES", "Database", "REFUSED", "UNREACHABLE", "read_only_report", "refuse_password"]
+__all__ = ["DATABASE_KEYS", "ENGINES", "Database", "REFUSED", "SourceUnavailable", "UNREACHABLE", "read_only_report",
+           "refuse_password"]
