@@ -133,3 +133,15 @@ def test_the_committed_fixtures_are_what_the_helpers_write(tmp_path):
     for p in fresh.iterdir():
         assert (FIXTURES / "fhir_demo" / p.name).read_text() == p.read_text(), p.name
     assert base64  # (the export's texts are base64 attachments)
+
+
+def test_an_empty_parquet_file_is_an_empty_dataset(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string()), "label": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    source = ParquetSource("n", tmp_path / "empty.parquet")
+    with pytest.raises(DatasetError, match="the dataset is empty"):
+        read_source_classification(source, label_set=LABELS)
+    assert "the file has no rows" in source.check().problems[0]

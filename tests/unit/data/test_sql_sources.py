@@ -189,3 +189,12 @@ def test_omop_check_reports_counts_and_a_table_that_is_not_omop(omop, tmp_path):
 def test_omop_settings_are_checked_with_what_to_write(entry, says, tmp_path):
     with pytest.raises(ConfigError, match=says):
         parse_source("n", {**omop_settings(engine="sqlite", database="x.sqlite"), **entry}, tmp_path, "x")
+
+
+def test_an_empty_omop_database_is_an_empty_dataset_with_what_to_check(tmp_path):
+    empty = write_sqlite_omop(tmp_path / "empty.sqlite", [])
+    sqlite3.connect(empty).executescript("DELETE FROM condition_occurrence; DELETE FROM note;").close()
+    source = parse_source("notes", omop_settings(engine="sqlite", database=str(empty)), tmp_path, "x")
+    with pytest.raises(DatasetError, match="the dataset is empty .*check-config"):
+        read_source_classification(source, label_set=LABELS)
+    assert any("the note table returns no rows" in p for p in source.check().problems)
