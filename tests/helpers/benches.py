@@ -4,6 +4,7 @@ package)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -14,5 +15,6 @@ def load_bench(name: str) -> ModuleType:
     """``bench/<name>.py`` loaded as a fresh module named ``<name>_bench``."""
     spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling-free introspection) look the module up by name
     spec.loader.exec_module(module)
     return module
