@@ -113,7 +113,10 @@ def write_sbom(wheelhouse: Path, out: Path, pyproject: Path = ROOT / "pyproject.
         cmd = [str(generator) if generator.exists() else "cyclonedx-py", "environment", "--sv", SPEC_VERSION,
                "--of", "JSON", "--no-validate", "--output-reproducible", "--mc-type", "application", "--pyproject", str(pyproject),
                "-o", str(raw), str(Path(tmp) / "env")]
-        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": ""})
+        # validated below, after the wheel hashes are added (its own check would only say "Validation skipped")
+        gen = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": ""}, capture_output=True, text=True)
+        if gen.returncode != 0:
+            raise SbomError(f"cyclonedx-py failed (exit {gen.returncode}): {gen.stderr.strip()[-2000:]}")
         bom = json.loads(raw.read_text())
     add_wheel_hashes(bom, hashes)
     text = json.dumps(bom, indent=2) + "\n"
