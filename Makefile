@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test dashboard-screenshots bench bench-secagg bench-dp-utility bench-overhead bench-gpu campaign protos clean
+.PHONY: install demo test dashboard-screenshots bench bench-secagg bench-dp-utility bench-overhead bench-gpu campaign protos clean wheelhouse sbom test-offline
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -72,8 +72,25 @@ dashboard-screenshots: $(STAMP)
 	sh scripts/install_chromium.sh
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python scripts/dashboard_screenshots.py
 
+# Offline installs (issue 20): every wheel the hospital agent needs, and separately the aggregator's (no torch), with
+# SHA256SUMS, a hash-pinned requirements.txt and manifest.json, in dist/wheelhouse/{agent,aggregator}/; built on a
+# connected machine of the target's Python and platform (docs/hospital-it.md "Offline install").
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py --out dist/wheelhouse --constraints constraints.txt
+
+# CycloneDX 1.6 SBOMs of exactly those wheels (cyclonedx-py), validated: dist/sbom/fedclinic-{agent,aggregator}.cdx.json
+sbom: wheelhouse
+	$(BIN)/python scripts/sbom.py --wheelhouse dist/wheelhouse/agent --out dist/sbom/fedclinic-agent.cdx.json
+	$(BIN)/python scripts/sbom.py --wheelhouse dist/wheelhouse/aggregator --out dist/sbom/fedclinic-aggregator.cdx.json
+
+# The offline-install tests with the agent's full install (torch: a few minutes on 2 cores); `make test` runs the
+# same file without it (the aggregator's install, and fedclinic[agent] resolved against the agent's folder).
+test-offline: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_OFFLINE_AGENT=1 $(BIN)/python -m pytest -q -p no:xdist \
+		tests/integration/test_offline_install.py
+
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-out demo-report.json build/campaign
+	rm -rf $(VENV) .pytest_cache demo-out demo-report.json build/campaign dist

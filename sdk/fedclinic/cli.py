@@ -31,7 +31,7 @@ from fedclinic.pki import add_pki_commands
 from fedclinic.privacy.plan_command import add_privacy_commands
 from fedclinic.runtime.audit_log import add_audit_commands
 from fedclinic.runtime.proto_json import message_to_dict, message_to_json
-from fedclinic.serving.http_server import add_serve_command
+from fedclinic.serving.serve_command import add_serve_command
 from fedclinic.spec.task import Task
 
 
