@@ -27,7 +27,8 @@ from fedclinic.dashboard.app import DashboardApp
 from fedclinic.dashboard.request_guard import RequestGuard, new_token
 from fedclinic.errors import ConfigError
 from fedclinic.serving.guarded_h11 import GuardedH11Protocol
-from fedclinic.serving.http_server import _bind, _is_loopback, _ssl_context, _Uvicorn
+from fedclinic.serving.http_server import UvicornServer, bind_listener, server_ssl_context
+from fedclinic.serving.serve_command import is_loopback
 
 #: open connections at most (a page polls over one or two)
 MAX_CONNECTIONS = 64
@@ -43,7 +44,7 @@ def check_binding(host: str, *, allow_remote: bool, https_cert: str | None, http
     """ConfigError unless ``host`` may be bound with these settings (module doc)."""
     if bool(https_cert) != bool(https_key):
         raise ConfigError("give both --https-cert and --https-key, or neither")
-    if _is_loopback(host):
+    if is_loopback(host):
         return
     if not allow_remote:
         raise ConfigError(f"refusing to listen on {host}, which is not a loopback address: the dashboard shows "
@@ -65,10 +66,10 @@ class DashboardServer:
         check_binding(host, allow_remote=allow_remote, https_cert=https_cert, https_key=https_key)
         if not 0.2 <= poll_s <= 3600:
             raise ConfigError(f"--poll must be between 0.2 and 3600 seconds, got {poll_s:g}")
-        ssl_context = _ssl_context(_TlsFiles(https_cert, https_key), client_certificates=False) if https_cert \
+        ssl_context = server_ssl_context(_TlsFiles(https_cert, https_key), client_certificates=False) if https_cert \
             else None
         self.host = host
-        self._socket = _bind(host, port)
+        self._socket = bind_listener(host, port)
         self.port: int = self._socket.getsockname()[1]
         self.token = token or new_token()
         self.guard = RequestGuard(self.token, self.port, bound_host=host, allowed_hosts=allowed_hosts)
@@ -81,7 +82,7 @@ class DashboardServer:
                                 ssl_context_factory=(lambda _c, _d: ssl_context) if ssl_context else None)
         self._started = threading.Event()
         self._on_ready: Callable[[str], None] | None = None
-        self._uvicorn = _Uvicorn(config, self._now_ready)
+        self._uvicorn = UvicornServer(config, self._now_ready)
 
     @property
     def url(self) -> str:

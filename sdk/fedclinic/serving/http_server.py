@@ -91,7 +91,7 @@ from fedclinic.serving.work_pool import WorkPool
 GRACEFUL_STOP_S = 10
 
 
-class _Uvicorn(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
     """uvicorn's server, telling us when it listens, and ending on SIGTERM/SIGINT with status 0 (uvicorn
     re-raises the signal after a graceful stop, which would end the process with -15)."""
 
@@ -147,9 +147,9 @@ class InferenceServer:
                            max_inflight_bytes=limits.max_inflight_bytes, client_certificates=https == "mtls")
         self.scheme = "https" if https else "http"
         _raise_open_file_limit(limits.max_connections + 256)
-        self._socket = _bind(host, port)
+        self._socket = bind_listener(host, port)
         self.http_port: int = self._socket.getsockname()[1]
-        ssl_context = _ssl_context(tls, client_certificates=https == "mtls") if https else None
+        ssl_context = server_ssl_context(tls, client_certificates=https == "mtls") if https else None
         config = uvicorn.Config(self.app.asgi, http=GuardedH11Protocol.with_header_timeout(limits.header_timeout),
                                 loop="asyncio", lifespan="off", ws="none", interface="asgi3",
                                 limit_concurrency=limits.max_connections, backlog=limits.backlog,
@@ -159,7 +159,7 @@ class InferenceServer:
                                 ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None)
         self._started = threading.Event()
         self._on_ready: Callable[[dict[str, int]], None] | None = None
-        self._uvicorn = _Uvicorn(config, self._now_ready)
+        self._uvicorn = UvicornServer(config, self._now_ready)
         self.grpc_server = None
         self.grpc_port: int | None = None
         if grpc_port is not None:
@@ -209,7 +209,7 @@ class InferenceServer:
         self._uvicorn.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -221,7 +221,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _ssl_context(tls: Any, *, client_certificates: bool) -> ssl.SSLContext:
+def server_ssl_context(tls: Any, *, client_certificates: bool) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:

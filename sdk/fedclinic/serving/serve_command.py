@@ -17,7 +17,7 @@ from fedclinic.serving.caller_policy import DEFAULT_ROLES, CallerPolicy
 from fedclinic.serving.serve_limits import ServeLimits
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -125,7 +125,7 @@ def _serve_command(args: Any) -> int:
               flush=True)
     server = InferenceServer(bundle, args.host, args.port, limits=limits, tls=tls, https=args.https,
                              callers=callers, grpc_port=args.grpc_port)
-    if not _is_loopback(args.host) and not args.https and not callers.needs_token:
+    if not is_loopback(args.host) and not args.https and not callers.needs_token:
         print(f"warning: serving plain HTTP without authentication on {args.host}: anyone who can reach this port "
               "can query the model; use --https and/or --token-file, or keep it behind the hospital's reverse proxy",
               file=sys.stderr, flush=True)
