@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
+from fedclinic.federation.local_federation import wait_until
 from fedclinic.transport.package import ModelPackage
 
+from tests.helpers.federation import streams_open
 from tests.helpers.replay import replay_site
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import make_examples, tiny_package
@@ -85,8 +87,11 @@ def test_data_contract_violation_is_refused_with_rule_and_row(federation_factory
     with open(bad, "a") as fh:
         fh.write('{"text": "gout flare in the big toe", "label": "rheumatology"}\n')
     fed.start()
+    # both sites must hold their work stream when round 1 opens (a site that connects later is not asked), and the
+    # deadline leaves site-a time to train and upload on a loaded 2-core runner
+    wait_until(lambda: streams_open(fed) >= {"site-a", "site-b"}, 60, "both agents' work streams")
     with fed.client() as client:
-        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=15), package=tiny_package())
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=25), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
     assert state_name(final.state) == "failed"
     refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]
