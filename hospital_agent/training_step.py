@@ -18,6 +18,7 @@ staged error-feedback residual durable, then the update goes to the outbox.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -71,6 +72,9 @@ class TrainingStep:
         #: Only a test that replays a private round sets it.
         self.dp_entropy: int | None = None
         self._devices: list[str] | None = None
+        # a multi-device round's private job folders (model, encoded data) left by an agent that was killed mid-round
+        for stale in config.work_dir.glob("fedclinic-ddp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def devices(self) -> list[str]:
         """The devices a round trains on when ``devices`` is configured (resolved and checked once:
@@ -171,6 +175,10 @@ class TrainingStep:
     def _site_round(self, loaded, state: TaskState, inp: SiteRoundInput) -> SiteRoundResult:
         """The site round in this process, or -- with several ``devices`` configured and a round that shards --
         as a torch.distributed job over them (the same round, the same update)."""
+        if self.config.gradient_checkpointing:
+            from fedclinic.models.base import enable_gradient_checkpointing  # torch: when a round runs
+
+            enable_gradient_checkpointing(loaded.module)
         if self.config.devices is None:
             return run_site_round(loaded, state.train_data, inp)
         from fedclinic.federation.distributed_round import run_site_round_distributed, single_process_reason
@@ -185,6 +193,7 @@ class TrainingStep:
         return run_site_round_distributed(loaded, state.train_data, inp, files=state.package_files or {},
                                           devices=devices, threads=threads,
                                           collective_timeout=self.config.distributed_timeout,
+                                          gradient_checkpointing=self.config.gradient_checkpointing,
                                           workdir=self.config.work_dir)
 
     def evaluate_base(self, a: agent_pb2.Assignment, state: TaskState, trained: Trained, sync) -> dict[str, float]:

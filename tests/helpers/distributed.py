@@ -55,8 +55,9 @@ def relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> f
     return (num / den) ** 0.5
 
 
-def both_rounds(package, examples, train, *, dp=None, dp_entropy=None, devices=TWO_CPUS):
-    """(1-process result, distributed result) of round 1 at site ``site-a`` training every tensor."""
+def both_rounds(package, examples, train, *, dp=None, dp_entropy=None, devices=TWO_CPUS, **launch):
+    """(1-process result, distributed result) of round 1 at site ``site-a`` training every tensor (``launch``: more
+    arguments of ``run_site_round_distributed``)."""
     from fedclinic.federation.distributed_round import run_site_round_distributed
     from fedclinic.models import build_model
     from fedclinic.training import trainer as training
@@ -67,6 +68,6 @@ def both_rounds(package, examples, train, *, dp=None, dp_entropy=None, devices=T
         data = training.encode(examples, loaded, max_length=train.max_length)
         inp = SiteRoundInput(task_id="t-ddp", site="site-a", round=1, send=list(package.tensors), train=train,
                              dp=dp, dp_entropy=dp_entropy)
-        results.append(run_site_round_distributed(loaded, data, inp, files=package.files, devices=devices)
+        results.append(run_site_round_distributed(loaded, data, inp, files=package.files, devices=devices, **launch)
                        if distributed else run_site_round(loaded, data, inp))
     return results[0], results[1]

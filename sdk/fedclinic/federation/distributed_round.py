@@ -122,6 +122,7 @@ def single_process_reason(loaded: "LoadedModel", inp: SiteRoundInput) -> str | N
 def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRoundInput, *,
                                files: Mapping[str, bytes], devices: Sequence[str], threads: int = 0,
                                collective_timeout: float = 600.0, deadline: float = 86_400.0,
+                               gradient_checkpointing: bool = False,
                                workdir: str | os.PathLike[str] | None = None) -> SiteRoundResult:
     """Run one site round (:func:`~fedclinic.federation.site_round.run_site_round`, same inputs, same result) as
     ``len(devices)`` data-parallel processes on ``devices`` (from :func:`resolve_devices`; at least 2).
@@ -130,7 +131,9 @@ def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRou
     as with ``run_site_round``; ``files`` are the model package's files (tokenizer, ``fedclinic_model.json``, ...:
     ``ModelPackage.files``) from which each process builds the model. ``threads``: CPU threads of each process
     (0: this host's cores shared between them). ``collective_timeout``: seconds a collective waits for a silent
-    rank before the round fails; ``deadline``: seconds the whole launch may take. ``workdir``: where the private
+    rank before the round fails; ``deadline``: seconds the whole launch may take; ``gradient_checkpointing``:
+    recompute activations in the backward pass (:func:`fedclinic.models.base.enable_gradient_checkpointing`: Hugging
+    Face models; the same gradients for less memory). ``workdir``: where the private
     job directory is made (default: the system's temp dir); it is removed afterwards. Raises the worker's error
     (ConfigError, DatasetError, IntegrityError, else FedclinicError) when a process fails, FedclinicError on the
     deadline, and whatever ``inp.progress`` raises (cancellation) after stopping the processes."""
@@ -163,7 +166,7 @@ def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRou
             "private": list(inp.private), "train": _jsonable(asdict(inp.train)),
             "dp": None if inp.dp is None else asdict(inp.dp), "dp_entropy": inp.dp_entropy,
             "devices": devices, "threads": int(threads) or cores_per_process(len(devices)),
-            "collective_timeout": float(collective_timeout)})
+            "collective_timeout": float(collective_timeout), "gradient_checkpointing": bool(gradient_checkpointing)})
         _launch(job, len(devices), inp.progress, deadline)
         result = json.loads((job / "result.json").read_text())
         trained = _read_tensors(job / "result.safetensors")

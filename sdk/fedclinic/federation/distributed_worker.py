@@ -36,6 +36,7 @@ def run(job: Path, rank: int, local_rank: int) -> None:
     from fedclinic.federation.distributed_round import read_data, train_config_from_job
     from fedclinic.federation.site_round import SiteRoundInput, run_site_round
     from fedclinic.models import build_model, module_tensors
+    from fedclinic.models.base import enable_gradient_checkpointing
     from fedclinic.privacy.dp_sgd import DPSGD
     from fedclinic.training import data_parallel
     from fedclinic.transport.package import ModelPackage
@@ -49,6 +50,8 @@ def run(job: Path, rank: int, local_rank: int) -> None:
                             timeout=timedelta(seconds=float(spec["collective_timeout"])))
     try:
         loaded = build_model(ModelPackage.load(job / "model"))
+        if spec.get("gradient_checkpointing"):
+            enable_gradient_checkpointing(loaded.module)
         data = read_data(job)
 
         def progress(step: int, total: int, loss: float) -> None:

@@ -18,7 +18,9 @@ Only tensors named in ``trainable`` get gradients. The optimiser (:mod:`fedclini
 fresh each call; with ``optimizer_state = "keep"`` its moments are carried over from the previous round.
 Batches are trimmed to their longest sequence, so short texts cost less.
 Randomness (shuffling, dropout) is seeded from ``cfg.seed`` inside a forked RNG, so the caller's global
-RNG state is left as it was.
+RNG state is left as it was. Inside a data-parallel group (:mod:`fedclinic.training.data_parallel`, several
+processes) each rank trains its shard of every global batch and the gradients are summed with weights that make
+them the global batch's mean gradient: the same steps as one process.
 """
 
 from __future__ import annotations

@@ -109,6 +109,37 @@ def test_qa_causal_lm_round_on_two_gloo_processes_equals_one_process():
     _assert_same_round(one, two)
 
 
+def test_gradient_checkpointing_is_turned_on_and_keeps_the_update():
+    import numpy as np
+
+    from fedclinic.models import build_model, module_tensors
+    from fedclinic.models.base import enable_gradient_checkpointing
+    from fedclinic.training import trainer as training
+    from tests.helpers import qa_models
+
+    package, examples = qa_models.package(), qa_models.toy_examples()
+    cfg = TrainConfig(batch_size=3, learning_rate=5e-3, max_length=32, seed=8, device="cpu")
+    out = []
+    for checkpointing in (False, True):
+        loaded = build_model(package)
+        if checkpointing:
+            assert enable_gradient_checkpointing(loaded.module) == 1
+        assert loaded.module.base_model.gradient_checkpointing == checkpointing
+        training.train_local(loaded, training.encode(examples, loaded), cfg, trainable=list(package.tensors))
+        out.append(module_tensors(loaded.module, list(package.tensors)))
+    assert all(np.array_equal(out[0][k], out[1][k]) for k in out[0])
+    assert enable_gradient_checkpointing(build_model(classification_package()).module) == 1  # BERT too
+
+
+@full_only
+def test_gradient_checkpointing_on_two_processes_gives_the_one_process_update():
+    from tests.helpers import qa_models
+
+    train = TrainConfig(batch_size=3, learning_rate=5e-3, max_length=32, seed=8, device="cpu")
+    one, two = both_rounds(qa_models.package(), qa_models.toy_examples(), train, gradient_checkpointing=True)
+    _assert_same_round(one, two)
+
+
 @full_only
 def test_dp_sgd_round_on_two_gloo_processes_equals_one_process():
     from fedclinic.privacy.dp_sgd import DPSGD
