@@ -31,6 +31,7 @@ Devices: ``["cpu", "cpu"]`` is two CPU processes (gloo); ``["cuda:0", "cuda:1"]`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -58,6 +59,8 @@ DATA_CLASSES = {
     "ImageTextData": "fedclinic.models.image_text",
     "FeatureData": "fedclinic.models.feature_classification",
 }
+log = logging.getLogger("fedclinic.federation")
+
 #: the most processes one site round may start
 MAX_PROCESSES = 64
 _DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
@@ -243,7 +246,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _failure(job: Path, code: int | None) -> FedclinicError:
-    """The error of the first failed rank (its class when it is one of fedclinic's), else the launcher log's tail."""
+    """The round's error: the first failed rank's when it is one of fedclinic's (its class and message, as the
+    one-process round raises it), else a FedclinicError naming the error's type only -- its message and the
+    processes' output go to this host's log (``fedclinic.federation``), never into a reason sent elsewhere."""
     found = []
     for path in job.glob("error-*.json"):
         try:
@@ -251,22 +256,31 @@ def _failure(job: Path, code: int | None) -> FedclinicError:
         except (OSError, ValueError):
             continue
     # the cause first: one of fedclinic's errors, else the earliest (the other ranks then fail in a collective)
-    found.sort(key=lambda e: (not isinstance(getattr(errors, str(e[0].get("type")), None), type), e[1]))
-    for err, _ in found:
-        cls = getattr(errors, str(err.get("type")), None)
-        cls = cls if isinstance(cls, type) and issubclass(cls, FedclinicError) else FedclinicError
-        if cls is FedclinicError:
-            return FedclinicError(f"distributed round failed on rank {err.get('rank')}: {err.get('type')}: "
-                                  f"{err.get('message')}")
-        try:
-            return cls(str(err.get("message")))
-        except TypeError:  # an error class with required keyword arguments
-            return FedclinicError(str(err.get("message")))
+    found.sort(key=lambda e: (not _fedclinic_error(e[0].get("type")), e[1]))
     try:
-        tail = (job / "launcher.log").read_text(errors="replace")[-2000:]
+        tail = (job / "launcher.log").read_text(errors="replace")[-4000:]
     except OSError:
         tail = ""
-    return FedclinicError(f"distributed round failed (launcher exit code {code}); last output:\n{tail}")
+    if found:
+        err = found[0][0]
+        cls = _fedclinic_error(err.get("type"))
+        if cls is not None and cls is not FedclinicError:
+            try:
+                return cls(str(err.get("message")))
+            except TypeError:  # an error class with required keyword arguments
+                pass
+        log.error("distributed round failed on rank %s: %s: %s\n%s", err.get("rank"), err.get("type"),
+                  err.get("message"), tail)
+        return FedclinicError(f"the distributed round failed on rank {err.get('rank')} with {err.get('type')} "
+                              "(its message and the processes' output are in this site's log)")
+    log.error("distributed round's launcher exited with code %s\n%s", code, tail)
+    return FedclinicError(f"the distributed round's processes stopped (launcher exit code {code}) without a result; "
+                          "their output is in this site's log")
+
+
+def _fedclinic_error(name: Any) -> type | None:
+    cls = getattr(errors, str(name), None)
+    return cls if isinstance(cls, type) and issubclass(cls, FedclinicError) else None
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -194,3 +194,63 @@ def test_cancelling_stops_every_process(monkeypatch):
     with pytest.raises(_Cancel):
         run_site_round_distributed(loaded, data, inp, files=package.files, devices=TWO_CPUS)
     assert started and started[0].poll() is not None  # the launcher is gone (its workers die with it)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    import os
+
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+@full_only
+def test_a_killed_worker_fails_the_round_and_leaves_no_process(monkeypatch):
+    import os
+    import signal
+
+    from fedclinic.errors import FedclinicError
+    from fedclinic.models import build_model
+    from fedclinic.training import trainer as training
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kw):
+        started.append(real_popen(*args, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    package = classification_package()
+    loaded = build_model(package)
+    data = training.encode(classification_examples(40, seed=1), loaded)
+    killed = []
+
+    def progress(step, total, loss):  # rank 1 dies mid-round (the OOM killer, a segfault)
+        if not killed:
+            workers = [p for p in _children(started[0].pid) if b"distributed_worker" in open(
+                f"/proc/{p}/cmdline", "rb").read()]
+            if len(workers) == 2:
+                os.kill(max(workers), signal.SIGKILL)
+                killed.extend(workers)
+
+    inp = SiteRoundInput(task_id="t", site="s", round=1, send=list(package.tensors), progress=progress,
+                         train=TrainConfig(batch_size=2, local_epochs=50, device="cpu"))
+    with pytest.raises(FedclinicError, match="distributed round"):
+        run_site_round_distributed(loaded, data, inp, files=package.files, devices=TWO_CPUS)
+    assert killed and started[0].poll() is not None
+    assert not [p for p in killed if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+
