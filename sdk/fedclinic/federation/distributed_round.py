@@ -112,13 +112,16 @@ def resolve_devices(value: list[str] | str) -> list[str]:
 
 def single_process_reason(loaded: "LoadedModel", inp: SiteRoundInput) -> str | None:
     """Why this round runs in one process even though several devices are configured (None: it can run
-    data-parallel): SAFL's layer selection, kept optimizer state and per-patient DP-SGD are not sharded yet."""
+    data-parallel): SAFL's layer selection, kept optimizer state, per-patient DP-SGD and DP-SGD through Opacus'
+    hooks (fedclinic.privacy.dp_sgd.distributed_problem) are not sharded yet."""
     if inp.safl is not None:
         return "SAFL layer selection runs in one process"
     if inp.train.optimizer_state == "keep":
         return 'optimizer_state = "keep" runs in one process'
-    if inp.dp is not None and inp.dp_groups is not None:
-        return "per-patient DP-SGD runs in one process"
+    if inp.dp is not None:
+        from fedclinic.privacy.dp_sgd import distributed_problem  # lazy: torch
+
+        return distributed_problem(loaded, list(inp.send) + list(inp.private), inp.dp_groups)
     return None
 
 

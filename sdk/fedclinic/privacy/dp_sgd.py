@@ -233,9 +233,9 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
         p.requires_grad_(name in wanted)
     group = data_parallel.current()
     if group is not None:  # several processes: the same sample and noise on every rank, shards clipped apart
-        distributed_problem = _distributed_problem(mode, loaded, module, train_params, groups)
-        if distributed_problem:
-            raise ConfigError(distributed_problem)
+        problem = distributed_problem(loaded, [n for n, _ in named_train], groups, mode=mode)
+        if problem:
+            raise ConfigError(problem)
         entropy = group.shared_entropy(entropy)
     sampler, noise = _randomness(entropy)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -274,11 +274,16 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     return TrainResult(num_samples=n, steps=dp.steps, loss=loss_sum / max(seen, 1))
 
 
-def _distributed_problem(mode: str, loaded, module, train_params: list, groups) -> str | None:
-    """Why this private round cannot run data-parallel (None: it can): ghost and loop clipping shard the Poisson
-    sample by example; Opacus' hooks and per-patient groups do not yet."""
+def distributed_problem(loaded, trainable: Collection[str], groups: object = None, *, mode: str = "auto"
+                        ) -> str | None:
+    """Why a private round training ``trainable`` cannot run data-parallel on several processes (None: it can):
+    ghost and loop clipping shard the Poisson sample by example; Opacus' hooks and per-patient ``groups`` do not
+    yet (the caller then trains in one process)."""
     from fedclinic.privacy.ghost import unsupported_parameters  # lazy: torch
 
+    wanted = set(trainable)
+    module = loaded.module
+    train_params = [p for name, p in module.named_parameters() if name in wanted]
     if groups is not None:
         return ("per-patient DP-SGD runs in one process; set the site's devices to one device for this task "
                 "(privacy.unit = \"patient\")")

@@ -153,15 +153,20 @@ def test_dp_sgd_round_on_two_gloo_processes_equals_one_process():
     assert one.train.steps == two.train.steps == dp.steps  # what the accountant charges: (sigma, q, steps)
 
 
-@full_only
 def test_dp_sgd_with_opacus_hooks_is_refused_on_several_processes():
     from fedclinic.privacy.dp_sgd import DPSGD
     from tests.helpers import ner_models
 
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.5, steps=1)
-    with pytest.raises(ConfigError, match="Opacus' hooks"):
+    with pytest.raises(ConfigError, match="Opacus' hooks"):  # refused before anything starts
         both_rounds(ner_package(), ner_models.make_examples(6, seed=1), TrainConfig(device="cpu", max_length=32),
                     dp=dp, dp_entropy=1)
+    from fedclinic.models import build_model
+    from fedclinic.privacy.dp_sgd import distributed_problem
+
+    package = classification_package()  # ghost clipping: data-parallel
+    assert distributed_problem(build_model(package), list(package.tensors)) is None
+    assert "per-patient" in distributed_problem(build_model(package), list(package.tensors), groups=["p1"])
 
 
 class _Cancel(Exception):
