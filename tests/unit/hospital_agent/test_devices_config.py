@@ -47,3 +47,17 @@ def test_devices_are_read(tmp_path, line, expected):
 def test_bad_device_settings_say_what_to_write(tmp_path, top, message):
     with pytest.raises(ConfigError, match=message):
         _load(tmp_path, top + "\n")
+
+
+def test_check_config_says_when_named_gpus_are_not_visible(tmp_path):
+    import torch
+
+    from hospital_agent.cli import check_config
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    (tmp_path / "agent.toml").write_text(f'devices = ["cuda:{count}"]\n' + AGENT)
+    problems = check_config(str(tmp_path / "agent.toml"))
+    assert any(f"cuda:{count}" in p and ("CUDA_VISIBLE_DEVICES" in p or "torch sees none" in p) for p in problems)
+    (tmp_path / "agent.toml").write_text('devices = ["cpu", "cpu"]\n' + AGENT)
+    assert not any("device" in p for p in check_config(str(tmp_path / "agent.toml")))
+
