@@ -173,10 +173,10 @@ def _torch_threads(value: Any, source: str) -> int:
 def _devices(doc: dict[str, Any], source: str) -> list[str] | str | None:
     """The ``devices`` setting, checked (fedclinic.federation.distributed_round.check_devices); None when absent.
     With it, ``device`` must stay "auto" (one setting says where training runs)."""
-    from fedclinic.federation.distributed_round import check_devices
-
     if "devices" not in doc:
         return None
+    from fedclinic.federation.distributed_round import check_devices  # only for multi-device sites
+
     devices = check_devices(doc["devices"], f"{source}: devices")
     if str(doc.get("device", "auto")) != "auto":
         raise ConfigError(f"{source}: set either device (one process) or devices (one process per device), not both")
