@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test dashboard-screenshots bench bench-secagg bench-dp-utility bench-overhead bench-gpu campaign protos clean wheelhouse sbom test-offline
+.PHONY: install demo test test-distributed dashboard-screenshots bench bench-secagg bench-dp-utility bench-overhead bench-gpu campaign protos clean wheelhouse sbom test-offline
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,13 @@ test: $(STAMP)
 	sh scripts/install_postgresql.sh $(BIN)/python
 	sh scripts/install_chromium.sh  # Debian's Chromium for the dashboard's browser test (returns at once when present)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# A site round on 2 gloo processes against 1 process (issue 21): NER-CRF, question answering, DP-SGD, a failing
+# worker and cancellation, one 2-process launch each (a few minutes on 2 cores). `make test` runs the
+# classification case and the agent test (tests/integration/test_distributed_agent.py).
+test-distributed: $(STAMP)
+	FEDCLINIC_TEST_DISTRIBUTED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q \
+		tests/unit/federation/test_distributed_round.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/transfer.py

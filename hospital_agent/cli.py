@@ -68,6 +68,13 @@ def check_config(path: str) -> list[str]:
             print(f"note: dataset {name!r} is registered but the policy does not allow tasks on it")
     if not config.datasets:
         problems.append("no [datasets.NAME] registered: tasks will have nothing to train on")
+    if config.devices is not None:  # a multi-device site: the GPUs it names must be visible here
+        from fedclinic.federation.distributed_round import resolve_devices  # torch: only when devices is set
+
+        try:
+            print(f"devices: {', '.join(resolve_devices(config.devices))}")
+        except FedclinicError as exc:
+            problems.append(str(exc))
     return problems
 
 

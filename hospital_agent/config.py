@@ -5,6 +5,11 @@ Example::
     aggregator = "aggregator.example.org:7443"
     work_dir = "/var/lib/hospital-agent"
     device = "auto"            # "cpu", "cuda", "cuda:1"; auto = CUDA when present
+    # devices = ["cuda:0", "cuda:1"]   # optional: train every round data-parallel, one process per device
+                               # (torch.distributed: NCCL on GPUs, gloo for ["cpu", "cpu"] = 2 CPU processes);
+                               # "all" = every visible GPU (one CPU process where there is none); replaces device
+    # distributed_timeout = 600        # seconds a process of a multi-device round waits for a silent peer
+    # gradient_checkpointing = false   # recompute activations in the backward pass (less GPU memory, ~30% more time)
     mixed_precision = false    # allow autocast on CUDA when a task asks for it
     torch_threads = 0          # torch CPU threads (intra- and inter-op); 0 = every core (split them between
                                # agents sharing a host)
@@ -173,6 +178,25 @@ def _torch_threads(value: Any, source: str) -> int:
         raise ConfigError(f"{source}: torch_threads must be a whole number of CPU threads, 0-4096 (0 = every core), "
                           f"got {value!r}")
     return value
+
+
+def _devices(doc: dict[str, Any], source: str) -> list[str] | str | None:
+    """The ``devices`` setting, checked (fedclinic.federation.distributed_round.check_devices); None when absent.
+    With it, ``device`` must stay "auto" (one setting says where training runs)."""
+    if "devices" not in doc:
+        return None
+    from fedclinic.federation.distributed_round import check_devices  # only for multi-device sites
+
+    devices = check_devices(doc["devices"], f"{source}: devices")
+    if str(doc.get("device", "auto")) != "auto":
+        raise ConfigError(f"{source}: set either device (one process) or devices (one process per device), not both")
+    return devices
+
+
+def _seconds(value: Any, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 86_400:
+        raise ConfigError(f"{source}: {key} must be a number of seconds between 1 and 86400, got {value!r}")
+    return float(value)
 
 
 def _flag(doc: dict[str, Any], key: str, default: bool, source: str) -> bool:
@@ -361,6 +385,13 @@ class AgentConfig:
     torch_threads: int = 0
     #: import the training stack at start-up, before connecting (hospital_agent.warm_start), not in the first round
     preload_training_stack: bool = True
+    #: train each round on these devices, one torch.distributed process each ("all": every visible GPU); None:
+    #: one process on ``device`` (fedclinic.federation.distributed_round)
+    devices: list[str] | str | None = None
+    #: seconds a process of a multi-device round waits in a collective for a silent peer before the round fails
+    distributed_timeout: float = 600.0
+    #: recompute Hugging Face models' activations in the backward pass (the same gradients for less memory)
+    gradient_checkpointing: bool = False
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -422,7 +453,8 @@ class AgentConfig:
                             **_results_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level", "metrics_address", "torch_threads",
-                              "preload_training_stack"}
+                              "preload_training_stack", "devices", "distributed_timeout",
+                              "gradient_checkpointing"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
         return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
@@ -431,7 +463,10 @@ class AgentConfig:
                    log_level=str(doc.get("log_level", "info")), source=source,
                    metrics_address=parse_metrics_address(doc.get("metrics_address"), source),
                    torch_threads=_torch_threads(doc.get("torch_threads", 0), source),
-                   preload_training_stack=_flag(doc, "preload_training_stack", True, source))
+                   preload_training_stack=_flag(doc, "preload_training_stack", True, source),
+                   devices=_devices(doc, source),
+                   distributed_timeout=_seconds(doc.get("distributed_timeout", 600), "distributed_timeout", source),
+                   gradient_checkpointing=_flag(doc, "gradient_checkpointing", False, source))
 
     def with_metrics_address(self, value: str, where: str) -> "AgentConfig":
         """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""

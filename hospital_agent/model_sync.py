@@ -58,6 +58,7 @@ class ModelSync:
                 tensors={t.name: np.array(self.cache.array(t.sha256, t.dtype, t.shape)) for t in manifest.tensors},
                 files={f.path: self.cache.read(f.sha256) for f in manifest.files})
             state.loaded = build_model(package)
+            state.package_files = dict(package.files)
             state.tensor_sha = {t.name: t.sha256 for t in manifest.tensors}
             cfg = training.TrainConfig.from_proto(a.spec.training)
             state.train_data = training.encode(state.raw_train, state.loaded, max_length=cfg.max_length)

@@ -26,6 +26,9 @@ class TaskState:
     #: the patient id of each training row (per-patient DP tasks only; data: kept in memory, never logged or sent)
     patient_ids: list[str] | None = None
     train_data: object = None                   # fedclinic.training.trainer.EncodedData
+    #: the model package's files (tokenizer, fedclinic_model.json, ...): a multi-device round's processes build the
+    #: model from them
+    package_files: dict[str, bytes] | None = None
     eval_data: object = None
     #: local optimizer moments by tensor name, for tasks with optimizer_state = "keep" (memory only: an agent
     #: restart starts them afresh, as "reset" would)

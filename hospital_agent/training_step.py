@@ -18,9 +18,10 @@ staged error-feedback residual durable, then the update goes to the outbox.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Collection
 
 import numpy as np
@@ -71,6 +72,19 @@ class TrainingStep:
         #: DP-SGD's sampler/noise seed for every round; None (always, in a running agent) draws it from the OS.
         #: Only a test that replays a private round sets it.
         self.dp_entropy: int | None = None
+        self._devices: list[str] | None = None
+        # a multi-device round's private job folders (model, encoded data) left by an agent that was killed mid-round
+        for stale in config.work_dir.glob("fedclinic-ddp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def devices(self) -> list[str]:
+        """The devices a round trains on when ``devices`` is configured (resolved and checked once:
+        fedclinic.federation.distributed_round.resolve_devices; ConfigError when a named GPU is not visible)."""
+        from fedclinic.federation.distributed_round import resolve_devices  # torch: when the agent connects
+
+        if self._devices is None:
+            self._devices = resolve_devices(self.config.devices if self.config.devices is not None else ["cpu"])
+        return self._devices
 
     def prepare_data(self, a: agent_pb2.Assignment, state: TaskState) -> None:
         """Read and validate the task's dataset (once per task), from its file or its source
@@ -127,14 +141,15 @@ class TrainingStep:
         codec = codec_wire.task_codec(a.spec.update.codec)
         path = feedback_path(self.config.work_dir, a.task_id)
         feedback = ErrorFeedback.load(path, codec) if codec_wire.uses_error_feedback(codec) and path.exists() else None
-        out = run_site_round(loaded, state.train_data, SiteRoundInput(
+        inp = SiteRoundInput(
             task_id=a.task_id, site=self._site_id(), round=a.round, send=list(a.send_tensors), train=cfg,
             private=private, codec=a.spec.update.codec, safl=safl.SaflConfig.from_spec(a.spec),
             dp=state.private.dp_sgd if state.private is not None else None,
             dp_groups=state.patient_ids if state.private is not None and state.private.unit == "patient" else None,
             optimizer_state=state.optimizer_state if state.private is None else None,
             feedback=feedback, progress=progress,
-            dp_entropy=self.dp_entropy))
+            dp_entropy=self.dp_entropy)
+        out = self._site_round(loaded, state, inp)
         if out.selection is not None:
             log.info("layers selected", layers=out.selection.layers, tensors=len(out.send))
         state.optimizer_state = out.train.optimizer_state
@@ -152,6 +167,30 @@ class TrainingStep:
                 metrics["tokenizer_unk_rate"] = rate
             state.coverage_reported = True
         return Trained(out, metrics, eval_metrics, private_before)
+
+    def _site_round(self, loaded, state: TaskState, inp: SiteRoundInput) -> SiteRoundResult:
+        """The site round in this process, or -- with several ``devices`` configured and a round that shards --
+        as a torch.distributed job over them (the same round, the same update)."""
+        if self.config.gradient_checkpointing:
+            from fedclinic.models.base import enable_gradient_checkpointing  # torch: when a round runs
+
+            enable_gradient_checkpointing(loaded.module)
+        if self.config.devices is None:
+            return run_site_round(loaded, state.train_data, inp)
+        from fedclinic.federation.distributed_round import run_site_round_distributed, single_process_reason
+
+        devices = self.devices()
+        reason = single_process_reason(loaded, inp) if len(devices) > 1 else "one device configured or visible"
+        if reason:
+            log.info("training in one process", reason=reason, device=devices[0])
+            return run_site_round(loaded, state.train_data, replace(inp, train=replace(inp.train, device=devices[0])))
+        threads = max(1, self.config.torch_threads // len(devices)) if self.config.torch_threads else 0
+        log.info("training on several devices", devices=devices)
+        return run_site_round_distributed(loaded, state.train_data, inp, files=state.package_files or {},
+                                          devices=devices, threads=threads,
+                                          collective_timeout=self.config.distributed_timeout,
+                                          gradient_checkpointing=self.config.gradient_checkpointing,
+                                          workdir=self.config.work_dir)
 
     def evaluate_base(self, a: agent_pb2.Assignment, state: TaskState, trained: Trained, sync) -> dict[str, float]:
         """The round's evaluation, after its update left: the warm model brought back to the round's base model

@@ -177,8 +177,8 @@ class Agent:
     def hello(self) -> agent_pb2.HelloResponse:
         from fedclinic.training.trainer import select_device  # torch: imported once connected (keeps `--help` light)
 
-        device = select_device(self.config.device)
-        caps = agent_pb2.Capabilities(devices=[str(device)], codecs=["raw", *available_codecs()], secure_aggregation=True,
+        devices = self.training.devices() if self.config.devices is not None else [str(select_device(self.config.device))]
+        caps = agent_pb2.Capabilities(devices=devices, codecs=["raw", *available_codecs()], secure_aggregation=True,
                                       families=list(self.config.policy.allowed_families), features=[SECAGG_FEATURE, STATEMENT_FEATURE, RESULTS_FEATURE])
         resp = self.stub().Hello(agent_pb2.HelloRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
                                                        agent_version=fedclinic.__version__, capabilities=caps),

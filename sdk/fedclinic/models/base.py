@@ -367,6 +367,26 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def enable_gradient_checkpointing(module: "torch.nn.Module") -> int:
+    """Turn on activation (gradient) checkpointing in the outermost Hugging Face models inside ``module`` that
+    support it (non-reentrant: each layer's activations are recomputed in the backward pass instead of kept, the
+    same gradients for less memory); returns how many it was turned on in (0: none supports it)."""
+    from transformers import PreTrainedModel  # lazy: transformers is a train dependency
+
+    done: list = []
+    for sub in module.modules():
+        if not isinstance(sub, PreTrainedModel) or not getattr(sub, "supports_gradient_checkpointing", False):
+            continue
+        if any(sub is inner for outer in done for inner in outer.modules()):
+            continue  # inside a model already turned on (a causal LM's base model)
+        if hasattr(sub, "activation_checkpointing_enable"):  # transformers >= 5 (the older name is deprecated)
+            sub.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # pragma: no cover - older transformers
+            sub.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        done.append(sub)
+    return len(done)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Hugging Face configs and pretrained checkpoints
 

@@ -247,6 +247,10 @@ class CausalLMModel(LoadedModel):
         logits, gold = self._answer_logits(inputs, targets)
         return F.cross_entropy(logits.float(), gold)
 
+    def loss_units(self, targets: "torch.Tensor") -> int:
+        """The answer tokens :meth:`training_loss` is the mean over (data-parallel training weights by them)."""
+        return int((targets[:, 1:] != IGNORE).sum())
+
     def _answer_logits(self, inputs, targets) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Logits ``[T, vocab]`` at the positions that predict an answer token, and those tokens ``[T]``.
 

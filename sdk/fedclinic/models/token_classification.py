@@ -122,6 +122,11 @@ class TokenModel(LoadedModel):
         input_ids, mask = inputs
         return self.loss_from_emissions(self.emissions(input_ids, mask), targets, mask)
 
+    def loss_units(self, targets: "torch.Tensor") -> int:
+        """What :meth:`training_loss` is the mean over: sequences with a CRF, labelled tokens without (data-parallel
+        training weights by them)."""
+        return int(targets.shape[0]) if self.has_crf else int((targets != IGNORE).sum())
+
     def loss_from_emissions(self, emissions: "torch.Tensor", targets: "torch.Tensor", mask: "torch.Tensor"
                             ) -> "torch.Tensor":
         import torch.nn.functional as F

@@ -205,6 +205,7 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     # plan budgets, which needs neither)
     import torch
 
+    from fedclinic.training import data_parallel
     from fedclinic.training.optimizers import make_optimizer
     from fedclinic.privacy.ghost import unsupported_parameters
     from fedclinic.training.trainer import TrainResult, select_device
@@ -230,6 +231,12 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     train_params = [p for _, p in named_train]
     for name, p in module.named_parameters():
         p.requires_grad_(name in wanted)
+    group = data_parallel.current()
+    if group is not None:  # several processes: the same sample and noise on every rank, shards clipped apart
+        problem = distributed_problem(loaded, [n for n, _ in named_train], groups, mode=mode)
+        if problem:
+            raise ConfigError(problem)
+        entropy = group.shared_entropy(entropy)
     sampler, noise = _randomness(entropy)
     optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     noisy = NoisyStep(dp.noise_multiplier, dp.max_grad_norm, expected_batch_size=max(1, round(dp.sample_rate * units)))
@@ -265,6 +272,25 @@ def train_local_private(loaded, data, cfg: "TrainConfig", dp: DPSGD, *, trainabl
     if not math.isfinite(loss_sum):
         raise IntegrityError("private training diverged (loss is NaN/Inf); lower the learning rate")
     return TrainResult(num_samples=n, steps=dp.steps, loss=loss_sum / max(seen, 1))
+
+
+def distributed_problem(loaded, trainable: Collection[str], groups: object = None, *, mode: str = "auto"
+                        ) -> str | None:
+    """Why a private round training ``trainable`` cannot run data-parallel on several processes (None: it can):
+    ghost and loop clipping shard the Poisson sample by example; Opacus' hooks and per-patient ``groups`` do not
+    yet (the caller then trains in one process)."""
+    from fedclinic.privacy.ghost import unsupported_parameters  # lazy: torch
+
+    wanted = set(trainable)
+    module = loaded.module
+    train_params = [p for name, p in module.named_parameters() if name in wanted]
+    if groups is not None:
+        return ("per-patient DP-SGD runs in one process; set the site's devices to one device for this task "
+                "(privacy.unit = \"patient\")")
+    if _run_class(mode, loaded, unsupported_parameters(module, train_params)) is _OpacusRun:
+        return (f"DP-SGD for {loaded.family} ({loaded.architecture}) clips with Opacus' hooks, which run in one "
+                "process; set the site's devices to one device for this task")
+    return None
 
 
 def _randomness(entropy: int | None) -> tuple["SecureRandom", "TensorNoise"]:
@@ -307,19 +333,25 @@ class _GhostRun:
         self.data, self.device, self.part_size = data, device, max(1, part_size)
         self.params, self.optimizer, self.noisy, self.noise, self.step_hook = params, optimizer, noisy, noise, step_hook
         self.groups = groups
+        from fedclinic.training import data_parallel
+
+        self.group = data_parallel.current()  # several processes: this rank clips its shard of each sample
 
     def step(self, idx: "torch.Tensor") -> float:
         """One noisy step on the Poisson sample ``idx`` (empty: a noise-only step, as the accountant assumes);
         returns the sample's summed loss."""
         self.optimizer.zero_grad(set_to_none=True)  # p.grad must hold only this step's clipped sum and noise
         total = 0.0
-        for part, local in _parts(idx, self.part_size, self.groups):
+        mine = idx if self.group is None else self.group.shard(idx)
+        for part, local in _parts(mine, self.part_size, self.groups):
             inputs, y = self.data.batch(part, self.device)
             with self.clip.recording():
                 losses = self.objective.per_example(inputs, y)
             self.clip.add_clipped_sum(losses, None if local is None else local.to(losses.device))
             total += float(losses.detach().sum())
             del losses
+        if self.group is not None:  # the sample's clipped sum: every rank's shard added, before the noise
+            total = self.group.sum_gradients(self.params, total)
         std = self.noisy.noise_multiplier * self.noisy.max_grad_norm
         for p in self.params:
             noise = self.noise.like(p, std)

@@ -18,7 +18,9 @@ Only tensors named in ``trainable`` get gradients. The optimiser (:mod:`fedclini
 fresh each call; with ``optimizer_state = "keep"`` its moments are carried over from the previous round.
 Batches are trimmed to their longest sequence, so short texts cost less.
 Randomness (shuffling, dropout) is seeded from ``cfg.seed`` inside a forked RNG, so the caller's global
-RNG state is left as it was.
+RNG state is left as it was. Inside a data-parallel group (:mod:`fedclinic.training.data_parallel`, several
+processes) each rank trains its shard of every global batch and the gradients are summed with weights that make
+them the global batch's mean gradient: the same steps as one process.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from fedclinic.evaluation.multilabel import multilabel_evaluation
 from fedclinic.models.base import EncodedData, encode_texts
+from fedclinic.training import data_parallel
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
 from fedclinic.training.precision import autocast_for, check_autocast_dtype
 from fedclinic.spec.selection import select_names
@@ -276,6 +279,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                           f"one value per label ({data.num_labels} labels here)")
     loss_fn = _batch_loss(loaded, data.multi_label, cfg.pos_weight)
     autocast, scaler = _autocast(device, cfg.mixed_precision, cfg.autocast_dtype)
+    group = data_parallel.current()  # several processes: each trains its shard of every global batch
 
     n = len(data)
     per_epoch = math.ceil(n / cfg.batch_size)
@@ -296,17 +300,21 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
             if step >= total:
                 break
             order = torch.randperm(n, generator=gen)
-            for inputs, y in data.batches(order, cfg.batch_size, device):
+            for inputs, y, bs in _global_batches(data, order, cfg.batch_size, device, group):
                 if step >= total:
                     break
                 with autocast():
-                    loss = loss_fn(inputs, y)
+                    loss = (loss_fn(inputs, y) if group is None
+                            else group.weighted_loss(loaded, loss_fn, inputs, y, train_params))
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(loss).backward()
-                    scaler.unscale_(optimizer)
                 else:
                     loss.backward()
+                if group is not None:  # the global batch's gradient and mean loss on every rank
+                    loss = group.all_reduce(train_params, loss)
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
                 if anchor is not None:
                     add_proximal_gradient(train_params, anchor, cfg.proximal_mu)
                 if cfg.max_grad_norm > 0:
@@ -317,7 +325,6 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                 else:
                     optimizer.step()
                 step += 1
-                bs = int(y.shape[0])
                 seen += bs
                 loss_sum.add_(loss.detach(), alpha=bs)
                 if progress is not None:
@@ -334,6 +341,14 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
     kept = _export_optimizer_state(optimizer, named_train) if cfg.optimizer_state == "keep" else None
     return TrainResult(num_samples=n, steps=step, loss=float(loss_sum) / max(seen, 1), optimizer_state=kept,
                        gradient_change_rate=rate)
+
+
+def _global_batches(data, order, batch_size: int, device, group):
+    """``(inputs, targets, rows)`` per global batch of ``order``: the whole batch in one process, this rank's shard
+    (:meth:`fedclinic.training.data_parallel.DataParallel.batches`) in a data-parallel group."""
+    if group is not None:
+        return group.batches(data, order, batch_size, device)
+    return ((inputs, y, int(y.shape[0])) for inputs, y in data.batches(order, batch_size, device))
 
 
 def _batch_loss(loaded, multi_label: bool, pos_weight: Sequence[float] = ()) -> Callable[[tuple, "torch.Tensor"], "torch.Tensor"]:
