@@ -80,6 +80,7 @@ class ModelSync:
                                    files={f.path: self.cache.read(f.sha256) for f in manifest.files})
             state.loaded = build_model(package)
             state.tensor_sha = {t.name: t.sha256 for t in manifest.tensors}
+            state.global_tensors = CachedTensors(self.cache, manifest.tensors)
             cfg = training.TrainConfig.from_proto(a.spec.training)
             state.train_data = training.encode(state.raw_train, state.loaded, max_length=cfg.max_length)
             if state.raw_eval is not None:
@@ -89,6 +90,7 @@ class ModelSync:
         if len(changed):
             load_tensors(state.loaded.module, changed)
             state.tensor_sha.update({t.name: t.sha256 for t in manifest.tensors})
+        state.global_tensors = CachedTensors(self.cache, manifest.tensors)
 
     def usable_deltas(self, a: agent_pb2.Assignment, missing: set[str]) -> dict[str, tensors_pb2.DownlinkDelta]:
         """The assignment's encoded changes (compressed downlink) for missing tensors whose base this agent holds

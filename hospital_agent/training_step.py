@@ -138,7 +138,7 @@ class TrainingStep:
             dp_groups=state.patient_ids if state.private is not None and state.private.unit == "patient" else None,
             optimizer_state=state.optimizer_state if state.private is None else None,
             feedback=feedback, progress=progress,
-            dp_entropy=self.dp_entropy))
+            dp_entropy=self.dp_entropy, base=state.global_tensors))
         if out.selection is not None:
             log.info("layers selected", layers=out.selection.layers, tensors=len(out.send))
         state.optimizer_state = out.train.optimizer_state
