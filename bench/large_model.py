@@ -78,6 +78,40 @@ def reset_peak(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
+class Sampler:
+    """Samples each process's anonymous and file-backed resident memory (``RssAnon``/``RssFile``) every 50 ms,
+    keeping the largest of each per phase: what a peak was made of (VmHWM gives the exact peak)."""
+
+    def __init__(self, procs: dict[str, int]) -> None:
+        import threading
+
+        self.procs = procs
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for name, pid in list(self.procs.items()):
+                try:
+                    values = {k: status_kb(pid, k) * 1024 for k in ("RssAnon", "RssFile")}
+                except (OSError, KeyError):
+                    continue
+                mine = self.peaks.setdefault(name, {})
+                for k, v in values.items():
+                    mine[k] = max(mine.get(k, 0), v)
+
+    def take(self) -> dict[str, dict[str, int]]:
+        """The peaks since the last take (a new phase starts)."""
+        out, self.peaks = self.peaks, {}
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 # --- the package, made in a process of its own -----------------------------------------------------------------------
 def make_package(shape: dict, folder: Path, seed: int) -> None:
     """Save a seeded Llama of ``shape`` as a question-answering package folder (run in a child process)."""
@@ -110,7 +144,7 @@ def child_main(argv: list[str]) -> int:
         from fedclinic.transport.package import ModelPackage
 
         creds, address, folder, task_doc = json.loads(argv[1]), argv[2], Path(argv[3]), json.loads(argv[4])
-        package = ModelPackage.load(folder)
+        package = ModelPackage.load(folder, mapped=True)  # hashed and streamed one tensor at a time
         with connect(address, server_name="localhost", **creds) as client:
             out = {"task_id": client.submit(Task(**task_doc), package=package).task_id}
     elif job == "download":
@@ -176,9 +210,13 @@ def run(shape: dict, out: Path, *, seed: int = 1, timeout: float = 3600, trainab
         creds = json.dumps(fed.creds("scientist"))
         idle = {"aggregator": status_kb(fed.aggregator.pid, "VmRSS") * 1024}
 
+        sampler = Sampler(procs)
+        parts: dict[str, dict] = {}
+
         def phase(name: str, started: float) -> None:
             times[name] = time.monotonic() - started
             peaks[name] = {p: status_kb(pid, "VmHWM") * 1024 for p, pid in procs.items()}
+            parts[name] = sampler.take()
             for pid in procs.values():
                 reset_peak(pid)
 
@@ -210,8 +248,9 @@ def run(shape: dict, out: Path, *, seed: int = 1, timeout: float = 3600, trainab
         down = _child(["download", creds, fed.address, sub["task_id"], str(out / "final")])
         client_peaks["download"] = down["peak_kb"] * 1024
         phase("download", t)
+        sampler.stop()
     return {"params": params, "model_bytes": model_bytes, "idle": idle, "peaks": peaks, "client": client_peaks,
-            "times": times, "uplink_bytes": uplink, "trainable": list(trainable)}
+            "times": times, "uplink_bytes": uplink, "trainable": list(trainable), "sampled": parts}
 
 
 def _died(name: str, fed) -> None:
@@ -221,13 +260,16 @@ def _died(name: str, fed) -> None:
 def report(res: dict) -> tuple[bool, str]:
     """Print the table (peaks against the idle baseline and the model size); return (met, RESULT line)."""
     mb = res["model_bytes"]
-    print(f"\n{'phase':10s} {'aggregator GB':>14s} {'agent GB':>10s} {'client GB':>10s} {'seconds':>8s}")
+    print(f"\n{'phase':10s} {'aggregator GB':>14s} {'agent GB':>10s} {'client GB':>10s} {'seconds':>8s}   "
+          "sampled peaks, anonymous / file-backed GB")
     print(f"{'idle':10s} {res['idle']['aggregator'] / GB:14.3f} {res['idle'].get('agent', 0) / GB:10.3f}")
     for name, p in res["peaks"].items():
         client = res["client"].get(name)
         agent = f"{p['agent'] / GB:10.3f}" if "agent" in p else f"{'-':>10s}"
+        sampled = "  ".join(f"{proc} {v.get('RssAnon', 0) / GB:.3f} / {v.get('RssFile', 0) / GB:.3f}"
+                            for proc, v in res.get("sampled", {}).get(name, {}).items())
         print(f"{name:10s} {p['aggregator'] / GB:14.3f} {agent} "
-              f"{(f'{client / GB:10.3f}' if client else f'{chr(45):>10s}')} {res['times'][name]:8.1f}")
+              f"{(f'{client / GB:10.3f}' if client else f'{chr(45):>10s}')} {res['times'][name]:8.1f}   {sampled}")
     agg = max(p["aggregator"] for p in res["peaks"].values())
     agent = max(p.get("agent", 0) for p in res["peaks"].values())
     client = max(res["client"].values())
