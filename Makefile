@@ -52,8 +52,8 @@ bench-overhead: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/overhead.py
 
 # A 1.1-billion-parameter Llama-shaped model submitted, broadcast, fetched, trained, uploaded, folded and downloaded
-# over the real services, with each process's peak memory against the model size (issue 21; needs ~13 GB of memory
-# for the agent and ~30 GB of disk, tens of minutes on 2 cores): docs/results/large-model.md. BENCH_LARGE_ARGS picks
+# over the real services, with each process's peak memory against the model size (issue 21; needs ~10 GB of memory
+# for the agent, ~9 GB to package the model, ~30 GB of disk, ~15 minutes on 2 cores): docs/results/large-model.md. BENCH_LARGE_ARGS picks
 # another size or the trained tensors. `make test` runs its --smoke (tests/integration/test_large_model_bench.py).
 bench-large: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/large_model.py $(BENCH_LARGE_ARGS)
