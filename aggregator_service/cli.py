@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from fedclinic.runtime import logs
+from fedclinic.runtime.heap_trim import fix_mmap_threshold
 from fedclinic.errors import FedclinicError
 from aggregator_service.config import AggregatorConfig
 from aggregator_service.backup import create_backup, verify_backup, signed_by, restore_backup
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.metrics_address is not None:
                 config = config.with_metrics_address(args.metrics_address, "--metrics-address")
             logs.configure(config.log_level)
+            fix_mmap_threshold()  # streamed models' chunks must not stay resident as freed heap
             Aggregator(config).serve_forever()
         except (FedclinicError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -67,7 +67,7 @@ class Engine:
         self.sites = Sites(store, self.secagg.capable)
         #: result phases: the final model's evaluation, "evaluate" and "statistics" tasks (aggregator_service.results)
         self.results = ResultPhases(store, self.sites.eligible, self.sites.connected_sites)
-        self.folding = Folding(store, blobs)
+        self.folding = Folding(store, blobs, self.spill_root)
         self.rounds = RoundMachine(store, blobs, self.folding, self.sites, self.spill_root, self.results)
         self.admission = UpdateAdmission(store, self.folding, self.spill_root, self.lock, self.changed, self.metrics,
                                          on_accepted=self.rounds.maybe_close, on_damaged=self.stored_copy_damaged)

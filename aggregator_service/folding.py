@@ -1,7 +1,9 @@
 """Folding: the streaming accumulators of open rounds.
 
 Each running task with an open round has one :class:`Accumulator`: the task's strategy (``begin`` on the
-round's base model, then ``accept`` per update, ``finalize`` when the round closes), O(model size) in memory.
+round's base model, then ``accept`` per update, ``finalize`` when the round closes). With a ``spill_root`` the
+strategy keeps its accumulators in files beside the round's spilled updates (``Strategy.spill_to``), so a fold
+holds one tensor in memory, not the model; without one (or for a strategy that cannot spill) O(model size).
 An update is folded once (by update id), straight from its spill file (:class:`UpdateLayout`: block reads,
 encoded tensors decoded while read). Accumulators are in memory only: :meth:`Folding.accumulator` rebuilds
 one for the round's base model and the strategy state the previous round stored, and the engine folds the
@@ -20,7 +22,7 @@ from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.transport.package import raw_bytes
 from fedclinic.spec.validation import strategy_of
 from fedclinic.strategies import Strategy
-from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor
+from fedclinic.strategies.tensorsource import EncodedTensor, FileTensor, TensorLike, blocks
 
 from aggregator_service.store import Store, UpdateRecord
 from aggregator_service.stored_data import verify_blob
@@ -76,9 +78,12 @@ class Accumulator:
 class Folding:
     """The accumulators of the open rounds, by task id."""
 
-    def __init__(self, store: Store, blobs: BlobStore) -> None:
+    def __init__(self, store: Store, blobs: BlobStore, spill_root: Path | None = None) -> None:
         self.store = store
         self.blobs = blobs
+        #: where a strategy keeps its accumulators (``<spill_root>/<task>/<round>/accumulator``), one tensor in
+        #: memory at a time (Strategy.spill_to); None keeps them in memory
+        self.spill_root = spill_root
         self._acc: dict[str, Accumulator] = {}
 
     def accumulator(self, task_id: str) -> Accumulator:
@@ -95,6 +100,8 @@ class Folding:
             tensors = {t.name: FileTensor(self.blobs.path(t.sha256), 0, t.dtype, t.shape) for t in manifest.tensors}
             strategy = strategy_of(task.spec)
             strategy.load_state(self._saved_state(task_id, rnd.round - 1))
+            if self.spill_root is not None:
+                strategy.spill_to(self.spill_root / task_id / str(rnd.round) / "accumulator")
             strategy.begin(tensors)
             acc = self._acc[task_id] = Accumulator(rnd.round, strategy)
         return acc
@@ -119,3 +126,18 @@ class Folding:
             verify_blob(self.blobs, sha, f"strategy state {key!r} of round {rnd}")
             out[key] = np.array(self.blobs.array(sha, dtype, tuple(shape)))
         return out
+
+
+def put_tensor(blobs: BlobStore, x: TensorLike, block_bytes: int = 1 << 20) -> str:
+    """Store a strategy's result tensor as a blob and return its sha256: an array as it is, a float32
+    FileTensor streamed through one ``block_bytes`` scratch buffer (never read whole)."""
+    if not isinstance(x, FileTensor) or np.dtype(x.dtype) != np.float32:
+        return blobs.put(raw_bytes(x.read() if isinstance(x, (FileTensor, EncodedTensor)) else x))
+    writer = blobs.writer(None, x.size * 4)
+    try:
+        for _, block in blocks(x, np.empty(block_bytes // 4, np.float32)):
+            writer.write(raw_bytes(block))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.commit()

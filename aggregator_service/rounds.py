@@ -29,11 +29,12 @@ from fedclinic.transport import downlink
 from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.runtime.failpoints import failpoint
 from fedclinic.errors import ConfigError, IntegrityError, Refused
-from fedclinic.transport.package import Manifest, TensorEntry, raw_bytes
+from fedclinic.transport.package import Manifest, TensorEntry
 from fedclinic.proto import control_pb2, task_pb2, tensors_pb2
 from fedclinic.spec.validation import check_spec
+from fedclinic.strategies.tensorsource import FileTensor, TensorLike
 
-from aggregator_service.folding import Folding
+from aggregator_service.folding import Folding, put_tensor
 from aggregator_service.results import ResultPhases, round_eval_line, task_kind
 from aggregator_service.round_metrics import round_metrics
 from aggregator_service.sites import Sites
@@ -247,8 +248,8 @@ class RoundMachine:
                 continue
             delta = None
             if codec is not None and t.dtype == "float32" and arr.size:  # the broadcast model is the global one
-                arr, delta = self._broadcast_delta(task_id, rnd.round, t, arr, codec)
-            sha = self.blobs.put(raw_bytes(arr))
+                arr, delta = self._broadcast_delta(task_id, rnd.round, t, _in_memory(arr), codec)
+            sha = put_tensor(self.blobs, arr)  # a spilled result streams from its file
             entries.append(TensorEntry(t.name, t.dtype, t.shape, sha, t.nbytes))
             if delta is not None and sha != t.sha256:
                 deltas.append(delta)
@@ -314,3 +315,8 @@ class RoundMachine:
         """Forget the task's accumulator and delete its spill files (its task ended)."""
         self.folding.drop(task_id)
         shutil.rmtree(self.spill_root / task_id, ignore_errors=True)
+
+
+def _in_memory(x: TensorLike) -> np.ndarray:
+    """A strategy's result tensor as an array (a spilled one read from its file: one tensor, not the model)."""
+    return x.read() if isinstance(x, FileTensor) else x

@@ -5,13 +5,15 @@ the cache lacks (``FetchModel`` with the hashes held), those with a usable encod
 base held, a downlink codec this agent knows) as that change, rebuilt on the base and checked against the
 manifest's sha256 — a change that does not rebuild the tensor exactly is fetched again in full. The first
 round builds the model and encodes the site's data once; later rounds load only the tensors whose hash changed.
+Either way the tensors go from the cache into the module one at a time (:class:`CachedTensors`): the agent
+holds the module and one tensor's pages, never a second copy of the model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Callable
+from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -21,7 +23,7 @@ from fedclinic.transport import codec_wire
 from fedclinic.runtime.blobstore import BlobStore
 from fedclinic.codecs import parse_codec
 from fedclinic.errors import FedclinicError, IntegrityError
-from fedclinic.transport.package import Manifest, ModelPackage, raw_bytes
+from fedclinic.transport.package import Manifest, ModelPackage, TensorEntry, raw_bytes
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
 from fedclinic.transport.wire import ChunkAssembler, FileAssembler, MemoryWriter, header_of
 
@@ -31,6 +33,26 @@ from hospital_agent.uploader import Audit
 from fedclinic.transport import downlink, resume
 
 log = structlog.get_logger("fedclinic.agent")
+
+
+class CachedTensors(Mapping[str, np.ndarray]):
+    """Tensors of the site's cache by name, each read when it is looked up: a fresh read-only memory map that is
+    unmapped once the caller drops it. Loading a module from it (``load_tensors`` copies one item at a time)
+    keeps one tensor's pages resident beside the module, not the model a dict of copies would."""
+
+    def __init__(self, cache: BlobStore, entries: Sequence[TensorEntry]) -> None:
+        self._cache = cache
+        self._entries = {t.name: t for t in entries}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        t = self._entries[name]
+        return self._cache.array(t.sha256, t.dtype, tuple(t.shape))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class ModelSync:
@@ -54,22 +76,22 @@ class ModelSync:
         if missing or need_files:
             self.fetch(a.task_id, manifest, need_files, deltas=self.usable_deltas(a, {t.name for t in missing}))
         if state.loaded is None:
-            package = ModelPackage(
-                tensors={t.name: np.array(self.cache.array(t.sha256, t.dtype, t.shape)) for t in manifest.tensors},
-                files={f.path: self.cache.read(f.sha256) for f in manifest.files})
+            package = ModelPackage(tensors=CachedTensors(self.cache, manifest.tensors),  # type: ignore[arg-type]
+                                   files={f.path: self.cache.read(f.sha256) for f in manifest.files})
             state.loaded = build_model(package)
             state.package_files = dict(package.files)
             state.tensor_sha = {t.name: t.sha256 for t in manifest.tensors}
+            state.global_tensors = CachedTensors(self.cache, manifest.tensors)
             cfg = training.TrainConfig.from_proto(a.spec.training)
             state.train_data = training.encode(state.raw_train, state.loaded, max_length=cfg.max_length)
             if state.raw_eval is not None:
                 state.eval_data = training.encode(state.raw_eval, state.loaded, max_length=cfg.max_length)
             return
-        changed = {t.name: np.array(self.cache.array(t.sha256, t.dtype, t.shape))
-                   for t in manifest.tensors if state.tensor_sha.get(t.name) != t.sha256}
-        if changed:
+        changed = CachedTensors(self.cache, [t for t in manifest.tensors if state.tensor_sha.get(t.name) != t.sha256])
+        if len(changed):
             load_tensors(state.loaded.module, changed)
             state.tensor_sha.update({t.name: t.sha256 for t in manifest.tensors})
+        state.global_tensors = CachedTensors(self.cache, manifest.tensors)
 
     def usable_deltas(self, a: agent_pb2.Assignment, missing: set[str]) -> dict[str, tensors_pb2.DownlinkDelta]:
         """The assignment's encoded changes (compressed downlink) for missing tensors whose base this agent holds

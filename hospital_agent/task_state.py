@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -21,6 +21,9 @@ class TaskState:
 
     loaded: object = None                       # fedclinic.models.LoadedModel
     tensor_sha: dict[str, str] = field(default_factory=dict)
+    #: the global model the module was last synced to, read from the tensor cache a tensor at a time
+    #: (hospital_agent.model_sync.CachedTensors); the site round's delta is taken against it
+    global_tensors: Mapping[str, np.ndarray] | None = None
     raw_train: list | None = None               # validated rows: fedclinic.data.text.Example or data_ner.NerExample
     raw_eval: list | None = None
     #: the patient id of each training row (per-patient DP tasks only; data: kept in memory, never logged or sent)

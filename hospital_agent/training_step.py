@@ -148,7 +148,7 @@ class TrainingStep:
             dp_groups=state.patient_ids if state.private is not None and state.private.unit == "patient" else None,
             optimizer_state=state.optimizer_state if state.private is None else None,
             feedback=feedback, progress=progress,
-            dp_entropy=self.dp_entropy)
+            dp_entropy=self.dp_entropy, base=state.global_tensors)
         out = self._site_round(loaded, state, inp)
         if out.selection is not None:
             log.info("layers selected", layers=out.selection.layers, tensors=len(out.send))

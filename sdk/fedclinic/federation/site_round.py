@@ -88,6 +88,10 @@ class SiteRoundInput:
     dp_entropy: int | None = None
     #: per-patient DP: the patient id of each training row (None: the unit is a row); see fedclinic.privacy.patient_groups
     dp_groups: Sequence[Hashable] | None = None
+    #: the global values of the tensors that may be sent, where the caller keeps them outside the module (the
+    #: agent's tensor cache, read a tensor at a time): the delta is taken against them instead of a copy of the
+    #: model made before training. They must equal the module's values on entry. None: that copy is made.
+    base: Mapping[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -136,6 +140,7 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
     # knows whether this site will ever train)
     from fedclinic.training import safl as safl_layers
     from fedclinic.models import load_tensors, module_tensors
+    from fedclinic.models.base import ModuleTensorView
     from fedclinic.training.trainer import compute_delta, train_local
 
     private = list(inp.private)
@@ -152,7 +157,7 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
         send = selection.tensors
     seed = site_seed(inp.train.seed, inp.round, inp.site)
     cfg = replace(inp.train, seed=seed)
-    before = module_tensors(loaded.module, send)
+    before = inp.base if inp.base is not None else module_tensors(loaded.module, send)
     if inp.dp is not None:
         from fedclinic.privacy.dp_sgd import train_local_private  # lazy: opacus only for private rounds
 
@@ -164,7 +169,7 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
     else:
         result = train_local(loaded, data, cfg, trainable=send + private, progress=inp.progress,
                              optimizer_state=inp.optimizer_state)
-    delta = compute_delta(before, module_tensors(loaded.module, send), send)
+    delta = compute_delta(before, ModuleTensorView(loaded.module), send)  # one trained tensor copied at a time
     leaking = outgoing_problems(send, private)
     if leaking:  # unreachable while the check above holds; the last gate before anything is encoded
         raise IntegrityError("refusing to send: " + "; ".join(leaking))

@@ -240,6 +240,30 @@ def module_tensors(module: "torch.nn.Module", names: Sequence[str] | None = None
     return out
 
 
+class ModuleTensorView(Mapping[str, np.ndarray]):
+    """The module's (persistent) state-dict entries by name, each copied out by :func:`module_tensors` when it is
+    looked up: a caller that handles one tensor at a time (e.g. ``trainer.compute_delta``) holds one copy, not a
+    copy of the model."""
+
+    def __init__(self, module: "torch.nn.Module") -> None:
+        self._module = module
+        self._names = list(module.state_dict())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        return module_tensors(self._module, [name])[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def load_tensors(module: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -> None:
     """Copy ``tensors`` into the module's state in place (a partial update; the others stay as they are).
 

@@ -5,6 +5,7 @@ A strategy sees one round as::
     strategy.begin(global_tensors)            # the model the round started from
     strategy.accept(update, strategy.weight_for(n, metrics), site=...)  # once per site, in arrival order
     new_tensors = strategy.finalize()         # tensors that changed; the rest stay as they were
+                                              # (arrays; FileTensors after spill_to)
 
 ``accept`` either takes the whole update or raises (IntegrityError/ValueError) *before* changing any
 state: the aggregator folds an update before recording it and relies on a refused update leaving no trace.
@@ -21,6 +22,7 @@ that secure aggregation yields.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import ClassVar, Mapping
 
 import numpy as np
@@ -40,7 +42,12 @@ class Strategy(ABC):
     def accept(self, update: Mapping[str, TensorLike], weight: float, *, site: str) -> None: ...
 
     @abstractmethod
-    def finalize(self) -> dict[str, np.ndarray]: ...
+    def finalize(self) -> dict[str, TensorLike]: ...
+
+    def spill_to(self, folder: Path | None) -> None:
+        """Keep the round's model-sized accumulators in files under ``folder`` rather than in memory, so a fold
+        holds one tensor at a time (called before :meth:`begin`; ``finalize`` may then return FileTensors).
+        A strategy that cannot spill ignores it and keeps them in memory (this default)."""
 
     def weight_for(self, num_samples: int, metrics: Mapping[str, float]) -> float:
         """The ``weight`` handed to :meth:`accept` for a site's update: its sample count, unless the strategy

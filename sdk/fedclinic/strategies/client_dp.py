@@ -128,8 +128,10 @@ class ClientDP(FedAvg):
             return super().finalize()
         noise = _noise_source()
         std = self.update_noise_multiplier(m) * self.clip_norm
-        for name, acc in self._acc.items():
+        for name in self._acc.names():
+            acc = self._acc.load(name, int(np.prod(self._global[name].shape, dtype=np.int64)))
             acc += noise.sample(acc.shape, std, acc.dtype)
+            self._acc.store(name, acc)
             self._weight[name] = float(m)  # the mean over the m accepted updates, whoever sent the tensor
         if self.adaptive:
             noisy_share = (self._unclipped + float(noise.sample((), self.count_sigma(m), np.float64))) / m

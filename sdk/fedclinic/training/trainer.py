@@ -334,6 +334,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
             grads_after = _full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
             rate = gradient_change_rate(grads_before, grads_after)
     module.eval()
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients (one model-sized copy) are not needed now
     for _, p in params:
         p.requires_grad_(True)
     if not math.isfinite(float(loss_sum)):

@@ -26,6 +26,7 @@ import numpy as np
 
 from fedclinic.errors import IntegrityError
 from fedclinic.runtime.safetensors_file import safetensors_with_metadata  # noqa: F401  (re-exported)
+from fedclinic.runtime.safetensors_file import MappedSafetensors
 
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "fedclinic_model.json"
@@ -111,10 +112,7 @@ class ModelPackage:
         return json.loads(raw) if raw else {}
 
     def manifest(self) -> Manifest:
-        tensors = tuple(
-            TensorEntry(name, str(a.dtype), tuple(int(s) for s in a.shape), tensor_sha256(a), int(a.nbytes))
-            for name, a in sorted(self.tensors.items())
-        )
+        tensors = tuple(_tensor_entry(name, self.tensors[name]) for name in sorted(self.tensors))  # one at a time
         files = tuple(
             FileEntry(path, hashlib.sha256(data).hexdigest(), len(data)) for path, data in sorted(self.files.items())
         )
@@ -134,11 +132,14 @@ class ModelPackage:
         return out
 
     @classmethod
-    def load(cls, folder: str | os.PathLike[str]) -> "ModelPackage":
+    def load(cls, folder: str | os.PathLike[str], *, mapped: bool = False) -> "ModelPackage":
         """Read a package folder written by :meth:`save` (or a Hugging Face folder with safetensors).
 
         The model card files and the download's ``SIGNATURES.json`` at the top of the folder are not package
-        files and are left out."""
+        files and are left out. With ``mapped`` the tensors are not read: ``tensors`` is a read-only mapping
+        whose every lookup memory-maps one tensor of the file (:class:`~fedclinic.runtime.safetensors_file.
+        MappedSafetensors`), so hashing and submitting a model larger than memory holds one tensor at a time
+        (the file must not change while the package is in use)."""
         from safetensors.numpy import load_file
 
         root = Path(folder)
@@ -151,7 +152,16 @@ class ModelPackage:
             if p.is_file() and p.name != WEIGHTS_FILE and not p.name.startswith(".")
             and not (p.parent == root and p.name in (CARD_FILE, CARD_MARKDOWN_FILE, SIGNATURES_FILE))
         }
+        if mapped:
+            try:
+                return cls(tensors=MappedSafetensors(weights), files=files)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise IntegrityError(f"cannot read {weights}: {exc}") from None
         return cls(tensors=dict(load_file(str(weights))), files=files)
+
+
+def _tensor_entry(name: str, a: np.ndarray) -> TensorEntry:
+    return TensorEntry(name, str(a.dtype), tuple(int(s) for s in a.shape), tensor_sha256(a), int(a.nbytes))
 
 
 def _safe_join(root: Path, rel: str) -> Path:
