@@ -259,3 +259,9 @@ def _wait_ready(server: PostgresServer) -> bool:
         except subprocess.TimeoutExpired:
             pass
     return False
+
+
+def postgres_state(server: PostgresServer, database: str) -> dict[str, str]:
+    """The aggregator's ``[state]`` table for ``database`` on ``server`` (URL without the password, which the
+    aggregator reads from the password file)."""
+    return {"database": server.dsn(database), "database_password_file": str(server.password_file())}
