@@ -75,7 +75,7 @@ class PostgresStore(SqlStore):
 
     def __init__(self, settings: DatabaseSettings, state_dir: Path) -> None:
         import psycopg
-        from psycopg_pool import ConnectionPool
+        from psycopg_pool import ConnectionPool, PoolTimeout
 
         self._state_dir = Path(state_dir)
         self._state_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,13 @@ class PostgresStore(SqlStore):
         self._pool = ConnectionPool(settings.url, kwargs=kwargs, min_size=1, max_size=settings.pool_size,
                                     open=False, timeout=POOL_WAIT_S, name="fedclinic-store",
                                     check=ConnectionPool.check_connection)
-        self._pool.open(wait=True, timeout=CONNECT_TIMEOUT_S * 3)
+        try:
+            self._pool.open(wait=True, timeout=CONNECT_TIMEOUT_S * 3)
+        except PoolTimeout:
+            self._pool.close()
+            raise StoreError(f"cannot open connections to the PostgreSQL database {self.where} ([state] database) "
+                             f"within {CONNECT_TIMEOUT_S * 3} s, although a first connection worked: check the "
+                             "server's max_connections and load") from None
         log.info("store on PostgreSQL", database=self.where, pool_size=settings.pool_size)
         self._relocate_spill_paths()
 
