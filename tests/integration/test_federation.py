@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from fedclinic.client import state_name
+from fedclinic.federation.local_federation import wait_until
 from fedclinic.transport.package import ModelPackage
 
+from tests.helpers.federation import streams_open
 from tests.helpers.replay import replay_site
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import make_examples, tiny_package
@@ -85,6 +87,9 @@ def test_data_contract_violation_is_refused_with_rule_and_row(federation_factory
     with open(bad, "a") as fh:
         fh.write('{"text": "gout flare in the big toe", "label": "rheumatology"}\n')
     fed.start()
+    # both work streams first: the 15 s round deadline is for site-a's training, not for the agents' start-up (on a
+    # loaded 2-core machine the agents took over 10 s to connect and site-a's update missed the deadline)
+    wait_until(lambda: streams_open(fed) == {"site-a", "site-b"}, 120, "both agents' work streams")
     with fed.client() as client:
         st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=15), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
