@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from aggregator_service.store import SCHEMA_VERSION
 from fedclinic.client import state_name
 from fedclinic.errors import FedclinicError
 from fedclinic.federation.local_federation import wait_until
@@ -30,7 +31,7 @@ def test_a_task_on_postgresql_survives_an_aggregator_sigkill_with_exact_counts(f
     keep_aggregator_address(fed)
     fed.start_agent("site-a")
     with fed.client() as client:
-        st = client.submit(make_task(num_rounds=2, min_sites=2, round_timeout_s=300), package=tiny_package("logreg"))
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=300), package=tiny_package("logreg"))
         wait_until(lambda: [len(r.reports) for r in client.status(st.task_id).rounds][:1] == [1], 120,
                    "site-a's durable round-1 update")
     assert fed.signal_aggregator(signal.SIGKILL) == -signal.SIGKILL
@@ -39,14 +40,14 @@ def test_a_task_on_postgresql_survives_an_aggregator_sigkill_with_exact_counts(f
     with fed.client() as client:
         final = client.wait(st.task_id, timeout=300, progress=False)
     assert state_name(final.state) == "completed", final.error
-    assert [sorted(r.site_id for r in rnd.reports) for rnd in final.rounds] == [["site-a", "site-b"]] * 2
+    assert [sorted(r.site_id for r in rnd.reports) for rnd in final.rounds] == [["site-a", "site-b"]]
     assert "round recovered" in fed.log_text("aggregator")
     assert not (fed.root / "aggregator-state" / "aggregator.sqlite").exists()
     with aggregator_store(fed) as store:  # the rows are in PostgreSQL, one update per site and round
         assert store.task(st.task_id).final_model == final.final_model_hash
-        assert [store.update_count(st.task_id, r) for r in (1, 2)] == [2, 2]
+        assert store.update_count(st.task_id, 1) == 2 and store.schema_version == SCHEMA_VERSION
     rows = postgres_server.admin_sql(f"SELECT count(*) FROM updates WHERE task_id='{st.task_id}'", postgres_database)
-    assert rows == [(4,)]
+    assert rows == [(2,)]
 
 
 def test_an_unreachable_database_stops_the_aggregator_naming_the_server(federation_factory, postgres_server):
