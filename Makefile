@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test test-postgresql bench bench-secagg bench-dp-utility bench-overhead campaign protos clean
+.PHONY: install demo test bench bench-secagg bench-dp-utility bench-overhead campaign protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,7 @@ test: $(STAMP)
 
 # The whole integration suite with every aggregator's state on PostgreSQL (issue 21; each test worker starts its own
 # server, tests/helpers/postgres_server.py). `make test` runs its smoke (tests/integration/test_postgres_federation.py).
+.PHONY: test-postgresql
 test-postgresql: $(STAMP)
 	sh scripts/install_postgresql.sh $(BIN)/python
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_STORE=postgresql $(BIN)/python -m pytest -q -n 2 --dist loadfile tests/integration
