@@ -36,6 +36,13 @@ test-distributed: $(STAMP)
 	FEDCLINIC_TEST_DISTRIBUTED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q \
 		tests/unit/federation/test_distributed_round.py
 
+# The whole integration suite with every aggregator's state on PostgreSQL (issue 21; each test worker starts its own
+# server, tests/helpers/postgres_server.py). `make test` runs its smoke (tests/integration/test_postgres_federation.py).
+.PHONY: test-postgresql
+test-postgresql: $(STAMP)
+	sh scripts/install_postgresql.sh $(BIN)/python
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_STORE=postgresql $(BIN)/python -m pytest -q -n 2 --dist loadfile tests/integration
+
 bench: $(STAMP)
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/aggregation.py

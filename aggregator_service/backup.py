@@ -54,6 +54,7 @@ from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.proto import control_pb2
 
 from aggregator_service.store.migrations import SCHEMA_VERSION, read_schema_version
+from aggregator_service.store.database_settings import DatabaseSettings
 from aggregator_service.store.sqlite_store import SqliteStore, manifest_from_json
 from fedclinic.pki import PkiError, identity_from_pem, sign_detached, verify_detached
 
@@ -71,6 +72,20 @@ _COPY_CHUNK = 1 << 20
 
 class BackupError(FedclinicError):
     """A backup cannot be taken, is incomplete or corrupt, or cannot be restored (says what to do)."""
+
+
+#: why backup / restore refuse an aggregator whose state is in PostgreSQL, and what to do instead
+POSTGRESQL_ADVICE = (
+    "keeps its state in PostgreSQL ([state] database), which fedclinic-aggregator backup/restore do not cover (they "
+    "snapshot the embedded SQLite database). Back up the database with pg_dump (or your platform's database "
+    "backups / point-in-time recovery) and the state folder's blobs/ and updates/ with your file backups, the "
+    "database first; see docs/operator.md, \"State on PostgreSQL\"")
+
+
+def refuse_postgresql(state: DatabaseSettings, what: str) -> None:
+    """Raise BackupError with :data:`POSTGRESQL_ADVICE` when ``state`` names a PostgreSQL database."""
+    if state.is_postgresql:
+        raise BackupError(f"{what}: this aggregator {POSTGRESQL_ADVICE}")
 
 
 class _SpillGone(Exception):
@@ -280,7 +295,8 @@ def create_backup(state_dir: str | os.PathLike[str], dest: str | os.PathLike[str
     state_dir, dest = Path(state_dir), Path(dest)
     if not (state_dir / DB_NAME).is_file():
         raise BackupError(f"{state_dir} holds no aggregator state ({DB_NAME} is missing); give the state_dir of "
-                          "the aggregator's configuration")
+                          "the aggregator's configuration (an aggregator whose [state] database is PostgreSQL is "
+                          "backed up with pg_dump, not with this command)")
     if not _is_empty_or_missing(dest):
         raise BackupError(f"{dest} exists and is not an empty folder; back up into a new folder (nothing was written)")
     try:

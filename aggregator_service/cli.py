@@ -10,7 +10,7 @@ from fedclinic.runtime import logs
 from fedclinic.runtime.heap_trim import fix_mmap_threshold
 from fedclinic.errors import FedclinicError
 from aggregator_service.config import AggregatorConfig
-from aggregator_service.backup import create_backup, verify_backup, signed_by, restore_backup
+from aggregator_service.backup import create_backup, refuse_postgresql, restore_backup, signed_by, verify_backup
 from aggregator_service.server import Aggregator
 from aggregator_service.preflight import check_config
 
@@ -25,9 +25,9 @@ def _state_dir(args: argparse.Namespace) -> Path:
 def _backup(args: argparse.Namespace) -> int:
     signer = None
     if args.config is not None:  # the aggregator's own TLS pair signs the manifest
-
-        tls = AggregatorConfig.load(args.config).tls
-        signer = (tls.cert, tls.key)
+        config = AggregatorConfig.load(args.config)
+        refuse_postgresql(config.state, args.config)
+        signer = (config.tls.cert, config.tls.key)
     m = create_backup(_state_dir(args), args.dest, signer=signer)
     how = "signed by the aggregator" if signer else "not signed (--state-dir: no key; back up with --config to sign)"
     print(f"backup written to {args.dest}: {len(m.files)} files, {m.nbytes} bytes, schema version "

@@ -16,6 +16,10 @@ Example::
     crl = "/etc/fedclinic/crl.pem"   # required (see allow_no_crl); reloaded when it changes, never rolled back
     # allow_no_crl = true            # development only: start without a CRL (revoked certificates are accepted)
 
+    [state]                          # optional: the state in PostgreSQL instead of STATE_DIR/aggregator.sqlite
+    database = "postgresql://fedclinic@db:5432/fedclinic"   # aggregator_service.store.database_settings
+    database_password_file = "/run/secrets/db-password"     # or FEDCLINIC_DATABASE_PASSWORD; never in the TOML
+
     [limits]                         # optional: per-peer limits (aggregator_service.limits.Limits, all keys)
     uploads_per_peer = 4
     idle_timeout_s = 60
@@ -38,11 +42,12 @@ from fedclinic.transport.rpc import TlsFiles
 from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
 from aggregator_service.limits import Limits
+from aggregator_service.store.database_settings import DatabaseSettings
 
 ENV_PREFIX = "FEDCLINIC_AGGREGATOR"
 #: the settings aggregator.toml may hold; anything else is refused (a misspelt ``[tls] crl`` must not silently
 #: turn revocation checks off)
-KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls", "limits")
+KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls", "limits", "state")
 TLS_KEYS = ("cert", "key", "ca", "crl", "allow_no_crl")
 
 
@@ -61,6 +66,8 @@ class AggregatorConfig:
     metrics_address: MetricsAddress | None = None
     #: per-peer limits (aggregator_service.limits): the ``[limits]`` table
     limits: Limits = Limits()
+    #: where the state is kept (the ``[state]`` table): the embedded SQLite database by default, or PostgreSQL
+    state: DatabaseSettings = DatabaseSettings()
 
     @classmethod
     def load(cls, path: str | Path) -> "AggregatorConfig":
@@ -88,7 +95,8 @@ class AggregatorConfig:
         return cls(listen=require(doc, "listen", str, src), state_dir=p(require(doc, "state_dir", str, src)),
                    tls=tls, crl=p(crl) if crl else None, allow_no_crl=allow_no_crl, log_level=str(doc.get("log_level", "info")),
                    max_workers=max_workers, heartbeat_s=float(doc.get("heartbeat_s", 15.0)),
-                   metrics_address=parse_metrics_address(doc.get("metrics_address"), src), limits=limits)
+                   metrics_address=parse_metrics_address(doc.get("metrics_address"), src), limits=limits,
+                   state=DatabaseSettings.from_table(doc.get("state"), src, base))
 
     def require_crl_or_dev_mode(self, where: str = "aggregator.toml") -> None:
         """Refuse to serve without a CRL unless ``[tls] allow_no_crl = true`` says it is a development setup."""

@@ -30,7 +30,7 @@ from aggregator_service.engine import Engine
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.peer_limits import PeerLimits
 from aggregator_service.rpc_errors import ErrorInterceptor
-from aggregator_service.store import SqliteStore
+from aggregator_service.store import open_store
 
 log = structlog.get_logger("fedclinic.aggregator")
 
@@ -45,7 +45,7 @@ class Aggregator:
         process's additions (the test suite's malicious aggregator, tests/helpers/malicious_aggregator.py)."""
         config.require_crl_or_dev_mode()  # before anything is created: no CRL and no dev switch is refused
         self.config = config
-        self.store = SqliteStore(config.state_dir)
+        self.store = open_store(config.state, config.state_dir)
         #: STATE_DIR/audit.jsonl (aggregator_service.audit_trail): task events after they commit, connections,
         #: downloads, refused certificates
         self.audit = AuditTrail(config.state_dir / "audit.jsonl")

@@ -40,3 +40,33 @@ def postgres_database(postgres_server):
         yield name
     finally:
         postgres_server.drop_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_test_store(request, tmp_path):
+    """The store backends, one per parameter: a function ``state_dir -> Store`` (migrated, open). Every call of one
+    test opens the same database again (a reopen keeps the state): ``state_dir / "aggregator.sqlite"`` for SQLite,
+    one fresh database on :func:`postgres_server` for PostgreSQL (dropped after the test)."""
+    from aggregator_service.store import DatabaseSettings, PostgresStore, SqliteStore
+
+    opened = []
+    database = None
+
+    def open_store(state_dir=tmp_path):
+        nonlocal database
+        if request.param == "sqlite":
+            store = SqliteStore(state_dir)
+        else:
+            server = request.getfixturevalue("postgres_server")
+            database = database or server.create_database()
+            settings = DatabaseSettings(url=server.dsn(database), password_file=server.password_file(), pool_size=4)
+            store = PostgresStore(settings, state_dir)
+        opened.append(store)
+        return store
+
+    open_store.backend = request.param
+    yield open_store
+    for store in opened:
+        store.close()
+    if database is not None:
+        request.getfixturevalue("postgres_server").drop_database(database)

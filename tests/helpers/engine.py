@@ -14,9 +14,10 @@ from fedclinic.transport.package import raw_bytes, tensor_sha256
 from fedclinic.transport.wire import tensor_chunks
 
 
-def make_engine(root):
-    """``(store, engine)`` on a fresh SQLite store and blob store under ``root``."""
-    store = SqliteStore(root)
+def make_engine(root, store=None):
+    """``(store, engine)`` on ``store`` (default: a fresh SQLite store under ``root``; the ``open_test_store``
+    fixture gives either backend) and a blob store under ``root``."""
+    store = store if store is not None else SqliteStore(root)
     return store, Engine(store, BlobStore(root / "blobs"))
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 
 from fedclinic.federation.local_federation import LocalFederation
 from fedclinic.proto import agent_pb2
+
+from aggregator_service.config import AggregatorConfig
+from aggregator_service.store import open_store
+from aggregator_service.store.sql_store import SqlStore
 
 
 def run_task(root: Path, sites, task, package):
@@ -27,16 +33,24 @@ def run_task(root: Path, sites, task, package):
             return final, client.fetch_package(status.task_id, round=1)
 
 
-def stored_update_tensors(fed: LocalFederation, task_id: str) -> dict[tuple[str, int], set[str]]:
-    """(site, round) -> the tensor names of the update the aggregator stored (its state database, read-only)."""
-    import sqlite3
-
-    db = sqlite3.connect(f"file:{fed.root / 'aggregator-state' / 'aggregator.sqlite'}?mode=ro", uri=True)
+@contextmanager
+def aggregator_store(fed: LocalFederation) -> Iterator[SqlStore]:
+    """The state of ``fed``'s aggregator as a store of its own, opened from the aggregator's configuration (its
+    SQLite file or its PostgreSQL database, whichever the suite runs on), closed on exit. The aggregator may be
+    running: read with the store's methods or ``one`` / ``all`` (``?`` placeholders, either database)."""
+    config = AggregatorConfig.load(fed.root / "aggregator.toml")
+    store = open_store(config.state, config.state_dir)
     try:
-        return {(site, rnd): {t[0] for t in json.loads(layout)} for site, rnd, layout in db.execute(
-            "SELECT site, round, layout FROM updates WHERE task_id=?", (task_id,))}
+        yield store  # type: ignore[misc]
     finally:
-        db.close()
+        store.close()
+
+
+def stored_update_tensors(fed: LocalFederation, task_id: str) -> dict[tuple[str, int], set[str]]:
+    """(site, round) -> the tensor names of the update the aggregator stored (read from its state database)."""
+    with aggregator_store(fed) as store:
+        return {(r.site, r.round): {t[0] for t in json.loads(r.layout)} for r in store.all(
+            "SELECT site, round, layout FROM updates WHERE task_id=?", (task_id,))}
 
 
 def watch_assignments(stub) -> tuple[queue.Queue, object]:

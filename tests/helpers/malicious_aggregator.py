@@ -115,7 +115,7 @@ class MaliciousAggregator:
         state = fed.root / "aggregator-state"
         state.mkdir(exist_ok=True)
         cfg = {"listen": "127.0.0.1:0", "state_dir": str(state), "log_level": fed.log_level, "heartbeat_s": 2.0,
-               **fed.aggregator_settings, **settings,
+               **fed.aggregator_settings, **fed.aggregator_state(state), **settings,
                "tls": {**fed.creds("aggregator"), "crl": str(fed.ca_dir / "crl.pem")}}
         path: Path = fed.root / "aggregator.toml"
         path.write_text(to_toml(cfg))

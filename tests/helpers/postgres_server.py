@@ -78,7 +78,8 @@ def find_bindir() -> Path:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -212,7 +213,7 @@ def start_server(*, attempts: int = 5) -> PostgresServer:
     log = root / "server.log"
     last_error = ""
     for _ in range(attempts):
-        port = _free_port()
+        port = free_port()
         with open(log, "ab") as log_fh:
             process = subprocess.Popen(
                 [str(bindir / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(port),
@@ -258,3 +259,9 @@ def _wait_ready(server: PostgresServer) -> bool:
         except subprocess.TimeoutExpired:
             pass
     return False
+
+
+def postgres_state(server: PostgresServer, database: str) -> dict[str, str]:
+    """The aggregator's ``[state]`` table for ``database`` on ``server`` (URL without the password, which the
+    aggregator reads from the password file)."""
+    return {"database": server.dsn(database), "database_password_file": str(server.password_file())}

@@ -18,7 +18,7 @@ from tests.helpers.federation import keep_aggregator_address
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.sqlite_state]
 
 
 def _cli(*args) -> subprocess.CompletedProcess:

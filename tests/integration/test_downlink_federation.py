@@ -5,7 +5,6 @@ of FedAvg followed by the same broadcast rounding."""
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from fedclinic.client import state_name
 from fedclinic.transport.codec_wire import params_of
 from fedclinic.codecs import parse_codec
 
+from tests.helpers.federation import aggregator_store
 from tests.helpers.replay import replay_site
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import make_examples, tiny_package
@@ -47,13 +47,12 @@ def test_agents_fetch_encoded_changes_and_rebuild_the_broadcast_model_exactly(fe
             finals[key] = client.wait(st.task_id, timeout=300, progress=False)
             assert state_name(finals[key].state) == "completed", finals[key].error
             models[key] = {r: client.fetch_package(st.task_id, round=r) for r in range(-1, ROUNDS + 1) if r}
-    db = sqlite3.connect(f"file:{fed.root / 'aggregator-state' / 'aggregator.sqlite'}?mode=ro", uri=True)
     stored = {}
-    for rnd in range(1, ROUNDS + 1):
-        model_hash = finals["int8"].rounds[rnd - 1].model_hash
-        stored[rnd] = {name: (base, json.loads(header)) for name, base, header in db.execute(
-            "SELECT name, base_sha256, header FROM model_deltas WHERE model_hash=?", (model_hash,))}
-    db.close()
+    with aggregator_store(fed) as db:
+        for rnd in range(1, ROUNDS + 1):
+            model_hash = finals["int8"].rounds[rnd - 1].model_hash
+            stored[rnd] = {r.name: (r.base_sha256, json.loads(r.header)) for r in db.all(
+                "SELECT name, base_sha256, header FROM model_deltas WHERE model_hash=?", (model_hash,))}
 
     spec, codec = finals["int8"].spec, parse_codec("int8")
     assert spec.update.downlink_codec == "int8" and finals["raw"].spec.update.downlink_codec == ""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import signal
-import sqlite3
 import threading
 from pathlib import Path
 
@@ -31,9 +30,8 @@ from fedclinic.transport.package import raw_bytes
 from fedclinic.transport.rpc import TlsFiles, secure_channel
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
 
-from aggregator_service.store.sqlite_store import DB_NAME
 
-from tests.helpers.federation import keep_aggregator_address, watch_assignments
+from tests.helpers.federation import aggregator_store, keep_aggregator_address, watch_assignments
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -57,10 +55,10 @@ def _silent_stream(release: threading.Event, first: agent_pb2.UpdateChunk | None
 
 
 def _events(fed, task_id: str) -> list[tuple[str, str]]:
-    """The task's events as stored, read from the aggregator's database read-only: (kind, message)."""
-    db = fed.root / "aggregator-state" / DB_NAME
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        return conn.execute("SELECT kind, message FROM events WHERE task_id=? ORDER BY seq", (task_id,)).fetchall()
+    """The task's events as stored, read from the aggregator's database: (kind, message)."""
+    with aggregator_store(fed) as store:
+        return [(r.kind, r.message) for r in store.all("SELECT kind, message FROM events WHERE task_id=? ORDER BY seq",
+                                                       (task_id,))]
 
 
 def _peak_rss(pid: int) -> int:

@@ -15,6 +15,8 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 
+from aggregator_service.store import PostgresStore
+from tests.helpers.federation import aggregator_store
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -48,10 +50,16 @@ def _write(folder: Path, rows) -> Path:
     return path
 
 
-def _aggregator_state_text(state: Path) -> str:
+def _aggregator_state_text(state: Path, fed: LocalFederation) -> str:
     """Every byte the aggregator keeps (database and its WAL, audit trail, blobs, spill files) as text, and every
-    text value of its database read through sqlite (read-only)."""
+    text value of its database read through sqlite (read-only), or of its PostgreSQL database's tables."""
     parts = [p.read_bytes().decode("utf-8", "replace") for p in sorted(state.rglob("*")) if p.is_file()]
+    with aggregator_store(fed) as store:
+        if isinstance(store, PostgresStore):
+            for t in store.all("SELECT tablename FROM pg_tables WHERE schemaname='public'"):
+                for row in store.all(f'SELECT * FROM "{t.tablename}"'):
+                    parts.extend(str(v) if not isinstance(v, bytes) else v.decode("utf-8", "replace")
+                                 for v in row._r)
     for db in sorted(state.rglob("*.db")) + sorted(state.rglob("*.sqlite*")):
         if db.suffix not in (".db", ".sqlite", ".sqlite3"):
             continue
@@ -85,7 +93,7 @@ def test_declined_data_contract_names_rule_and_row_but_no_site_data(tmp_path):
             listed = [str(t) for t in client.list(include_finished=True)]
             status = str(client.status(st.task_id))
         metrics = urllib.request.urlopen(fed.metrics_url(), timeout=10).read().decode()
-        state_text = _aggregator_state_text(Path(fed.root / "aggregator-state"))
+        state_text = _aggregator_state_text(Path(fed.root / "aggregator-state"), fed)
         aggregator_log = fed.log_text("aggregator")
         agent_logs = {site: fed.log_text(f"agent-{site}") for site in CASES}
 

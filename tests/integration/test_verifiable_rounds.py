@@ -7,7 +7,6 @@ statement that is not the calling site's, or does not match its update, is refus
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 
 import grpc
@@ -214,11 +213,8 @@ def _forge_final_model(evil, task_id: str) -> str:
     forged = Manifest(tuple(entries), manifest.files)
     with evil.store.transaction() as tx:
         forged_hash = tx.put_model(forged)
-    db = sqlite3.connect(evil.store.db_path)
-    with db:
-        db.execute("UPDATE rounds SET model_hash=? WHERE task_id=? AND round=?", (forged_hash, task_id, last.round))
-        db.execute("UPDATE tasks SET final_model=? WHERE task_id=?", (forged_hash, task_id))
-    db.close()
+    evil.store.execute("UPDATE rounds SET model_hash=? WHERE task_id=? AND round=?", (forged_hash, task_id, last.round))
+    evil.store.execute("UPDATE tasks SET final_model=? WHERE task_id=?", (forged_hash, task_id))
     return forged_hash
 
 

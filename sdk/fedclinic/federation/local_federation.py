@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 from fedclinic.errors import FedclinicError
 from fedclinic import pki
@@ -92,6 +92,12 @@ class LocalFederation:
     libraries under it); None gives each of the N agents ``max(1, cores // N)`` of this host's cores
     (fedclinic.runtime.cpu_cores.cores_per_process), so agents sharing the host do not oversubscribe it."""
 
+    #: the aggregator's ``[state]`` table for a federation whose ``aggregator_settings`` name none, as a function of
+    #: its state folder (called at each start, so it must return the same database for the same folder); None: the
+    #: embedded SQLite database. The test suite's store fixture (tests/integration/conftest.py,
+    #: ``FEDCLINIC_TEST_STORE=postgresql``) points every federation at a database of its own PostgreSQL server.
+    default_state: ClassVar[Callable[[Path], dict[str, Any]] | None] = None
+
     def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
                  aggregator_settings: dict[str, Any] | None = None, log_level: str = "info",
                  metrics_address: str | None = None, preload_training_stack: bool = False) -> None:
@@ -144,6 +150,13 @@ class LocalFederation:
         return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=self.root, start_new_session=True)
 
+    def aggregator_state(self, state_dir: Path) -> dict[str, Any]:
+        """The ``[state]`` setting to add to the aggregator's configuration: none when ``aggregator_settings`` has
+        one or there is no :attr:`default_state`."""
+        if "state" in self.aggregator_settings or LocalFederation.default_state is None:
+            return {}
+        return {"state": LocalFederation.default_state(state_dir)}
+
     def start_aggregator(self, timeout: float = 60) -> str:
         state = Path(self.aggregator_settings.get("state_dir", self.root / "aggregator-state"))
         state.mkdir(exist_ok=True)
@@ -153,6 +166,7 @@ class LocalFederation:
                "log_level": self.log_level, "heartbeat_s": 2.0,
                **({"metrics_address": self.metrics_address} if self.metrics_address is not None else {}),
                **{k: v for k, v in self.aggregator_settings.items() if k not in ("listen", "state_dir")},
+               **self.aggregator_state(state),
                "tls": {**self.creds("aggregator"), "crl": str(self.ca_dir / "crl.pem")}}
         path = self.root / "aggregator.toml"
         path.write_text(to_toml(cfg))

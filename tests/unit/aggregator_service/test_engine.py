@@ -18,8 +18,8 @@ def _spill_files(root):
     return sorted(p for p in (root / "updates").rglob("*") if p.is_file())
 
 
-def test_refused_fold_leaves_no_trace_and_the_round_completes(tmp_path):
-    store, engine = make_engine(tmp_path)
+def test_refused_fold_leaves_no_trace_and_the_round_completes(tmp_path, open_test_store):
+    store, engine = make_engine(tmp_path, open_test_store(tmp_path))  # on SQLite and on PostgreSQL
     pkg = ModelPackage({"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)})
     task_id = submit_task(engine, pkg, min_sites=3, num_rounds=1, strategy="multi-krum", strategy_params={"byzantine": 0})
     a = assign_sites(engine, ["s1", "s2", "s3"])
@@ -39,8 +39,8 @@ def test_refused_fold_leaves_no_trace_and_the_round_completes(tmp_path):
     np.testing.assert_allclose(w, (1 + 1 + 3) / 3, rtol=1e-6)  # f=0 keeps all n-f=3, equal sample weights
 
 
-def test_strategy_state_and_open_round_survive_a_new_engine(tmp_path):
-    store, engine = make_engine(tmp_path)
+def test_strategy_state_and_open_round_survive_a_new_engine(tmp_path, open_test_store):
+    store, engine = make_engine(tmp_path, open_test_store(tmp_path))  # on SQLite and on PostgreSQL
     pkg = ModelPackage({"w": np.zeros(3, np.float32)})
     task_id = submit_task(engine, pkg, min_sites=2, num_rounds=2, strategy="fedadam", strategy_params={"server_lr": 0.1})
     a = assign_sites(engine, ["s1", "s2"])
@@ -51,7 +51,7 @@ def test_strategy_state_and_open_round_survive_a_new_engine(tmp_path):
     b = assign_sites(engine, ["s1", "s2"])
     send_update(engine, "s1", b["s1"], {"w": np.ones(3, np.float32)}, key="r2-s1")
     store.close()
-    store2, engine2 = make_engine(tmp_path)  # a restart mid-round 2: rebuilt from disk
+    store2, engine2 = make_engine(tmp_path, open_test_store(tmp_path))  # a restart mid-round 2: rebuilt from disk
     engine2.recover()
     engine2.site_connected("s2")
     send_update(engine2, "s2", b["s2"], {"w": np.ones(3, np.float32)}, key="r2-s2")

@@ -1,16 +1,17 @@
-"""The Store interface (aggregator_service.store) against its SQLite implementation on a real file: each named
-read and write, typed records back, one transaction per unit of work (events after commit, nothing after a
-rollback), uniqueness, and the state surviving a reopen."""
+"""The Store interface (aggregator_service.store) against both implementations, SQLite on a real file and PostgreSQL
+on the suite's real server (each test runs once per backend): each named read and write, typed records back, one
+transaction per unit of work (events after commit, nothing after a rollback), uniqueness, and the state surviving
+a reopen."""
 
 from __future__ import annotations
 
 import sqlite3
 
 import numpy as np
+import psycopg
 import pytest
 
-from aggregator_service.store import (AssignmentRecord, EventRecord, RoundRecord, SqliteStore, Store, TaskRecord,
-                                      UpdateRecord)
+from aggregator_service.store import SCHEMA_VERSION, AssignmentRecord, EventRecord, RoundRecord, Store, TaskRecord, UpdateRecord
 from fedclinic.transport.package import ModelPackage
 from fedclinic.proto import control_pb2, task_pb2, tensors_pb2
 
@@ -27,11 +28,13 @@ def _update(store: Store, update_id: str, site: str, *, rnd: int = 1, key: str |
                         "[]", {"loss": 0.5}, {"accuracy": 0.75}, received_ms, 32, 40)
 
 
+#: what a second update of the same site and round (or key) raises, per backend
+DUPLICATE = (sqlite3.IntegrityError, psycopg.IntegrityError)
+
+
 @pytest.fixture()
-def store(tmp_path):
-    s = SqliteStore(tmp_path)
-    yield s
-    s.close()
+def store(open_test_store):
+    return open_test_store()
 
 
 @pytest.fixture()
@@ -47,8 +50,8 @@ def running(store):
     return model
 
 
-def test_the_sqlite_store_implements_the_interface(store):
-    assert isinstance(store, Store) and store.schema_version >= 6 and store.state_dir.is_dir()
+def test_each_store_implements_the_interface(store):
+    assert isinstance(store, Store) and store.schema_version == SCHEMA_VERSION and store.state_dir.is_dir()
 
 
 def test_tasks_and_rounds_come_back_as_typed_records(store, running):
@@ -116,7 +119,7 @@ def test_updates_are_unique_per_site_and_key_and_count_their_bytes(store, runnin
     assert store.update_count("t-1", 1) == 1 and store.round("t-1", 1).uplink_bytes == 16
     assert store.outstanding_assignments("t-1", 1) == 1 and store.active_assignments("t-1", 1, 2) == 1
     for dup in (_update(store, "u-3", "s1", key="other"), _update(store, "u-4", "s2", key="s1")):
-        with pytest.raises(sqlite3.IntegrityError):
+        with pytest.raises(DUPLICATE):
             with store.transaction() as tx:
                 tx.record_update(dup)
     assert store.update_count("t-1", 1) == 1 and store.round("t-1", 1).uplink_bytes == 16  # rolled back whole
@@ -181,17 +184,16 @@ def test_gauges_count_only_open_rounds_of_running_tasks(store, running):
     assert store.open_rounds() == [] and len(store.open_rounds(running_only=False)) == 1
 
 
-def test_state_survives_a_reopen(tmp_path):
-    store = SqliteStore(tmp_path)
+def test_state_survives_a_reopen(open_test_store):
+    store = open_test_store()
     with store.transaction() as tx:
         model = tx.put_model(ModelPackage({"w": np.zeros(2, np.float32)}).manifest())
         tx.insert_task("t-1", "alice", "k", _spec(), S.TASK_STATE_QUEUED, 1, model)
         tx.open_round("t-1", 1, 1, 1, 2, 3, model)
     before = (store.task("t-1"), store.rounds_of("t-1"), store.model(model))
     store.close()
-    again = SqliteStore(tmp_path)
+    again = open_test_store()
     assert (again.task("t-1"), again.rounds_of("t-1"), again.model(model)) == before
-    again.close()
 
 
 def test_task_models_and_blobs_are_those_of_the_task_only(store, running):
