@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: install demo test bench bench-secagg bench-dp-utility bench-overhead campaign protos clean
+.PHONY: install demo test dashboard-screenshots bench bench-secagg bench-dp-utility bench-overhead bench-gpu campaign protos clean wheelhouse sbom test-offline
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports
 	sh scripts/install_postgresql.sh $(BIN)/python
+	sh scripts/install_chromium.sh  # Debian's Chromium for the dashboard's browser test (returns at once when present)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The whole integration suite with every aggregator's state on PostgreSQL (issue 21; each test worker starts its own
@@ -59,13 +60,44 @@ bench-dp-utility: $(STAMP)
 bench-overhead: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/overhead.py
 
+# The GPU check (issue 21 item 5): every model family for one local round on the GPU in fp32, bf16 and fp16 autocast
+# and DP-SGD, against the CPU path in the same run (about 3 min on one H200; says so and exits 0 without CUDA):
+# docs/results/gpu.md. On a GPU machine without this venv: bench/gpu_check_setup.sh run. `make test` runs its
+# --device cpu --smoke (tests/integration/test_gpu_check_bench.py).
+bench-gpu: $(STAMP)
+	mkdir -p build
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python bench/gpu_check.py --json build/gpu_check.json
+
 # The reliability campaign of issue 16 (fuzz, kills, network faults, disk full, load): under 60 min on 2 cores,
 # writes docs/results/reliability.md. `make test` runs a smoke of each part (tests/campaign/).
 campaign: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m campaign.run
 
+# docs/img/dashboard-*.png from the real page: a local federation, `fedclinic dashboard`'s server and Debian's
+# Chromium driven by Playwright (about a minute on 2 cores).
+dashboard-screenshots: $(STAMP)
+	sh scripts/install_chromium.sh
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python scripts/dashboard_screenshots.py
+
+# Offline installs (issue 20): every wheel the hospital agent needs, and separately the aggregator's (no torch), with
+# SHA256SUMS, a hash-pinned requirements.txt and manifest.json, in dist/wheelhouse/{agent,aggregator}/; built on a
+# connected machine of the target's Python and platform (docs/hospital-it.md "Offline install").
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py --out dist/wheelhouse --constraints constraints.txt
+
+# CycloneDX 1.6 SBOMs of exactly those wheels (cyclonedx-py), validated: dist/sbom/fedclinic-{agent,aggregator}.cdx.json
+sbom: wheelhouse
+	$(BIN)/python scripts/sbom.py --wheelhouse dist/wheelhouse/agent --out dist/sbom/fedclinic-agent.cdx.json
+	$(BIN)/python scripts/sbom.py --wheelhouse dist/wheelhouse/aggregator --out dist/sbom/fedclinic-aggregator.cdx.json
+
+# The offline-install tests with the agent's full install (torch: a few minutes on 2 cores); `make test` runs the
+# same file without it (the aggregator's install, and fedclinic[agent] resolved against the agent's folder).
+test-offline: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_OFFLINE_AGENT=1 $(BIN)/python -m pytest -q -p no:xdist \
+		tests/integration/test_offline_install.py
+
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-out demo-report.json build/campaign
+	rm -rf $(VENV) .pytest_cache demo-out demo-report.json build/campaign dist

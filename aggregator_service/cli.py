@@ -11,6 +11,7 @@ from fedclinic.errors import FedclinicError
 from aggregator_service.config import AggregatorConfig
 from aggregator_service.backup import create_backup, refuse_postgresql, restore_backup, signed_by, verify_backup
 from aggregator_service.server import Aggregator
+from aggregator_service.preflight import check_config
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="path to aggregator.toml")
     serve.add_argument("--metrics-address", metavar="HOST:PORT",
                        help='Prometheus endpoint, overriding metrics_address of the config ("" turns it off)')
+    check = sub.add_parser("check-config", help="check aggregator.toml, certificates, CRL and state_dir; serve nothing")
+    check.add_argument("--config", required=True, help="path to aggregator.toml")
     backup = sub.add_parser("backup", help="back up the state (online: the service may run) into a new folder DEST")
     where = backup.add_mutually_exclusive_group(required=True)
     where.add_argument("--config", help="aggregator.toml (its state_dir is backed up)")
@@ -86,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "check-config":
+        notes, problems = check_config(args.config)
+        for note in notes:
+            print(note)
+        for problem in problems:
+            print(f"problem: {problem}", file=sys.stderr)
+        print("configuration OK" if not problems else f"{len(problems)} problem(s) found")
+        return 0 if not problems else 1
     logs.configure("warning")
     handler = {"backup": _backup, "verify-backup": _verify, "restore": _restore}[args.command]
     try:

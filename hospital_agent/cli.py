@@ -52,6 +52,11 @@ def check_config(path: str) -> list[str]:
         problems.append(f"work_dir {config.work_dir} is not writable ({exc.strerror}); create it and give the "
                         "agent's user write access")
     for name, entry in config.datasets.items():
+        if entry.source is not None:
+            problems += check_source(name, entry.source)
+            if name not in config.policy.allowed_datasets:
+                print(f"note: dataset {name!r} is registered but the policy does not allow tasks on it")
+            continue
         for label, p in (("path", entry.path), ("eval_path", entry.eval_path)):
             if p is None:
                 continue
@@ -64,6 +69,18 @@ def check_config(path: str) -> list[str]:
     if not config.datasets:
         problems.append("no [datasets.NAME] registered: tasks will have nothing to train on")
     return problems
+
+
+def check_source(name: str, source) -> list[str]:
+    """Check one data source (reachable, read-only, columns present, row counts: DataSource.check), print what
+    it found and return its problems, each prefixed with the dataset and saying what to fix."""
+    report = source.check()
+    print(f"dataset {name!r}: {source.kind} source")
+    for fact in report.facts:
+        print(f"  ok: {fact}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    return [f"dataset {name!r}: {p}" for p in report.problems]
 
 
 def privacy_status(config_path: str) -> int:

@@ -32,6 +32,14 @@ Example::
     # privacy_delta = 1e-5                 # without one, tasks asking for sample-level DP on it are refused
     # group_field = "patient_id"           # the column holding each row's patient id: enables per-patient DP tasks
 
+    [datasets.cdw]             # rows read where they live (fedclinic.data.sources, docs/hospital-it.md):
+    source = "omop"            # "sql" (a SELECT + column names) | "omop" | "fhir" (a bulk NDJSON export);
+    engine = "postgresql"      # a Parquet file is path = "x.parquet" with the columns above
+    dsn = "host=cdw.hospital.local dbname=cdw user=fedclinic_reader"
+    password_file = "/etc/hospital-agent/cdw-password"   # or password_env; never a password in this file
+    [datasets.cdw.labels]      # condition_concept_id -> label
+    "201826" = "diabetes"
+
     [policy]
     allowed_families = ["text-classification"]
     allowed_datasets = ["notes"]
@@ -58,6 +66,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fedclinic.data.sources import SOURCE_KEYS, SOURCE_KINDS, DataSource, ParquetSource, parse_source
+from fedclinic.data.sources.database import refuse_password
 from fedclinic.errors import ConfigError
 from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_address
 from fedclinic.proto import task_pb2
@@ -67,7 +77,7 @@ from fedclinic.secagg import ClientPolicy
 from fedclinic.secagg.task_config import floor_of
 
 ENV_PREFIX = "FEDCLINIC_AGENT"
-FORMATS = ("jsonl", "csv", "tsv", "conll")
+FORMATS = ("jsonl", "csv", "tsv", "conll", "parquet")
 APPROVAL_MODES = ("auto", "manual")
 #: the keys each table may hold; anything else is refused (a misspelt ``aproval`` must not mean "auto")
 TLS_KEYS = ("cert", "key", "ca")
@@ -175,7 +185,8 @@ def _flag(doc: dict[str, Any], key: str, default: bool, source: str) -> bool:
 @dataclass(frozen=True)
 class DatasetEntry:
     name: str
-    path: Path
+    #: the dataset file; None for a dataset read from a ``source`` (then ``source`` is set)
+    path: Path | None
     format: str | None
     text_field: str = "text"
     label_field: str = "label"
@@ -194,6 +205,44 @@ class DatasetEntry:
     #: the column (JSONL key, CSV/TSV header) holding each row's patient id; set, tasks with ``privacy.unit =
     #: "patient"`` sample, clip and account per patient (fedclinic.privacy.patient_groups); None: they are declined
     group_field: str | None = None
+    #: where the rows live when not in a JSONL/CSV/TSV/CoNLL file: a SQL query, an OMOP CDM mapping, a FHIR NDJSON
+    #: export, a Parquet file (fedclinic.data.sources; read by hospital_agent.site_data); None: ``path``
+    source: DataSource | None = None
+
+
+#: the keys every dataset table may hold whatever its source
+COMMON_DATASET_KEYS = ("tokenizer_sha256", "privacy_epsilon", "privacy_delta")
+#: the patient id column a source gives without a group_field (OMOP: person_id, FHIR: subject.reference)
+IMPLIED_GROUP = {"omop": "person_id", "fhir": "subject"}
+
+
+def _source_entry(name: str, entry: dict[str, Any], base: Path, where: str) -> DatasetEntry:
+    """A ``[datasets.NAME]`` table with a ``source``: its keys checked, its DataSource built."""
+    kind = entry.get("source")
+    if kind not in SOURCE_KEYS:
+        raise ConfigError(f"{where}: source must be one of {', '.join(SOURCE_KINDS)}, got {kind!r} (a file dataset "
+                          "has no source key, only path)")
+    columns = ("text_field", "label_field", "group_field") if kind == "sql" else ()
+    refuse_password(entry, where)  # before the unknown keys: say where a password goes
+    refuse_unknown(entry, COMMON_DATASET_KEYS + SOURCE_KEYS[kind] + columns, where, ENV_PREFIX)
+    data_source = parse_source(name, entry, base, where)
+    group = entry.get("group_field") if kind == "sql" else IMPLIED_GROUP.get(kind)
+    return DatasetEntry(name, None, None, text_field=entry.get("text_field", "text"),
+                        label_field=entry.get("label_field", "label"),
+                        tokenizer_sha256=_sha256_or_none(entry.get("tokenizer_sha256"), where),
+                        group_field=group, source=data_source, **_privacy_budget(entry, where))
+
+
+def _parquet_entry(name: str, entry: dict[str, Any], p, where: str) -> DatasetEntry:
+    """A ``[datasets.NAME]`` table of a Parquet file (``format = "parquet"`` or a ``.parquet`` path)."""
+    refuse_unknown(entry, COMMON_DATASET_KEYS + ("path", "format", "eval_path", "text_field", "label_field",
+                                                 "group_field"), where, ENV_PREFIX)
+    group = _group_field(entry, "parquet", where)
+    fields = dict(text_field=entry.get("text_field", "text"), label_field=entry.get("label_field", "label"))
+    data_source = ParquetSource(name, p(entry["path"]), eval_path=p(entry["eval_path"]) if entry.get("eval_path")
+                                else None, group_field=group, **fields)
+    return DatasetEntry(name, None, "parquet", tokenizer_sha256=_sha256_or_none(entry.get("tokenizer_sha256"), where),
+                        group_field=group, source=data_source, **fields, **_privacy_budget(entry, where))
 
 
 @dataclass(frozen=True)
@@ -329,8 +378,16 @@ class AgentConfig:
         refuse_unknown(doc["tls"], TLS_KEYS, f"{source}: [tls]", ENV_PREFIX)
         datasets = {}
         for name, entry in (doc.get("datasets") or {}).items():
+            if isinstance(entry, dict) and "source" in entry:
+                datasets[name] = _source_entry(name, entry, base, f"{source}: [datasets.{name}]")
+                continue
             if not isinstance(entry, dict) or "path" not in entry:
-                raise ConfigError(f"{source}: [datasets.{name}] needs a 'path'")
+                raise ConfigError(f"{source}: [datasets.{name}] needs a 'path' (a file), or a 'source' (\"sql\", "
+                                  "\"omop\" or \"fhir\": docs/hospital-it.md, \"Data where it lives\")")
+            if entry.get("format") == "parquet" or (entry.get("format") is None
+                                                    and str(entry["path"]).lower().endswith(".parquet")):
+                datasets[name] = _parquet_entry(name, entry, p, f"{source}: [datasets.{name}]")
+                continue
             refuse_unknown(entry, DATASET_KEYS, f"{source}: [datasets.{name}]", ENV_PREFIX)
             fmt = entry.get("format")
             if fmt is not None and fmt not in FORMATS:

@@ -46,3 +46,10 @@ def outgoing_reason(what: BaseException | str, *, dataset: str | None = None) ->
     if len(text) > MAX_REASON_CHARS:
         text = text[:MAX_REASON_CHARS - 1] + "…"
     return text
+
+
+def declined_for_good(exc: BaseException) -> bool:
+    """A data problem (DatasetError) declines the task for good at this site: the same data fails the same way.
+    Not when the error says it may pass (``transient``: a data source's database that cannot be reached now);
+    then only the round is declined, and the next one is tried again."""
+    return isinstance(exc, DatasetError) and not getattr(exc, "transient", False)

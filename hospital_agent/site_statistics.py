@@ -2,8 +2,8 @@
 
 :func:`answer_statistics` is the one entry point the agent's dispatcher calls::
 
-    dataset  = the site's registry entry the spec names (its training file, ``path``; not ``eval_path``), read as
-               training reads it (training_step.reader_kwargs), tolerantly for text classification: bad rows are
+    dataset  = the site's registry entry the spec names (its training file, ``path``, or its source's training
+               rows; not the held-out split), read as training reads it (hospital_agent.site_data), tolerantly for text classification: bad rows are
                counted (missing / invalid), never sent; the other families' readers stop at the first bad row
     values   = fedclinic.evaluation.statistics.site_statistics(rows, the task's tokenizer, spec, min_cell = k)
                (small cells withheld; discrete Laplace noise when spec.statistics.epsilon > 0)
@@ -36,7 +36,7 @@ from fedclinic.strategies.secure_laplace import SecureDiscreteLaplace
 from hospital_agent.config import AgentConfig
 from hospital_agent.privacy_ledger import PrivacyLedger
 from hospital_agent.site_privacy import SitePrivacy
-from hospital_agent.training_step import reader_kwargs
+from hospital_agent.site_data import read_ids, read_rows
 
 #: families whose rows carry no text and labels to describe
 UNSUPPORTED_FAMILIES = ("question-answering",)
@@ -87,10 +87,8 @@ def _rows_per_patient(spec: task_pb2.TaskSpec, entry) -> int:
     patient id column (each row its own unit)."""
     if not entry.group_field:
         return 1
-    from fedclinic.data.patient_ids import read_patient_ids  # with the data modules, as _compute reads
-
     try:
-        ids = read_patient_ids(entry.path, group_field=entry.group_field, format=entry.format)
+        ids = read_ids(entry)
     except DatasetError as exc:
         raise StatisticsDeclined(f"dataset {spec.dataset!r} protects patients but its patient ids cannot be read: "
                                  f"{exc.public or 'they do not meet the data contract'}; noisy statistics need "
@@ -100,11 +98,9 @@ def _rows_per_patient(spec: task_pb2.TaskSpec, entry) -> int:
 
 def _compute(spec: task_pb2.TaskSpec, entry, tokenizer: Any, min_cell: int,
              sampler: SecureDiscreteLaplace | None, rows_per_unit: int = 1) -> dict[str, float]:
-    from fedclinic.data.text import read_dataset  # with the data modules' dependencies, as training_step reads
-
     problems = RowProblems()
     try:
-        rows = read_dataset(spec.family, entry.path, **reader_kwargs(entry, spec), on_bad_row=problems)
+        rows = read_rows(entry, spec, on_bad_row=problems)
     except DatasetError as exc:
         raise StatisticsDeclined(f"dataset {spec.dataset!r} cannot be read: "
                                  f"{exc.public or 'it does not meet the task data contract'}") from None

@@ -17,11 +17,10 @@ from fedclinic.errors import FedclinicError
 from fedclinic.proto import task_pb2
 
 from hospital_agent.approvals import ApprovalStore, TaskApproval
-from fedclinic.data.patient_ids import patient_ids_for
-from fedclinic.data.text import read_dataset
 from fedclinic.privacy.accounting import plan_for_config
 from fedclinic.runtime.audit_log import AuditLog
 from hospital_agent.config import AgentConfig
+from hospital_agent.site_data import has_eval, read_ids, read_rows
 
 
 def _when(ms: int) -> str:
@@ -55,18 +54,13 @@ def _planned_epsilon(config, spec: task_pb2.TaskSpec) -> str:
     if entry is None:
         return f"not computable: this site has no dataset {spec.dataset!r}"
     try:
-        rows = read_dataset(spec.family, entry.path, format=entry.format, text_field=entry.text_field,
-                            label_field=entry.label_field, entities_field=entry.entities_field,
-                            question_field=entry.question_field, answer_field=entry.answer_field,
-                            context_field=entry.context_field, image_field=entry.image_field,
-                            label_set=list(spec.labels), multi_label=spec.multi_label)
+        rows = read_rows(entry, spec)
         units, unit = len(rows), "local examples"
         if pc.unit == "patient":
             if not entry.group_field:
                 return (f"not computable: the task protects each patient but dataset {spec.dataset!r} declares no "
                         "group_field, so the agent will decline it")
-            units = len(set(patient_ids_for(entry.path, group_field=entry.group_field, format=entry.format,
-                                            rows=len(rows))))
+            units = len(set(read_ids(entry, rows=len(rows))))
             unit = f"local patients ({len(rows)} rows)"
         plan = plan_for_config(pc, num_examples=units, batch_size=spec.training.batch_size or 16,
                                local_epochs=spec.training.local_epochs or 1, rounds=spec.rounds.num_rounds)
@@ -119,7 +113,7 @@ def describe(config, r: TaskApproval) -> str:
     if not sa.enabled:
         lines.append("  secure aggregation: off (the aggregator sees this site's update itself)")
         entry = config.datasets.get(spec.dataset)
-        evaluates = entry is not None and entry.eval_path is not None
+        evaluates = entry is not None and has_eval(entry)
         lines.append("  beside it: the number of training examples, training metrics (loss, train_seconds)"
                      + (", and metrics of the global model on this site's held-out split (eval_path)"
                         if evaluates else "; no evaluation metrics (no eval_path configured)"))

@@ -34,8 +34,9 @@ from fedclinic.proto import agent_pb2
 from fedclinic.federation.site_round import SiteRoundInput, SiteRoundResult, run_site_round
 from fedclinic.evaluation.statistics_counts import unk_rate
 
-from hospital_agent.config import AgentConfig, DatasetEntry
+from hospital_agent.config import AgentConfig
 from hospital_agent.metrics import AgentMetrics
+from hospital_agent.site_data import has_eval, read_ids, read_rows, reader_kwargs  # noqa: F401 (reader_kwargs: re-exported)
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import feedback_path
 from fedclinic.training import safl
@@ -72,19 +73,14 @@ class TrainingStep:
         self.dp_entropy: int | None = None
 
     def prepare_data(self, a: agent_pb2.Assignment, state: TaskState) -> None:
-        """Read and validate the task's dataset (once per task): DatasetError names the file and row."""
-        from fedclinic.data.text import read_dataset  # with the data modules' dependencies, when a task first needs them
-
+        """Read and validate the task's dataset (once per task), from its file or its source
+        (hospital_agent.site_data): DatasetError names the file or source and the row."""
         entry = self.config.datasets[a.spec.dataset]
-        kwargs = reader_kwargs(entry, a.spec)
         if state.raw_train is None:
-            state.raw_train = read_dataset(a.spec.family, entry.path, **kwargs)
-            state.raw_eval = read_dataset(a.spec.family, entry.eval_path, **kwargs) if entry.eval_path else None
+            state.raw_train = read_rows(entry, a.spec)
+            state.raw_eval = read_rows(entry, a.spec, split="eval") if has_eval(entry) else None
         if state.patient_ids is None and per_patient(a.spec) and entry.group_field:
-            from fedclinic.data.patient_ids import patient_ids_for  # with the data modules, as read_dataset
-
-            state.patient_ids = patient_ids_for(entry.path, group_field=entry.group_field, format=entry.format,
-                                                rows=len(state.raw_train))
+            state.patient_ids = read_ids(entry, rows=len(state.raw_train))
 
     def restore_private(self, task_id: str, state: TaskState, private: list[str]) -> None:
         """Put the site's own private tensors into the warm model (after each sync to the global weights): from
@@ -213,16 +209,6 @@ def coverage_rate(loaded, rows: list | None) -> float | None:
     if tokenizer is None or not texts:
         return None
     return unk_rate(tokenizer, texts)
-
-
-def reader_kwargs(entry: DatasetEntry, spec) -> dict:
-    """The keyword arguments of ``fedclinic.data.text.read_dataset`` for a registry entry and a task spec: the
-    entry's format and column names, the task's label set (the one way the agent reads a dataset: training here,
-    statistics in hospital_agent.site_statistics)."""
-    return dict(format=entry.format, text_field=entry.text_field, label_field=entry.label_field,
-                entities_field=entry.entities_field, question_field=entry.question_field,
-                answer_field=entry.answer_field, context_field=entry.context_field,
-                image_field=entry.image_field, label_set=list(spec.labels), multi_label=spec.multi_label)
 
 
 def per_patient(spec) -> bool:

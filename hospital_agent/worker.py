@@ -57,7 +57,7 @@ from hospital_agent.task_bindings import TaskBindings
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
-from hospital_agent.outgoing import outgoing_reason
+from hospital_agent.outgoing import declined_for_good, outgoing_reason
 from hospital_agent.result_work import FEATURE as RESULTS_FEATURE, ResultWork
 from hospital_agent.secure_aggregation import FEATURE as SECAGG_FEATURE, SiteSecAgg
 from fedclinic.verification.round_statement import FEATURE as STATEMENT_FEATURE
@@ -288,8 +288,7 @@ class Agent:
         except (DatasetError, IntegrityError) as exc:
             log.error("assignment refused", error=str(exc))
             self.metrics.assignment_refused("data")
-            self.decline_round(a.task_id, a.round, exc, permanent=isinstance(exc, DatasetError),
-                               dataset=a.spec.dataset)
+            self.decline_round(a.task_id, a.round, exc, permanent=declined_for_good(exc), dataset=a.spec.dataset)
         except grpc.RpcError as exc:
             log.warning("assignment failed on the network; it will be offered again", error=str(
                 explain_rpc_error(exc, self.config.aggregator)))

@@ -6,6 +6,7 @@
     fedclinic simulate task.toml --site NAME=TRAIN[:EVAL] ... [--eval TEST] [--json FILE]
     fedclinic privacy plan --epsilon E --rows N [--rows N ...] --rounds R [--model FOLDER --labels K]
     fedclinic audit verify FILE [--expect-head SEQ:HASH]
+    fedclinic dashboard [--port P]    (a read-only web page of your tasks; loopback, token in the URL)
 
 Connection settings for ``task`` commands come from flags or the environment:
 FEDCLINIC_ADDRESS, FEDCLINIC_CERT, FEDCLINIC_KEY, FEDCLINIC_CA.
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 
+from fedclinic.dashboard.command import add_dashboard_arguments, run_dashboard
 from fedclinic.errors import FedclinicError
 from fedclinic.evaluation.statistics_table import statistics_report
 from fedclinic.export.onnx_export import add_export_commands
@@ -29,7 +31,7 @@ from fedclinic.pki import add_pki_commands
 from fedclinic.privacy.plan_command import add_privacy_commands
 from fedclinic.runtime.audit_log import add_audit_commands
 from fedclinic.runtime.proto_json import message_to_dict, message_to_json
-from fedclinic.serving.http_server import add_serve_command
+from fedclinic.serving.serve_command import add_serve_command
 from fedclinic.spec.task import Task
 
 
@@ -163,6 +165,12 @@ def _verify_command(args) -> int:
     return 0 if verdict.ok else 1
 
 
+def _dashboard_command(args) -> int:
+    """``fedclinic dashboard``: the page reads with the same certificate and settings as ``task status``."""
+    with _client(args) as client:
+        return run_dashboard(args, client)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedclinic", description="fedclinic: federated learning for hospitals")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -224,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_audit_commands(sub)
     add_privacy_commands(sub)
+
+    p = sub.add_parser("dashboard", help="a local, read-only web page of your tasks: rounds, the sites a round waits "
+                                         "for, plots, results (prints its URL with a one-time token)")
+    add_dashboard_arguments(p)
+    _connection_args(p)
+    p.set_defaults(func=_dashboard_command)
 
     demo = sub.add_parser("demo", help="run a local 3-hospital federation on real data")
     add_demo_arguments(demo)

@@ -87,11 +87,11 @@ def test_data_contract_violation_is_refused_with_rule_and_row(federation_factory
     with open(bad, "a") as fh:
         fh.write('{"text": "gout flare in the big toe", "label": "rheumatology"}\n')
     fed.start()
-    # both work streams first: the 15 s round deadline is for site-a's training, not for the agents' start-up (on a
-    # loaded 2-core machine the agents took over 10 s to connect and site-a's update missed the deadline)
-    wait_until(lambda: streams_open(fed) == {"site-a", "site-b"}, 120, "both agents' work streams")
+    # both sites must hold their work stream when round 1 opens (a site that connects later is not asked), and the
+    # deadline leaves site-a time to train and upload on a loaded 2-core runner
+    wait_until(lambda: streams_open(fed) >= {"site-a", "site-b"}, 60, "both agents' work streams")
     with fed.client() as client:
-        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=15), package=tiny_package())
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=25), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
     assert state_name(final.state) == "failed"
     refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]

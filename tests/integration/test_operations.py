@@ -13,6 +13,7 @@ import pytest
 from fedclinic.client import state_name
 from fedclinic.federation.local_federation import wait_until
 
+from tests.helpers.federation import streams_open
 from tests.helpers.tasks import make_task
 from tests.helpers.text_models import tiny_package
 
@@ -21,10 +22,11 @@ pytestmark = pytest.mark.integration
 
 def test_quorum_retry_then_fail_says_which(federation_factory):
     fed = federation_factory(1)
+    wait_until(lambda: "site-a" in streams_open(fed), 60, "the agent's work stream")  # asked from the first attempt
     with fed.client() as client:
         # the deadline must pass (one site can never make quorum), but leave the one site ample time to
         # deliver its update inside each attempt, even on a loaded 2-core runner
-        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=8, on_quorum_miss="retry",
+        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=12, on_quorum_miss="retry",
                                  max_round_retries=1), package=tiny_package())
         final = client.wait(st.task_id, timeout=120, progress=False)
         events = [e.message for e in client.watch(st.task_id)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 # FORMATS, MULTI_LABEL_SEPARATOR, infer_format, require_text and jsonl_objects are also re-exported here, where
 # they were defined before fedclinic.data.files
@@ -38,6 +38,7 @@ from fedclinic.data.files import (  # noqa: F401
 from fedclinic.data.image import read_image_text
 from fedclinic.data.ner import read_ner
 from fedclinic.data.qa import read_qa
+from fedclinic.data.sources.records import DataSource
 from fedclinic.errors import ConfigError, DatasetError
 
 
@@ -73,27 +74,59 @@ def read_classification(
                            rule="the dataset format is not one of jsonl, csv, tsv")
     rows = _jsonl_rows(path, text_field, label_field, on_bad_row) if fmt == "jsonl" else _table_rows(
         path, text_field, label_field, delimiter="," if fmt == "csv" else "\t", on_bad_row=on_bad_row)
-    allowed = set(labels)
-    order = {lab: i for i, lab in enumerate(labels)}
-    out: list[Example] = []
-    for row_no, text, raw_labels in rows:
-        try:
-            out.append(_example(path, row_no, text, raw_labels, text_field=text_field, label_field=label_field,
-                                fmt=fmt, labels=labels, allowed=allowed, order=order, multi_label=multi_label))
-        except DatasetError as exc:
-            if on_bad_row is None:
-                raise
-            on_bad_row(exc)
+    out = _examples(path, ((f"{path}: row {n}", n, t, lab) for n, t, lab in rows), text_field=text_field,
+                    label_field=label_field, fmt=fmt, labels=labels, multi_label=multi_label, on_bad_row=on_bad_row)
     if not out and on_bad_row is None:
         raise DatasetError(f"{path}: the dataset is empty (no example rows); point the site at a file with data",
                            rule="the dataset is empty")
     return out
 
 
-def _example(path, row_no: int, text: Any, raw_labels: Any, *, text_field: str, label_field: str, fmt: str,
+def read_source_classification(
+    source: DataSource,
+    *,
+    split: str = "train",
+    label_set: Sequence[str],
+    multi_label: bool = False,
+    on_bad_row: Callable[[DatasetError], None] | None = None,
+) -> list[Example]:
+    """The text-classification examples of a registered data source (:mod:`fedclinic.data.sources`: SQL, OMOP,
+    FHIR NDJSON, Parquet), validated row by row exactly as :func:`read_classification` validates a file's rows
+    (same rules, same DatasetError, same ``on_bad_row`` tolerance): the same rows give the same examples
+    wherever they are stored. ``split``: "train" or "eval" (the source's held-out split)."""
+    labels = check_label_set(label_set)
+    records = source.records(split, on_bad_row)
+    out = _examples(source.where, ((r.where, r.row, r.text, r.labels) for r in records), text_field="text",
+                    label_field="label", fmt=source.kind, labels=labels, multi_label=multi_label,
+                    on_bad_row=on_bad_row)
+    if not out and on_bad_row is None:
+        raise DatasetError(f"{source.where}: the dataset is empty (the source gives no example rows); check its "
+                           "query, mapping or export with `hospital-agent check-config`", rule="the dataset is empty")
+    return out
+
+
+def _examples(path, rows: Iterable[tuple[str, int, Any, Any]], *, text_field: str, label_field: str, fmt: str,
+              labels: list[str], multi_label: bool,
+              on_bad_row: Callable[[DatasetError], None] | None) -> list[Example]:
+    """The Example of every ``(where, row number, text, raw labels)`` row; a bad row raises (or goes to
+    ``on_bad_row`` and is skipped)."""
+    allowed = set(labels)
+    order = {lab: i for i, lab in enumerate(labels)}
+    out: list[Example] = []
+    for where, row_no, text, raw_labels in rows:
+        try:
+            out.append(_example(where, row_no, text, raw_labels, text_field=text_field, label_field=label_field,
+                                fmt=fmt, labels=labels, allowed=allowed, order=order, multi_label=multi_label))
+        except DatasetError as exc:
+            if on_bad_row is None:
+                raise
+            on_bad_row(exc)
+    return out
+
+
+def _example(where: str, row_no: int, text: Any, raw_labels: Any, *, text_field: str, label_field: str, fmt: str,
              labels: list[str], allowed: set[str], order: dict[str, int], multi_label: bool) -> Example:
-    """One row's Example, or the DatasetError that names what is wrong with it."""
-    where = f"{path}: row {row_no}"
+    """One row's Example, or the DatasetError that names what is wrong with it (``where``: "PATH: row N")."""
     require_text(text, where, text_field, "the text to classify")
     found = parse_labels(raw_labels, where, label_field, fmt, allowed)
     if not found:

@@ -38,6 +38,11 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))
 
 
+def _toml_key(key: str) -> str:
+    """``key`` bare when TOML allows it (letters, digits, ``_``, ``-``), else quoted (e.g. a FHIR "system|code")."""
+    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) else json.dumps(key)
+
+
 def to_toml(doc: dict[str, Any]) -> str:
     """Minimal TOML writer for our flat configs (scalars, lists, nested tables)."""
     lines: list[str] = []
@@ -46,7 +51,7 @@ def to_toml(doc: dict[str, Any]) -> str:
         if isinstance(v, dict):
             tables.append((k, v))
         else:
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
 
     def emit(prefix: str, table: dict) -> None:
         lines.append(f"\n[{prefix}]")
@@ -55,7 +60,7 @@ def to_toml(doc: dict[str, Any]) -> str:
             if isinstance(v, dict):
                 sub.append((f"{prefix}.{json.dumps(k) if not k.isidentifier() else k}", v))
             else:
-                lines.append(f"{k} = {_toml_value(v)}")
+                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
         for p, t in sub:
             emit(p, t)
 

@@ -26,7 +26,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -289,6 +289,41 @@ def load_strict(module, tensors: Mapping[str, np.ndarray]) -> None:
     load_tensors(module, tensors)
 
 
+def build_loaded(build: Callable[[], "torch.nn.Module"], tensors: Mapping[str, np.ndarray]) -> "torch.nn.Module":
+    """``build()`` with ``tensors`` loaded strictly (as :func:`load_strict`), without initialising the weights first.
+
+    The module is built on the meta device and materialised empty; every persistent tensor is then loaded from
+    ``tensors``, so no random initialisation is computed only to be overwritten. Buffers that are not part of the
+    state (``persistent=False``: position ids, rotary frequencies) are not in ``tensors``: they are recomputed by the
+    Hugging Face model's own initialisation, which skips every loaded tensor (its ``_is_hf_initialized`` flag, the
+    mechanism ``from_pretrained`` relies on). A module with such buffers and no Hugging Face model to recompute them
+    is built the plain way (initialised, then loaded).
+    """
+    torch = _torch()
+    with torch.device("meta"):
+        module = build()
+    state = module.state_dict(keep_vars=True)
+    transient = [name for name, _ in module.named_buffers() if name not in state]
+    hf = module if hasattr(module, "initialize_weights") else getattr(module, "encoder", None)
+    if transient and not hasattr(hf, "initialize_weights"):
+        module = build()
+        load_strict(module, tensors)
+        return module
+    module.to_empty(device="cpu")
+    load_strict(module, tensors)
+    if transient:
+        loaded = list(module.state_dict(keep_vars=True).values())
+        for t in loaded:
+            t._is_hf_initialized = True
+        try:
+            with torch.no_grad():
+                hf.initialize_weights()
+        finally:
+            for t in loaded:
+                del t._is_hf_initialized
+    return module
+
+
 # ------------------------------------------------------------------------------------------------------------
 # validation
 
@@ -397,6 +432,51 @@ def _load_safetensors(path: Path, load_file) -> dict[str, np.ndarray]:
         except Exception:
             raise IntegrityError(f"cannot read weights {path}: {exc}") from None
     return arrays
+
+
+def pretrained_tensors(build: Callable[[], "torch.nn.Module"], checkpoint: Mapping[str, np.ndarray], seed: int,
+                       initialise: Callable[["torch.nn.Module", "torch.nn.Module"], None],
+                       fresh_modules: tuple[str, ...] = FRESH_MODULES) -> tuple["torch.nn.Module", dict[str, np.ndarray]]:
+    """A pretrained model's package tensors without building its weights: ``(module on the meta device, tensors)``.
+
+    ``build()`` is called under ``torch.device("meta")``, so no weight is allocated or randomly initialised; the
+    checkpoint is matched to its names by :func:`map_checkpoint` (same checks). Only the modules that own a tensor
+    the checkpoint lacks (the task's new head, a missing pooler) are materialised on the CPU and initialised by
+    ``initialise(module, owner)`` with torch's RNG seeded from ``seed`` (owners in state-dict order, so the same seed
+    gives the same tensors). The result has the module's state-dict names and order, floating tensors as float32,
+    exactly what :func:`module_tensors` of the loaded module would return; the checkpoint's arrays are not copied
+    when they already are float32. The meta module carries the config (``module.config``) for the package.
+    """
+    torch = _torch()
+    with torch.device("meta"):
+        module = build()
+    mapped = map_checkpoint(module, checkpoint, fresh_modules)
+    state = module.state_dict()
+    owners: list[str] = []
+    for name in state:
+        if name not in mapped:
+            owner = name.rpartition(".")[0]
+            if owner not in owners:
+                owners.append(owner)
+    fresh: dict[str, np.ndarray] = {}
+    with seeded(seed), torch.no_grad():
+        for path in owners:
+            owner = module.get_submodule(path)
+            owner.to_empty(device="cpu", recurse=False)
+            initialise(module, owner)
+            for local, t in owner.state_dict(keep_vars=False).items():
+                if "." not in local:
+                    fresh[f"{path}.{local}" if path else local] = (
+                        t.detach().float() if t.is_floating_point() else t.detach()).numpy().copy()
+    out: dict[str, np.ndarray] = {}
+    for name, t in state.items():
+        if name not in mapped:
+            out[name] = fresh[name]
+        else:
+            arr = np.asarray(mapped[name])
+            out[name] = (np.ascontiguousarray(arr, dtype=np.float32) if t.is_floating_point()
+                         else np.ascontiguousarray(arr))
+    return module, out
 
 
 def map_checkpoint(module, checkpoint: Mapping[str, np.ndarray],

@@ -51,6 +51,7 @@ from fedclinic.models.base import (  # noqa: F401
     TOKENIZER_FILE,
     TOKENIZER_SIDE_FILES,
     LoadedModel,
+    build_loaded,
     check_labels,
     check_max_length,
     check_model_type,
@@ -61,6 +62,7 @@ from fedclinic.models.base import (  # noqa: F401
     load_tensors,
     load_tokenizer,
     map_checkpoint,
+    pretrained_tensors,
     module_tensors,
     read_checkpoint,
     seeded,
@@ -309,14 +311,21 @@ def package_pretrained(
     tokenizer = load_tokenizer(tokenizer_json)
     check_transformer_fits(hf_config, tokenizer.get_vocab_size(with_added_tokens=True), max_length)
     checkpoint = read_checkpoint(folder)
-    module = _build_hf_module(hf_config, seed, pooling)
-    load_tensors(module, map_checkpoint(module, checkpoint))
+    module, tensors = pretrained_tensors(lambda: _build_hf_module(hf_config, seed, pooling), checkpoint, seed,
+                                         _initialise_head)
     meta = _meta(architecture, labels, multi_label, max_length, base_model,
                  _transformer_arch_config(hf_config.model_type, pooling))
     files = {META_FILE: meta_bytes(meta), TOKENIZER_FILE: tokenizer_json,
              HF_CONFIG_FILE: _transformer_config_bytes(module, pooling),
              **side_files}
-    return ModelPackage(tensors=module_tensors(module), files=files)
+    return ModelPackage(tensors=tensors, files=files)
+
+
+def _initialise_head(module, owner) -> None:
+    """Hugging Face's initialisation of one new module of a pretrained classifier (a mean-pooled classifier
+    is not a Hugging Face model: its encoder's rule, the same normal(0, initializer_range) weights and zero biases)."""
+    init = getattr(module, "_init_weights", None) or module.encoder._init_weights
+    init(owner)
 
 
 def package_from_config(
@@ -441,7 +450,7 @@ def build(package: ModelPackage) -> LoadedModel:
         if int(config.vocab_size) < vocab_size:
             raise IntegrityError(f"{TOKENIZER_FILE} has {vocab_size} tokens but the model's vocab_size is "
                                  f"{config.vocab_size}")
-        module = _build_hf_module(config, 0, pooling)
+        module = build_loaded(lambda: _build_hf_module(config, 0, pooling), package.tensors)
     else:
         arch = dict(meta.get("arch_config") or {})
         if int(arch.get("vocab_size", -1)) != vocab_size:
@@ -449,7 +458,7 @@ def build(package: ModelPackage) -> LoadedModel:
                                  f"has {vocab_size} tokens")
         with seeded(0):  # the initial values are overwritten; seeding keeps the caller's RNG untouched
             module = _build_own_module(architecture, arch, len(labels))
-    load_strict(module, package.tensors)
+        load_strict(module, package.tensors)
     module.eval()
     return LoadedModel(module=module, tokenizer=tokenizer, meta=meta, pad_id=tokenizer_pad_id(tok_bytes))
 

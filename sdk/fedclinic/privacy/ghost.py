@@ -214,13 +214,16 @@ class GhostClipping:
         """Every trained parameter is read by exactly as many autograd edges as its layer has recorded calls,
         and by at most one call: otherwise per-layer norms do not add up to the example's norm."""
         uses: dict[int, int] = {}
-        seen: set[int] = set()
+        # visited nodes by id, each kept alive: a graph node's Python wrapper lives only while referenced (the same
+        # one is returned while it lives), so with a bare set of ids a later node could get a freed wrapper's
+        # address and be skipped as seen (CPython 3.12 did so: most of a BERT's graph unseen, parameters "read 0 times")
+        seen: dict[int, object] = {}
         stack = [losses.grad_fn]
         while stack:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue

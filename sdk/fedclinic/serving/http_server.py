@@ -68,68 +68,30 @@ requires mutual TLS and the same role check. SIGTERM and SIGINT stop both gracef
 from __future__ import annotations
 
 import contextlib
-import ipaddress
-import json
 import logging
 import resource
 import signal
 import socket
 import ssl
-import sys
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import uvicorn
 
 from fedclinic.errors import ConfigError
-from fedclinic.serving.bundle import ClassifierBundle
-from fedclinic.serving.bundle_trust import check_bundle_trust, trust_ca
-from fedclinic.serving.caller_policy import DEFAULT_ROLES, CallerPolicy
+from fedclinic.serving.caller_policy import CallerPolicy
 from fedclinic.serving.guarded_h11 import GuardedH11Protocol
 from fedclinic.serving.http_app import HttpApp
-from fedclinic.serving.pixel_budget import DEFAULT_MAX_PIXELS, PixelBudget
+from fedclinic.serving.pixel_budget import PixelBudget
 from fedclinic.serving.prediction_service import PredictionService
+from fedclinic.serving.serve_limits import ServeLimits
 from fedclinic.serving.work_pool import WorkPool
 
 #: seconds a stopping server waits for requests in progress
 GRACEFUL_STOP_S = 10
 
 
-@dataclass(frozen=True)
-class ServeLimits:
-    """The bounds of one server (module doc); ``None``: the bundle family's default."""
-
-    max_body: int | None = None
-    max_inflight_bytes: int | None = None
-    max_connections: int = 1000
-    backlog: int = 2048
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    keep_alive_timeout: float = 5.0
-    inference_workers: int = 2
-    inference_queue: int = 16
-    max_image_pixels: int = DEFAULT_MAX_PIXELS
-    grpc_max_concurrent_rpcs: int = 64
-
-    def check(self) -> None:
-        """ConfigError naming the flag of a value out of range."""
-        for flag, value, low in (("--max-connections", self.max_connections, 1), ("--backlog", self.backlog, 1),
-                                 ("--inference-workers", self.inference_workers, 1),
-                                 ("--inference-queue", self.inference_queue, 0),
-                                 ("--max-image-pixels", self.max_image_pixels, 1),
-                                 ("--grpc-max-concurrent-rpcs", self.grpc_max_concurrent_rpcs, 1),
-                                 ("--max-body", self.max_body if self.max_body is not None else 1, 1)):
-            if value < low:
-                raise ConfigError(f"{flag} must be >= {low}, got {value}")
-        for flag, seconds in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
-                              ("--keep-alive-timeout", self.keep_alive_timeout)):
-            if not seconds > 0:
-                raise ConfigError(f"{flag} must be > 0 seconds, got {seconds}")
-
-
-class _Uvicorn(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
     """uvicorn's server, telling us when it listens, and ending on SIGTERM/SIGINT with status 0 (uvicorn
     re-raises the signal after a graceful stop, which would end the process with -15)."""
 
@@ -185,9 +147,9 @@ class InferenceServer:
                            max_inflight_bytes=limits.max_inflight_bytes, client_certificates=https == "mtls")
         self.scheme = "https" if https else "http"
         _raise_open_file_limit(limits.max_connections + 256)
-        self._socket = _bind(host, port)
+        self._socket = bind_listener(host, port)
         self.http_port: int = self._socket.getsockname()[1]
-        ssl_context = _ssl_context(tls, client_certificates=https == "mtls") if https else None
+        ssl_context = server_ssl_context(tls, client_certificates=https == "mtls") if https else None
         config = uvicorn.Config(self.app.asgi, http=GuardedH11Protocol.with_header_timeout(limits.header_timeout),
                                 loop="asyncio", lifespan="off", ws="none", interface="asgi3",
                                 limit_concurrency=limits.max_connections, backlog=limits.backlog,
@@ -197,7 +159,7 @@ class InferenceServer:
                                 ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None)
         self._started = threading.Event()
         self._on_ready: Callable[[dict[str, int]], None] | None = None
-        self._uvicorn = _Uvicorn(config, self._now_ready)
+        self._uvicorn = UvicornServer(config, self._now_ready)
         self.grpc_server = None
         self.grpc_port: int | None = None
         if grpc_port is not None:
@@ -247,7 +209,7 @@ class InferenceServer:
         self._uvicorn.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -259,7 +221,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _ssl_context(tls: Any, *, client_certificates: bool) -> ssl.SSLContext:
+def server_ssl_context(tls: Any, *, client_certificates: bool) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
@@ -281,125 +243,3 @@ def _raise_open_file_limit(wanted: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def add_serve_command(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve an exported model bundle over HTTP/JSON (and gRPC)")
-    p.add_argument("bundle", help="a folder written by `fedclinic export onnx`")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")
-    p.add_argument("--int8", action="store_true", help="serve model.int8.onnx")
-    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = its default)")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="multi-label models: report every label whose probability is >= this, in place of the "
-                        "bundle's per-label thresholds (default: those when the bundle has them, else 0.5)")
-    p.add_argument("--port-file", help='write {"http": PORT, "grpc": PORT} here once ready (for supervisors and tests)')
-    p.add_argument("--grpc-port", type=int, help="also serve the gRPC Inference service on this port (0 = any)")
-    p.add_argument("--cert", help="this server's certificate (fedclinic pki): the gRPC port then requires mTLS")
-    p.add_argument("--key", help="its private key")
-    p.add_argument("--ca", help="the fedclinic CA certificate")
-    sig = p.add_argument_group("bundle signature (checked before the bundle is loaded)")
-    sig.add_argument("--trust-ca", help="the fedclinic CA the bundle's BUNDLE_SIGNATURE.json is checked against "
-                                        "(default: --ca, else $FEDCLINIC_CA)")
-    sig.add_argument("--allow-unsigned", action="store_true",
-                     help="serve a bundle that has no signature, or whose signature cannot be checked (no CA): "
-                          "with a warning; a signature that fails is refused regardless")
-    sec = p.add_argument_group("HTTP security (plain HTTP on loopback by default)")
-    sec.add_argument("--https", nargs="?", const="mtls", choices=["mtls", "tls"],
-                     help="serve HTTPS with --cert/--key: 'mtls' (the default) requires a client certificate of the "
-                          "--ca; 'tls' does not (then --token-file is required)")
-    sec.add_argument("--token-file", help="require 'Authorization: Bearer <token>' (the file's one line) on every "
-                                          "request but /healthz, and on every gRPC call")
-    sec.add_argument("--allow-roles", default=",".join(DEFAULT_ROLES),
-                     help="certificate roles that may query the model (default: %(default)s)")
-    sec.add_argument("--crl", help="the fedclinic CA's revocation list (crl.pem): refuse revoked client certificates "
-                                   "on HTTPS and gRPC (re-read when the file changes)")
-    lim = p.add_argument_group("limits")
-    d = ServeLimits()
-    lim.add_argument("--max-body", type=int, help="request body limit in bytes (default 1 MiB; 64 MiB for image-text)")
-    lim.add_argument("--max-inflight-bytes", type=int, help="request bodies held at once, bytes (default 4 x --max-body)")
-    lim.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections (default %(default)s)")
-    lim.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
-    lim.add_argument("--header-timeout", type=float, default=d.header_timeout,
-                     help="seconds for a request's line and headers (default %(default)s)")
-    lim.add_argument("--body-timeout", type=float, default=d.body_timeout,
-                     help="seconds for a request's body (default %(default)s)")
-    lim.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
-                     help="idle seconds between requests on one connection (default %(default)s)")
-    lim.add_argument("--inference-workers", type=int, default=d.inference_workers,
-                     help="predictions run at once (default %(default)s)")
-    lim.add_argument("--inference-queue", type=int, default=d.inference_queue,
-                     help="predictions waiting for a worker before requests get 503 (default %(default)s)")
-    lim.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
-                     help="pixels per image, checked from its header before decoding (default %(default)s)")
-    lim.add_argument("--grpc-max-concurrent-rpcs", type=int, default=d.grpc_max_concurrent_rpcs,
-                     help="calls at once on the gRPC port (default %(default)s)")
-    p.set_defaults(func=_serve_command)
-
-
-def _serve_command(args: Any) -> int:
-    tls_args = [args.cert, args.key, args.ca]
-    if any(tls_args) and not all(tls_args):
-        raise ConfigError("give all of --cert, --key and --ca for mutual TLS, or none of them")
-    limits = ServeLimits(max_body=args.max_body, max_inflight_bytes=args.max_inflight_bytes,
-                         max_connections=args.max_connections, backlog=args.backlog,
-                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                         keep_alive_timeout=args.keep_alive_timeout, inference_workers=args.inference_workers,
-                         inference_queue=args.inference_queue, max_image_pixels=args.max_image_pixels,
-                         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)
-    limits.check()
-    if args.crl and not all(tls_args):
-        raise ConfigError("--crl checks client certificates: give it with --cert, --key and --ca")
-    revocations = None
-    if args.crl:
-        from fedclinic.pki import PkiError, RevocationList
-
-        try:
-            revocations = RevocationList(args.crl, args.ca)
-        except PkiError as exc:
-            raise ConfigError(f"--crl: {exc}") from None
-    callers = CallerPolicy.from_token_file(args.token_file,
-                                           tuple(r.strip() for r in args.allow_roles.split(",") if r.strip()),
-                                           revocations)
-    tls = None
-    if all(tls_args):
-        # lazy: protobuf/grpc load only when serving over gRPC (HTTP serving has neither)
-        from fedclinic.transport.rpc import TlsFiles
-
-        tls = TlsFiles(Path(args.cert), Path(args.key), Path(args.ca))
-    trust, warning = check_bundle_trust(args.bundle, ca=trust_ca(args.trust_ca, args.ca),
-                                        allow_unsigned=args.allow_unsigned)
-    if trust:
-        print(trust, file=sys.stderr if warning else sys.stdout, flush=True)
-    bundle = ClassifierBundle(args.bundle, int8=args.int8, threads=args.threads, threshold=args.threshold)
-    if bundle.multi_label and "thresholds" in bundle.meta:
-        print("per-label thresholds: " + (", ".join(f"{lab} {t:.2f}" for lab, t in zip(bundle.labels, bundle.thresholds))
-                                          if bundle.tuned_thresholds else f"overridden by --threshold {args.threshold}"),
-              flush=True)
-    server = InferenceServer(bundle, args.host, args.port, limits=limits, tls=tls, https=args.https,
-                             callers=callers, grpc_port=args.grpc_port)
-    if not _is_loopback(args.host) and not args.https and not callers.needs_token:
-        print(f"warning: serving plain HTTP without authentication on {args.host}: anyone who can reach this port "
-              "can query the model; use --https and/or --token-file, or keep it behind the hospital's reverse proxy",
-              file=sys.stderr, flush=True)
-    if server.grpc_port is not None:
-        print(f"gRPC Inference service on {args.host}:{server.grpc_port} ({'mutual TLS' if tls else 'plaintext'})",
-              flush=True)
-
-    def ready(ports: dict[str, int]) -> None:
-        print(f"serving {args.bundle} ({bundle.family}, {len(bundle.labels)} labels) on "
-              f"{server.scheme}://{args.host}:{ports['http']}", flush=True)
-        if args.port_file:
-            tmp = Path(args.port_file + ".tmp")
-            tmp.write_text(json.dumps(ports))
-            tmp.replace(args.port_file)
-
-    server.serve(ready)
-    return 0

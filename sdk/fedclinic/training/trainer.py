@@ -23,7 +23,6 @@ RNG state is left as it was.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import dataclass, fields
@@ -34,6 +33,7 @@ import numpy as np
 from fedclinic.evaluation.multilabel import multilabel_evaluation
 from fedclinic.models.base import EncodedData, encode_texts
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
+from fedclinic.training.precision import autocast_for, check_autocast_dtype
 from fedclinic.spec.selection import select_names
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 
@@ -56,6 +56,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0       # 0 = no clipping
     max_steps: int = 0               # 0 = no cap on optimiser steps
     mixed_precision: bool = False    # bf16 autocast on CUDA (fp16 + loss scaling where bf16 is missing)
+    #: with mixed_precision: "auto" (as above), "bf16" or "fp16" (+ loss scaling); see fedclinic.training.precision
+    autocast_dtype: str = "auto"
     proximal_mu: float = 0.0         # FedProx / PGD / PAdam perturbation; 0 = off
     optimizer_state: str = "reset"   # "reset": fresh moments every round; "keep": they persist at the site
     measure_gradient_change: bool = False  # compute TrainResult.gradient_change_rate (two extra data passes)
@@ -88,6 +90,7 @@ class TrainConfig:
         if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
                    for w in self.pos_weight):
             p.append(f"pos_weight values must be positive finite numbers, got {list(self.pos_weight)!r}")
+        p.extend(check_autocast_dtype(self.autocast_dtype))
         if not isinstance(self.device, str) or not self.device:
             p.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if p:
@@ -223,15 +226,10 @@ def _loss_fn(multi_label: bool, pos_weight: Sequence[float] = ()):
     return lambda logits, y, reduction="mean": F.cross_entropy(logits, y, reduction=reduction)
 
 
-def _autocast(device: "torch.device", enabled: bool):
-    """(context, scaler): bf16 autocast on CUDA when asked; fp16 + GradScaler if the GPU lacks bf16."""
-    import torch
-
-    if not enabled or device.type != "cuda":
-        return contextlib.nullcontext, None
-    if torch.cuda.is_bf16_supported():
-        return (lambda: torch.autocast("cuda", dtype=torch.bfloat16)), None
-    return (lambda: torch.autocast("cuda", dtype=torch.float16)), torch.amp.GradScaler("cuda")
+def _autocast(device: "torch.device", enabled: bool, dtype: str = "auto"):
+    """(context, scaler): :func:`fedclinic.training.precision.autocast_for` (bf16 autocast on CUDA by default;
+    fp16 + GradScaler if the GPU lacks bf16 or ``dtype`` says fp16)."""
+    return autocast_for(device, enabled, dtype)
 
 
 def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, trainable: Collection[str],
@@ -277,7 +275,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
         raise ConfigError(f"pos_weight ({len(cfg.pos_weight)} values) needs a multi-label text or feature model with "
                           f"one value per label ({data.num_labels} labels here)")
     loss_fn = _batch_loss(loaded, data.multi_label, cfg.pos_weight)
-    autocast, scaler = _autocast(device, cfg.mixed_precision)
+    autocast, scaler = _autocast(device, cfg.mixed_precision, cfg.autocast_dtype)
 
     n = len(data)
     per_epoch = math.ceil(n / cfg.batch_size)
