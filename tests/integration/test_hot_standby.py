@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +35,7 @@ pytestmark = pytest.mark.integration
 
 #: the done-when bound: the standby serves within this many seconds of the leader's death
 TAKEOVER_S = 15
+HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "fedclinic-healthcheck"
 SAMPLES = (24, 32)  # federation_factory's site data: site-a 24 rows (seed 0), site-b 32 rows (seed 1)
 
 
@@ -49,6 +53,14 @@ def _standby(fed, name: str, port: int):
     wait_until(lambda: health(fed, f"127.0.0.1:{port}") == NOT_SERVING, 60, f"replica {name} to listen, NOT_SERVING",
                check=lambda: proc.poll() is None or pytest.fail(fed.log_text(f"aggregator-{name}")))
     return proc
+
+
+def _probe(fed, address: str, *extra: str) -> int:
+    """The exit status of deploy/docker/fedclinic-healthcheck asking ``address`` (the probe of the Kubernetes pods)."""
+    c = fed.creds("scientist")
+    return subprocess.run([sys.executable, str(HEALTHCHECK), "--address", address, "--cert", c["cert"], "--key",
+                           c["key"], "--ca", c["ca"], "--server-name", "localhost", *extra],
+                          capture_output=True, timeout=60).returncode
 
 
 def _exact(fed, final, task_id: str) -> None:
@@ -80,6 +92,8 @@ def test_the_standby_takes_over_a_sigkilled_leader_mid_round_with_exact_counts(f
     assert health(fed, a) == SERVING
     with fed.client(b) as client, pytest.raises(FedclinicError, match="standby"):
         client.list()  # one address: the standby's UNAVAILABLE, saying it is the standby, reaches the caller
+    # the Kubernetes probe (overlays/ha): the standby is not SERVING (1), but alive with --answering (0)
+    assert [_probe(fed, b), _probe(fed, b, "--answering"), _probe(fed, a)] == [1, 0, 0]
 
     fed.start_agent("site-a", f"{a},{b}")
     with fed.client(f"{b},{a}") as client:  # the SDK moves past the standby to the leader
