@@ -5,8 +5,9 @@ Contract (``[ha] enabled = true``, PostgreSQL state only):
 - **Election.** Each replica holds one dedicated connection (autocommit, TCP keepalives) and polls
   ``pg_try_advisory_lock(HA_CLASS, HA_OBJECT)`` on it every ``[ha] poll_s``. A session-level advisory lock is held
   by exactly one session at a time and is released by PostgreSQL when that session ends: when the leader's process
-  dies (SIGKILL, node loss: the server notices the closed socket, or the keepalives after at most
-  ``KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S`` seconds), the next poll of a standby wins.
+  dies (SIGKILL: the server notices the closed socket at once; node loss: the server's TCP keepalives, set for
+  this session, after about ``KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S`` seconds), the next poll
+  of a standby wins. (The lock connection's own ``options`` replace any ``options=`` of the configured URL.)
 - **Standby.** Until it wins, a replica runs its gRPC server with the health service reporting NOT_SERVING and
   refuses every other call with UNAVAILABLE (:class:`StandbyGate`), so clients with several addresses move on.
   Its engine is not started: it folds, ticks and deletes nothing.
@@ -98,7 +99,12 @@ class LeaderElection:
         kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S,
                                   "application_name": "fedclinic-aggregator-leader-lock",
                                   "keepalives": 1, "keepalives_idle": KEEPALIVE_IDLE_S,
-                                  "keepalives_interval": KEEPALIVE_INTERVAL_S, "keepalives_count": KEEPALIVE_COUNT}
+                                  "keepalives_interval": KEEPALIVE_INTERVAL_S, "keepalives_count": KEEPALIVE_COUNT,
+                                  # the server's side of this session: a leader whose host vanished (no FIN, no
+                                  # RST) loses its session, hence the lock, in about 11 s, not the OS's 2 hours
+                                  "options": (f"-c tcp_keepalives_idle={KEEPALIVE_IDLE_S} "
+                                              f"-c tcp_keepalives_interval={KEEPALIVE_INTERVAL_S} "
+                                              f"-c tcp_keepalives_count={KEEPALIVE_COUNT}")}
         password = self.settings.password()
         if password is not None:
             kwargs["password"] = password

@@ -31,7 +31,7 @@ from aggregator_service.leader_election import LeaderElection, NotLeader, Standb
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.peer_limits import PeerLimits
 from aggregator_service.rpc_errors import ErrorInterceptor
-from aggregator_service.store import open_store
+from aggregator_service.store import SCHEMA_VERSION, open_store
 
 log = structlog.get_logger("fedclinic.aggregator")
 
@@ -148,7 +148,14 @@ class Aggregator:
             self.health.set(name, status)
 
     def _take_over(self) -> None:
-        """Elected (HA): recover as a restarted aggregator does, then serve."""
+        """Elected (HA): recover as a restarted aggregator does, then serve. A database another release migrated
+        while this replica waited is not served (NotLeader: the replica fences itself and exits; restarted, the
+        store refuses a newer schema with its own message)."""
+        found = self.store.schema_version
+        if found != SCHEMA_VERSION:
+            raise NotLeader(f"the database has schema version {found}, this release uses {SCHEMA_VERSION}: "
+                            "another release migrated it while this replica waited; run the same release on "
+                            "every replica")
         self.engine.start()
         assert self.gate is not None
         self.gate.open.set()

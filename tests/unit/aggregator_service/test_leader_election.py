@@ -35,6 +35,8 @@ def test_one_leader_at_a_time_and_the_standby_wins_when_the_leader_goes(postgres
     second, second_elected, _ = _election(postgres_server, database)
     first.start()
     wait_until(first_elected.is_set, 30, "the first replica to be elected")
+    # the server drops the lock session of a leader whose host vanished within seconds, not the OS's 2 hours
+    assert first._conn.execute("SHOW tcp_keepalives_idle").fetchone()[0] in ("5", "5s")
     second.start()
     try:
         assert not second_elected.wait(1.0)  # ten polls: the lock stays with the first
