@@ -43,6 +43,13 @@ test-postgresql: $(STAMP)
 	sh scripts/install_postgresql.sh $(BIN)/python
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_STORE=postgresql $(BIN)/python -m pytest -q -n 2 --dist loadfile tests/integration
 
+# The hot standby's kill phases (issue 21 item 3): the leader dies mid-upload, then mid-fold; ~1 min on 2 cores.
+# `make test` runs its smoke (a SIGKILLed leader, tests/integration/test_hot_standby.py).
+.PHONY: test-ha
+test-ha: $(STAMP)
+	sh scripts/install_postgresql.sh $(BIN)/python
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_HA_PHASES=1 $(BIN)/python -m pytest -q -p no:xdist tests/integration/test_hot_standby.py
+
 bench: $(STAMP)
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/aggregation.py

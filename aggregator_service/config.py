@@ -20,6 +20,9 @@ Example::
     database = "postgresql://fedclinic@db:5432/fedclinic"   # aggregator_service.store.database_settings
     database_password_file = "/run/secrets/db-password"     # or FEDCLINIC_DATABASE_PASSWORD; never in the TOML
 
+    [ha]                             # optional: hot standby (aggregator_service.leader_election.HaSettings)
+    enabled = true                   # replicas on one PostgreSQL + one shared state_dir; one leader serves
+
     [limits]                         # optional: per-peer limits (aggregator_service.limits.Limits, all keys)
     uploads_per_peer = 4
     idle_timeout_s = 60
@@ -41,13 +44,14 @@ from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_add
 from fedclinic.transport.rpc import TlsFiles
 from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 
+from aggregator_service.leader_election import HaSettings
 from aggregator_service.limits import Limits
 from aggregator_service.store.database_settings import DatabaseSettings
 
 ENV_PREFIX = "FEDCLINIC_AGGREGATOR"
 #: the settings aggregator.toml may hold; anything else is refused (a misspelt ``[tls] crl`` must not silently
 #: turn revocation checks off)
-KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls", "limits", "state")
+KEYS = ("listen", "state_dir", "log_level", "max_workers", "heartbeat_s", "metrics_address", "tls", "limits", "state", "ha")
 TLS_KEYS = ("cert", "key", "ca", "crl", "allow_no_crl")
 
 
@@ -68,6 +72,8 @@ class AggregatorConfig:
     limits: Limits = Limits()
     #: where the state is kept (the ``[state]`` table): the embedded SQLite database by default, or PostgreSQL
     state: DatabaseSettings = DatabaseSettings()
+    #: hot standby (the ``[ha]`` table, aggregator_service.leader_election): off by default
+    ha: HaSettings = HaSettings()
 
     @classmethod
     def load(cls, path: str | Path) -> "AggregatorConfig":
@@ -92,11 +98,12 @@ class AggregatorConfig:
             raise ConfigError(f"{src}: max_workers must be at least 4")
         limits = Limits.from_table(doc.get("limits"), src)
         limits.check(max_workers, src)
+        state = DatabaseSettings.from_table(doc.get("state"), src, base)
         return cls(listen=require(doc, "listen", str, src), state_dir=p(require(doc, "state_dir", str, src)),
                    tls=tls, crl=p(crl) if crl else None, allow_no_crl=allow_no_crl, log_level=str(doc.get("log_level", "info")),
                    max_workers=max_workers, heartbeat_s=float(doc.get("heartbeat_s", 15.0)),
                    metrics_address=parse_metrics_address(doc.get("metrics_address"), src), limits=limits,
-                   state=DatabaseSettings.from_table(doc.get("state"), src, base))
+                   state=state, ha=HaSettings.from_table(doc.get("ha"), src, state))
 
     def require_crl_or_dev_mode(self, where: str = "aggregator.toml") -> None:
         """Refuse to serve without a CRL unless ``[tls] allow_no_crl = true`` says it is a development setup."""

@@ -27,10 +27,11 @@ from aggregator_service.auth import AuthInterceptor
 from aggregator_service.config import AggregatorConfig
 from aggregator_service.control_api import ControlApi
 from aggregator_service.engine import Engine
+from aggregator_service.leader_election import LeaderElection, NotLeader, StandbyGate
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.peer_limits import PeerLimits
 from aggregator_service.rpc_errors import ErrorInterceptor
-from aggregator_service.store import open_store
+from aggregator_service.store import SCHEMA_VERSION, open_store
 
 log = structlog.get_logger("fedclinic.aggregator")
 
@@ -67,9 +68,21 @@ class Aggregator:
         #: per-peer limits (aggregator_service.peer_limits): calls per certificate and class, long-lived calls of all
         #: peers (unary calls always find a thread), field lengths, idle client streams
         self.peer_limits = PeerLimits(config.limits, config.max_workers, count=self.metrics.limit_refused)
+        #: hot standby ([ha], aggregator_service.leader_election): refuses all but health until elected
+        self.gate: StandbyGate | None = None
+        self.election: LeaderElection | None = None
+        self._fenced = threading.Event()
+        self._fence_reason = ""
+        if config.ha.enabled:
+            self.gate = StandbyGate("this aggregator is the standby replica (another replica is the leader): "
+                                    "try the next aggregator address")
+            self.election = LeaderElection(config.state, config.ha.poll_s, on_elected=self._take_over,
+                                           on_lost=self._fence)
+            self.store.fence = self.election.fence  # type: ignore[attr-defined]  # PostgresStore (config checks)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="rpc"),
                                   interceptors=[AuthInterceptor(revocations, on_refusal=self._refused,
                                                                 count_refusal=self.metrics.call_refused),
+                                                *([self.gate] if self.gate is not None else []),
                                                 # outside the limits: a request that does not parse is refused
                                                 # before they read it, and no failure reaches a caller as UNKNOWN
                                                 ErrorInterceptor(),
@@ -118,10 +131,48 @@ class Aggregator:
     def start(self) -> None:
         if self.config.metrics_address is not None:  # first: a port in use fails the start before anything runs
             self.metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_address)
+        if self.election is not None:
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.server.start()
+            log.info("aggregator listening as standby: waiting for the leader lock", address=self.address,
+                     state_dir=str(self.config.state_dir), poll_s=self.config.ha.poll_s)
+            self.election.start()
+            return
         self.engine.start()
         self.server.start()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._publish()
+
+    def _set_health(self, status: int) -> None:
         for name in ("", "fedclinic.v1.AgentService", "fedclinic.v1.Control"):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(name, status)
+
+    def _take_over(self) -> None:
+        """Elected (HA): recover as a restarted aggregator does, then serve. A database another release migrated
+        while this replica waited is not served (NotLeader: the replica fences itself and exits; restarted, the
+        store refuses a newer schema with its own message)."""
+        found = self.store.schema_version
+        if found != SCHEMA_VERSION:
+            raise NotLeader(f"the database has schema version {found}, this release uses {SCHEMA_VERSION}: "
+                            "another release migrated it while this replica waited; run the same release on "
+                            "every replica")
+        self.engine.start()
+        assert self.gate is not None
+        self.gate.open.set()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving as leader", address=self.address)
+        self._publish()
+
+    def _fence(self, reason: str) -> None:
+        """Lost the leader lock (HA): refuse every call, report NOT_SERVING, and make serve_forever stop."""
+        if self.gate is not None:
+            self.gate.open.clear()
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._fence_reason = reason
+        log.error("FENCED: no longer the leader, refusing all calls and stopping", reason=reason)
+        self._fenced.set()
+
+    def _publish(self) -> None:
         published = {"address": self.address, "pid": os.getpid()}
         if self.metrics_server is not None:
             published["metrics_address"] = str(self.metrics_server.address)
@@ -147,13 +198,16 @@ class Aggregator:
         self._stopped.set()
         log.info("aggregator stopping", grace_s=grace)
         self.health.enter_graceful_shutdown()
+        if self.election is not None:
+            self.election.stop()
         self.engine.stop()
         self.server.stop(grace).wait()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.store.close()
         self.audit.close()
-        (self.config.state_dir / ADDRESS_FILE).unlink(missing_ok=True)
+        if self.election is None or self.election.elected.is_set():  # a standby never published (HA: shared dir)
+            (self.config.state_dir / ADDRESS_FILE).unlink(missing_ok=True)
         log.info("aggregator stopped")
 
     def serve_forever(self) -> None:
@@ -169,8 +223,10 @@ class Aggregator:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGHUP, on_signal)
         self.start()
-        while not done.is_set():
+        while not done.is_set() and not self._fenced.is_set():
             if reload.wait(0.5):
                 reload.clear()
                 self.reload_credentials()
-        self.stop()
+        self.stop(grace=0.0 if self._fenced.is_set() else 10.0)
+        if self._fenced.is_set():
+            raise NotLeader(f"stopped: no longer the leader ({self._fence_reason}); restart it to rejoin as standby")

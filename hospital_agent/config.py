@@ -2,7 +2,7 @@
 
 Example::
 
-    aggregator = "aggregator.example.org:7443"
+    aggregator = "aggregator.example.org:7443"   # a hot-standby pair: ["agg-0.example.org:7443", "agg-1...:7443"]
     work_dir = "/var/lib/hospital-agent"
     device = "auto"            # "cpu", "cuda", "cuda:1"; auto = CUDA when present
     # devices = ["cuda:0", "cuda:1"]   # optional: train every round data-parallel, one process per device
@@ -76,6 +76,7 @@ from fedclinic.data.sources.database import refuse_password
 from fedclinic.errors import ConfigError
 from fedclinic.runtime.metrics_endpoint import MetricsAddress, parse_metrics_address
 from fedclinic.proto import task_pb2
+from fedclinic.transport.addresses import parse_addresses
 from fedclinic.transport.rpc import TlsFiles
 from fedclinic.runtime.tomlconfig import env_overrides, load_toml, refuse_unknown, require
 from fedclinic.secagg import ClientPolicy
@@ -369,6 +370,8 @@ class SitePolicy:
 
 @dataclass(frozen=True)
 class AgentConfig:
+    #: the aggregator's ``host:port``; several (a hot-standby pair) comma-separated, tried in turn
+    #: (fedclinic.transport.addresses; the TOML may give a list: ``aggregator = ["a:7443", "b:7443"]``)
     aggregator: str
     work_dir: Path
     tls: TlsFiles
@@ -457,7 +460,10 @@ class AgentConfig:
                               "gradient_checkpointing"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
-        return cls(aggregator=require(doc, "aggregator", str, source), work_dir=p(require(doc, "work_dir", str, source)),
+        if "aggregator" not in doc:
+            raise ConfigError(f"{source}: missing required setting 'aggregator'")
+        aggregator = ",".join(parse_addresses(doc["aggregator"], f"{source}: aggregator"))
+        return cls(aggregator=aggregator, work_dir=p(require(doc, "work_dir", str, source)),
                    tls=tls, datasets=datasets, policy=policy, server_name=doc.get("server_name"),
                    device=str(doc.get("device", "auto")), mixed_precision=bool(doc.get("mixed_precision", False)),
                    log_level=str(doc.get("log_level", "info")), source=source,

@@ -246,13 +246,29 @@ class Agent:
             except grpc.RpcError as exc:
                 if self.stop_event.is_set():
                     return
-                err = explain_rpc_error(exc, self.config.aggregator)
+                lost = self._conn.address if self._conn is not None else self.config.aggregator
+                err = explain_rpc_error(exc, lost)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and self._failover(lost):
+                    continue  # the next address at once; backoff after every address was tried
                 log.warning("work stream lost; reconnecting", error=str(err), retry_in_s=round(backoff, 1))
             except Exception:  # noqa: BLE001 - a message this agent cannot take must not silence the work stream
                 log.exception("work stream failed on a message; reconnecting", retry_in_s=round(backoff, 1))
             self.metrics.connected = False
             self.stop_event.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 30.0)
+
+    def _failover(self, lost: str) -> bool:
+        """UNAVAILABLE from ``lost`` (a standby, or nobody listening): move to the next aggregator address. True
+        when there is one not yet tried in this cycle (try it at once); False after a full cycle (back off)."""
+        if self._conn is None or len(self._conn.ring.addresses) == 1:
+            return False
+        wrapped = self._conn.failover()
+        self.metrics.connected = False
+        log.warning("aggregator unavailable; trying the next address", unavailable=lost, next=self._conn.address)
+        if wrapped:
+            return False
+        self.stop_event.wait(0.2 * (0.5 + random.random()))
+        return True
 
     def _secagg_loop(self) -> None:
         """Answer secure-aggregation phase messages as they come, also while the main thread trains."""

@@ -25,7 +25,7 @@ import threading
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import structlog
 
@@ -82,6 +82,9 @@ class PostgresStore(SqlStore):
         self.settings = settings
         self.where = settings.where()
         self.on_commit = None
+        #: HA (aggregator_service.leader_election): called with the connection inside every transaction, after the
+        #: write lock; raising rolls the transaction back (a replica that is not the leader commits nothing)
+        self.fence: Callable[[Any], None] | None = None
         self._write_lock = threading.Lock()
         self._local = threading.local()
         password = settings.password()
@@ -129,6 +132,8 @@ class PostgresStore(SqlStore):
             with self._pool.connection() as conn:
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+                    if self.fence is not None:
+                        self.fence(conn)
                     tx = PostgresTransaction(PgConnection(conn))
                     self._local.conn = conn
                     try:

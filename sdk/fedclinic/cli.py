@@ -36,7 +36,7 @@ from fedclinic.spec.task import Task
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=os.environ.get("FEDCLINIC_ADDRESS"), help="aggregator host:port")
+    p.add_argument("--address", default=os.environ.get("FEDCLINIC_ADDRESS"), help="aggregator host:port; a hot-standby pair as a:7443,b:7443 (tried in turn)")
     p.add_argument("--cert", default=os.environ.get("FEDCLINIC_CERT"), help="your certificate (PEM)")
     p.add_argument("--key", default=os.environ.get("FEDCLINIC_KEY"), help="your private key (PEM)")
     p.add_argument("--ca", default=os.environ.get("FEDCLINIC_CA"), help="the fedclinic CA certificate (PEM)")

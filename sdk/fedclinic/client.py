@@ -14,7 +14,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Sequence
+from typing import Any, Iterator
 
 import grpc
 
@@ -25,7 +26,8 @@ from fedclinic.pki.model_signatures import check_aggregator_statement, countersi
 from fedclinic.pki.signed_statement import SignedStatement, Signer
 from fedclinic.transport.package import SIGNATURES_FILE, Manifest, ModelPackage, raw_bytes
 from fedclinic.proto import control_pb2, control_pb2_grpc
-from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
+from fedclinic.control_channel import ControlChannel
+from fedclinic.transport.rpc import TlsFiles, explain_rpc_error
 from fedclinic.spec.task import Task
 from fedclinic.transport.resume import receive_resuming
 from fedclinic.transport.wire import encoded_tensor_chunks, file_chunks, header_of, manifest_to_proto
@@ -64,13 +66,20 @@ def held_sites(status: control_pb2.TaskStatus) -> dict[str, str]:
 
 
 class Client:
-    def __init__(self, address: str, tls: TlsFiles, *, server_name: str | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], tls: TlsFiles, *, server_name: str | None = None) -> None:
+        """``address``: ``"host:port"``, or several (a hot-standby pair) as ``"a:port,b:port"`` or a list, tried in
+        turn on UNAVAILABLE (fedclinic.control_channel)."""
         self._tls = tls
-        self._channel = secure_channel(address, tls, server_name=server_name)
-        self._stub = control_pb2_grpc.ControlStub(self._channel)
-        self._submit_raw = self._channel.stream_unary("/fedclinic.v1.Control/SubmitTask", request_serializer=None,
-                                                      response_deserializer=control_pb2.TaskStatus.FromString)
+        self._conn = ControlChannel(address, tls, server_name=server_name)
+
+    @property
+    def address(self) -> str:
+        """The aggregator address in use."""
+        return self._conn.address
+
+    @property
+    def _stub(self) -> control_pb2_grpc.ControlStub:
+        return self._conn.stub
 
     def __enter__(self) -> "Client":
         return self
@@ -79,11 +88,18 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        self._conn.close()
 
-    def _call(self, fn: Callable, *args, **kwargs):
+    def _call(self, method: str, *args, **kwargs):
+        """The Control RPC ``method`` (a stub attribute, or "SubmitTask" with an iterator factory as its one
+        argument), with failover across the addresses."""
+        def once():
+            if method == "SubmitTask":
+                return self._conn.submit_raw(args[0](), **kwargs)
+            return getattr(self._conn.stub, method)(*args, **kwargs)
+
         try:
-            return fn(*args, **kwargs)
+            return self._conn.retrying(once)
         except grpc.RpcError as exc:
             raise explain_rpc_error(exc, self.address) from None
 
@@ -123,7 +139,7 @@ class Client:
         header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=key, model=manifest_to_proto(manifest),
                                               signed_task=signed.to_proto())
 
-        return self._call(self._submit_raw, submission_stream(header, package, manifest), timeout=3600)
+        return self._call("SubmitTask", lambda: submission_stream(header, package, manifest), timeout=3600)
 
     def _submit_evaluation_of(self, task: Task, named: str, idempotency_key: str | None) -> control_pb2.TaskStatus:
         """Submit an "evaluate" task of the final model of ``named`` (a completed task of this client's owner):
@@ -140,18 +156,18 @@ class Client:
         header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=key, signed_task=signed.to_proto())
         chunks = [control_pb2.SubmitTaskChunk(header=header).SerializeToString(),
                   control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()]
-        return self._call(self._submit_raw, iter(chunks), timeout=600)
+        return self._call("SubmitTask", lambda: iter(chunks), timeout=600)
 
     def status(self, task_id: str) -> control_pb2.TaskStatus:
-        return self._call(self._stub.GetTask, control_pb2.GetTaskRequest(task_id=task_id), timeout=60)
+        return self._call("GetTask", control_pb2.GetTaskRequest(task_id=task_id), timeout=60)
 
     def list(self, include_finished: bool = False) -> list[control_pb2.TaskStatus]:
-        resp = self._call(self._stub.ListTasks, control_pb2.ListTasksRequest(include_finished=include_finished),
+        resp = self._call("ListTasks", control_pb2.ListTasksRequest(include_finished=include_finished),
                           timeout=60)
         return list(resp.tasks)
 
     def cancel(self, task_id: str, reason: str = "") -> control_pb2.TaskStatus:
-        return self._call(self._stub.CancelTask, control_pb2.CancelTaskRequest(task_id=task_id, reason=reason),
+        return self._call("CancelTask", control_pb2.CancelTaskRequest(task_id=task_id, reason=reason),
                           timeout=60)
 
     def watch(self, task_id: str, after_seq: int = 0) -> Iterator[control_pb2.TaskEvent]:
@@ -168,6 +184,11 @@ class Client:
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or failures >= 10:
                     raise explain_rpc_error(exc, self.address) from None
+                if len(self._conn.ring.addresses) > 1:  # a standby pair: the next address (and back) at once
+                    self._conn.failover()
+                    time.sleep(0.2 if failures < 2 * len(self._conn.ring.addresses) else min(2 ** failures, 8))
+                    failures += 1
+                    continue
                 failures += 1
                 time.sleep(min(2 ** failures, 30))  # reconnect backoff while the aggregator restarts
 
@@ -205,7 +226,7 @@ class Client:
                 task_id=task_id, round=round, resume_tensor=point[0], resume_offset=point[1]))
 
         try:  # a cut connection resumes from the last verified chunk (fedclinic.transport.resume)
-            got = receive_resuming(open_stream)
+            got = self._conn.retrying(lambda: receive_resuming(open_stream))
         except grpc.RpcError as exc:
             raise explain_rpc_error(exc, self.address) from None
         statement = SignedStatement.from_proto(got.statement) if got.statement is not None else None
@@ -230,14 +251,14 @@ class Client:
         again from ``next_round`` until every round is in)."""
         from fedclinic.verification.records import all_rounds  # only `task verify` needs it
 
-        return all_rounds(lambda first: self._call(self._stub.GetTaskRecords, control_pb2.GetTaskRecordsRequest(
+        return all_rounds(lambda first: self._call("GetTaskRecords", control_pb2.GetTaskRecordsRequest(
             task_id=task_id, first_round=first)))
 
     def fetch_task_blob(self, task_id: str, sha256: str) -> bytes:
         """A blob the task's records name (a published update tensor, a secure sum); the caller checks its hash."""
         try:
-            return b"".join(c.data for c in self._stub.FetchTaskBlob(
-                control_pb2.FetchTaskBlobRequest(task_id=task_id, sha256=sha256)))
+            return self._conn.retrying(lambda: b"".join(c.data for c in self._stub.FetchTaskBlob(
+                control_pb2.FetchTaskBlobRequest(task_id=task_id, sha256=sha256))))
         except grpc.RpcError as exc:
             raise explain_rpc_error(exc, self.address) from None
 
@@ -294,9 +315,13 @@ def submission_stream(header: control_pb2.SubmitTaskHeader, package: ModelPackag
     yield control_pb2.SubmitTaskChunk(commit=control_pb2.SubmitTaskCommit()).SerializeToString()
 
 
-def connect(address: str, *, cert: str | Path, key: str | Path, ca: str | Path,
+def connect(address: str | Sequence[str], *, cert: str | Path, key: str | Path, ca: str | Path,
             server_name: str | None = None, check: bool = True) -> Client:
     """Open an mTLS connection to an aggregator with a ``scientist`` (or ``admin``) certificate.
+
+    ``address``: ``"host:port"``; a hot-standby pair as ``"a:7443,b:7443"`` or ``["a:7443", "b:7443"]``
+    (tried in turn: a call refused with UNAVAILABLE by a standby, or to an address nobody listens on, goes to the
+    next; fedclinic.control_channel).
 
     With ``check`` (default) the local credentials are verified first, so an expired or mismatched
     certificate is reported plainly instead of as a failed TLS handshake.

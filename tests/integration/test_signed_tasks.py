@@ -213,6 +213,6 @@ def test_each_site_declines_a_task_that_does_not_offer_the_protection_its_policy
             header = control_pb2.SubmitTaskHeader(spec=spec, idempotency_key=key, model=manifest_to_proto(manifest),
                                                   signed_task=statement.to_proto())
             with pytest.raises(grpc.RpcError) as exc:
-                client._submit_raw(submission_stream(header, package, manifest), timeout=120)
+                client._conn.submit_raw(submission_stream(header, package, manifest), timeout=120)
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
             assert expected in exc.value.details(), exc.value.details()

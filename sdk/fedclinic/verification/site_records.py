@@ -14,7 +14,8 @@ import grpc
 from fedclinic.errors import FedclinicError
 from fedclinic.proto import agent_pb2_grpc, control_pb2
 from fedclinic.transport.package import ModelPackage
-from fedclinic.transport.rpc import TlsFiles, explain_rpc_error, secure_channel
+from fedclinic.control_channel import ControlChannel
+from fedclinic.transport.rpc import TlsFiles, explain_rpc_error
 from fedclinic.verification.records import all_rounds
 
 
@@ -23,20 +24,20 @@ class SiteRecords:
 
     def __init__(self, address: str, tls: TlsFiles, *, server_name: str | None = None) -> None:
         self.address = address
-        self._channel = secure_channel(address, tls, server_name=server_name)
-        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        #: several addresses (a hot-standby pair) are tried in turn (fedclinic.control_channel)
+        self._conn = ControlChannel(address, tls, server_name=server_name, stub_type=agent_pb2_grpc.AgentServiceStub)
 
     def __enter__(self) -> "SiteRecords":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._channel.close()
+        self._conn.close()
 
     def task_records(self, task_id: str) -> control_pb2.TaskRecords:
         def ask(first: int) -> control_pb2.TaskRecords:
             try:
-                return self._stub.GetTaskRecords(control_pb2.GetTaskRecordsRequest(task_id=task_id,
-                                                                                   first_round=first), timeout=60)
+                return self._conn.retrying(lambda: self._conn.stub.GetTaskRecords(
+                    control_pb2.GetTaskRecordsRequest(task_id=task_id, first_round=first), timeout=60))
             except grpc.RpcError as exc:
                 raise explain_rpc_error(exc, self.address) from None
 

@@ -16,7 +16,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read the manifest
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "kubernetes"
-KUSTOMIZATIONS = [K8S / "base" / "aggregator", K8S / "base" / "agent", K8S / "overlays" / "example"]
+KUSTOMIZATIONS = [K8S / "base" / "aggregator", K8S / "base" / "agent", K8S / "overlays" / "example",
+                  K8S / "overlays" / "ha"]
 KUBECTL = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed here: manifests cannot be "
                                    "rendered (the file-level checks still run)")
