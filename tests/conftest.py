@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import structlog
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,14 @@ def open_test_store(request, tmp_path):
         store.close()
     if database is not None:
         request.getfixturevalue("postgres_server").drop_database(database)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found():
+    """Put back the structlog configuration a test found. A test that runs a service's command in-process
+    (``aggregator_service.cli.main([...])``) configures structlog for the whole process (a level, JSON, loggers
+    cached on first use), and every later test in that worker would then miss the events ``capture_logs`` waits for."""
+    before = structlog.get_config()
+    yield
+    if structlog.get_config() != before:
+        structlog.configure(**before)
