@@ -31,10 +31,10 @@ test: $(STAMP)
 
 # A site round on 2 gloo processes against 1 process (issue 21): NER-CRF, question answering, DP-SGD, a failing
 # worker and cancellation, one 2-process launch each (a few minutes on 2 cores). `make test` runs the
-# classification case and the agent test (tests/integration/test_distributed_agent.py).
+# classification case; this target also runs the real agent on 2 processes (tests/integration/test_distributed_agent.py).
 test-distributed: $(STAMP)
 	FEDCLINIC_TEST_DISTRIBUTED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q \
-		tests/unit/federation/test_distributed_round.py
+		tests/unit/federation/test_distributed_round.py tests/integration/test_distributed_agent.py
 
 # The whole integration suite with every aggregator's state on PostgreSQL (issue 21; each test worker starts its own
 # server, tests/helpers/postgres_server.py). `make test` runs its smoke (tests/integration/test_postgres_federation.py).

@@ -11,12 +11,14 @@ import pytest
 from fedclinic.federation.local_federation import SiteSetup
 from fedclinic.spec.task import Task
 
-from tests.helpers.distributed import classification_package, relative_difference
+from tests.helpers.distributed import classification_package, full_only, relative_difference
 from tests.helpers.federation import run_task
 from tests.helpers.replay import replay_site
 from tests.helpers.text_models import LABELS, make_examples
 
-pytestmark = pytest.mark.integration
+# a real agent launching its round on 2 gloo processes (about a minute on 2 cores): `make test-distributed`;
+# `make test` runs the same 2-process round without the agent (tests/unit/federation/test_distributed_round.py)
+pytestmark = [pytest.mark.integration, full_only]
 
 
 def test_agent_with_two_cpu_devices_sends_the_one_process_update(tmp_path):
