@@ -143,9 +143,9 @@ def single_process_reason(loaded: "LoadedModel", inp: SiteRoundInput) -> str | N
 def fsdp_problem(loaded: "LoadedModel", inp: SiteRoundInput) -> str | None:
     """Why this round cannot train sharded (``sharding = "fsdp"``; None: it can):
     :func:`fedclinic.training.fully_sharded.sharding_problem` for the model's family and the round's settings."""
-    from fedclinic.training.fully_sharded import sharding_problem  # lazy: numpy, torch.distributed when sharding
+    from fedclinic.training.fully_sharded import sharding_problem, tied_output  # lazy: numpy, torch.distributed
 
-    return sharding_problem(loaded.family, dp=inp.dp is not None,
+    return sharding_problem(loaded.family, tied=tied_output(loaded.module), dp=inp.dp is not None,
                             measure_gradient_change=inp.train.measure_gradient_change)
 
 

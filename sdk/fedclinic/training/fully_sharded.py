@@ -2,7 +2,8 @@
 
 Under ``sharding = "fsdp"`` each rank of a distributed site round (:mod:`fedclinic.federation.distributed_round`)
 holds ``1/W`` of every parameter, gradient and optimizer moment (DTensors sharded on dim 0). :func:`shard_module`
-wraps each transformer block (the Hugging Face model's ``_no_split_modules`` classes) and then the root, so a
+wraps each transformer block (the Hugging Face model's ``_no_split_modules`` classes), the base model and the
+output layer, so a
 block's full weights exist only while it runs (all-gathered for its forward and backward, resharded after).
 
 The batches and the loss weighting are those of :class:`fedclinic.training.data_parallel.DataParallel`: rank ``r``
@@ -45,33 +46,42 @@ def transformer_blocks(module: "torch.nn.Module") -> list["torch.nn.Module"]:
 
 def shard_module(module: "torch.nn.Module") -> int:
     """Shard a Hugging Face causal LM in place over the default process group: ``fully_shard`` on each transformer
-    block, then on ``base_model`` (embeddings, final norm) and on the output layer unless it is tied to the input
-    embedding. The family calls ``base_model`` and the output layer separately (:mod:`fedclinic.models.causal_lm`),
-    never the top module's forward, so each is its own FSDP root. Gradients are reduced with a sum. Returns the
-    number of blocks; ConfigError when the model names none or holds parameters outside these groups."""
+    block, then on ``base_model`` (embeddings, final norm) and on the output layer, each its own FSDP root (the
+    family calls them separately, :mod:`fedclinic.models.causal_lm`, never the top module's forward). Gradients are
+    reduced with a sum. Returns the number of blocks. ConfigError when the model names no blocks, holds parameters
+    outside these modules, or ties its output layer to the input embedding (one parameter cannot be in two roots;
+    a group of both modules cannot be a root: not sharded yet)."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = transformer_blocks(module)
     base = getattr(module, "base_model", None)
-    if not blocks or base is None or base is module:
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if not blocks or base is None or base is module or head is None:
         raise ConfigError(f"{type(module).__name__} has no transformer blocks under a base model to shard; use "
                           'sharding = "none"')
-    inner = {id(p) for p in base.parameters()}
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-    roots = [base] + ([head] if head is not None and any(id(p) not in inner for p in head.parameters()) else [])
-    covered = {id(p) for r in roots for p in r.parameters()}
+    if tied_output(module):
+        raise ConfigError(f"{type(module).__name__} ties its output layer to the input embedding, which FSDP "
+                          'sharding does not handle yet; use sharding = "none"')
+    covered = {id(p) for m in (base, head) for p in m.parameters()}
     loose = [n for n, p in module.named_parameters() if id(p) not in covered]
     if loose:
         raise ConfigError(f"{type(module).__name__} has parameters outside its base model and output layer "
                           f"({loose[:4]}); use sharding = \"none\"")
-    for block in blocks:
-        fully_shard(block)
-    for root in roots:
-        fully_shard(root)
-    for m in [*blocks, *roots]:
+    for m in [*blocks, base, head]:
+        fully_shard(m)
         m.set_gradient_divide_factor(1.0)  # sum over ranks: each rank's loss already carries its weight u_r / U
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), then x / 1.0
     return len(blocks)
+
+
+def tied_output(module: "torch.nn.Module") -> bool:
+    """Whether the model's output layer shares a parameter with its base model (GPT-2's, SmolLM2's tied embedding)."""
+    base = getattr(module, "base_model", None)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if base is None or head is None:
+        return False
+    inner = {id(p) for p in base.parameters()}
+    return any(id(p) in inner for p in head.parameters())
 
 
 @dataclass
@@ -136,11 +146,13 @@ def full_tensors(module: "torch.nn.Module", names: Sequence[str], rank: int) -> 
     return out
 
 
-def sharding_problem(family: str, *, dp: bool, measure_gradient_change: bool) -> str | None:
-    """Why a round cannot train sharded (None: it can): FSDP here shards the causal-LM family's blocks; DP-SGD and
-    the full-pass gradient-change measure are not sharded."""
+def sharding_problem(family: str, *, tied: bool, dp: bool, measure_gradient_change: bool) -> str | None:
+    """Why a round cannot train sharded (None: it can): FSDP here shards the causal-LM family's blocks, not a tied
+    output layer (:func:`tied_output`); DP-SGD and the full-pass gradient-change measure are not sharded."""
     if family not in FAMILIES:
         return f"it shards causal language models ({', '.join(FAMILIES)}), not the {family} family"
+    if tied:
+        return "the model ties its output layer to its input embedding (GPT-2, SmolLM2), which is not sharded yet"
     if dp:
         return "DP-SGD is not sharded"
     if measure_gradient_change:
@@ -149,4 +161,4 @@ def sharding_problem(family: str, *, dp: bool, measure_gradient_change: bool) ->
 
 
 __all__ = ["FAMILIES", "ShardedDataParallel", "full_tensors", "shard_module", "sharding_problem",
-           "transformer_blocks"]
+           "tied_output", "transformer_blocks"]

@@ -299,6 +299,16 @@ def test_fsdp_refuses_rounds_it_cannot_shard_before_anything_starts(tmp_path):
         run_site_round_distributed(loaded, data, inp, files=package.files, devices=TWO_CPUS, sharding="fsdp",
                                    workdir=tmp_path)
     assert not list(tmp_path.iterdir())  # no job was written, no process started
-    assert sharding_problem("question-answering", dp=False, measure_gradient_change=False) is None
-    assert "DP-SGD" in sharding_problem("question-answering", dp=True, measure_gradient_change=False)
-    assert "gradient-change" in sharding_problem("question-answering", dp=False, measure_gradient_change=True)
+    ok = {"tied": False, "dp": False, "measure_gradient_change": False}
+    assert sharding_problem("question-answering", **ok) is None
+    assert "DP-SGD" in sharding_problem("question-answering", **{**ok, "dp": True})
+    assert "gradient-change" in sharding_problem("question-answering", **{**ok, "measure_gradient_change": True})
+    from tests.helpers import qa_models
+
+    gpt2 = qa_models.package()  # its output layer is its input embedding
+    loaded = build_model(gpt2)
+    inp = SiteRoundInput(task_id="t", site="s", round=1, send=list(gpt2.tensors), train=TrainConfig(device="cpu"))
+    with pytest.raises(ConfigError, match="ties its output layer"):
+        run_site_round_distributed(loaded, training.encode(qa_models.toy_examples(), loaded), inp, files=gpt2.files,
+                                   devices=TWO_CPUS, sharding="fsdp", workdir=tmp_path)
+    assert not list(tmp_path.iterdir())
