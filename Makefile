@@ -34,7 +34,7 @@ test: $(STAMP)
 # classification case and the agent test (tests/integration/test_distributed_agent.py).
 test-distributed: $(STAMP)
 	FEDCLINIC_TEST_DISTRIBUTED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q \
-		tests/unit/federation/test_distributed_round.py
+		tests/unit/federation/test_distributed_round.py tests/integration/test_fsdp_agent.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/transfer.py

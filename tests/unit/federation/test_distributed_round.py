@@ -2,7 +2,7 @@
 global batch; its settings are checked; a failing or cancelled worker ends the round with a clear error.
 
 `make test` runs the classification equality, the error path and the checks; `make test-distributed` adds
-NER-CRF, QA (causal LM), DP-SGD and cancellation (one 2-process launch each)."""
+NER-CRF, QA (causal LM), DP-SGD, cancellation and the FSDP-sharded QA round (one 2-process launch each)."""
 
 from __future__ import annotations
 
