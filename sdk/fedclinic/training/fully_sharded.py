@@ -3,8 +3,8 @@
 Under ``sharding = "fsdp"`` each rank of a distributed site round (:mod:`fedclinic.federation.distributed_round`)
 holds ``1/W`` of every parameter, gradient and optimizer moment (DTensors sharded on dim 0). :func:`shard_module`
 wraps each transformer block (the Hugging Face model's ``_no_split_modules`` classes), the base model and the
-output layer, so a
-block's full weights exist only while it runs (all-gathered for its forward and backward, resharded after).
+output layer, so a block's full weights exist only while it runs (all-gathered for its forward and backward,
+resharded after). A tied output layer (GPT-2, SmolLM2) is refused (:func:`tied_output`): not sharded yet.
 
 The batches and the loss weighting are those of :class:`fedclinic.training.data_parallel.DataParallel`: rank ``r``
 takes its contiguous shard of each global batch and its loss is ``mean loss * u_r / U``. FSDP reduce-scatters the
