@@ -34,7 +34,8 @@ test: $(STAMP)
 # classification case; this target also runs the real agent on 2 processes (tests/integration/test_distributed_agent.py).
 test-distributed: $(STAMP)
 	FEDCLINIC_TEST_DISTRIBUTED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q \
-		tests/unit/federation/test_distributed_round.py tests/integration/test_distributed_agent.py
+		tests/unit/federation/test_distributed_round.py tests/integration/test_distributed_agent.py \
+		tests/integration/test_fsdp_agent.py
 
 # The whole integration suite with every aggregator's state on PostgreSQL (issue 21; each test worker starts its own
 # server, tests/helpers/postgres_server.py). `make test` runs its smoke (tests/integration/test_postgres_federation.py).

@@ -8,6 +8,7 @@ Example::
     # devices = ["cuda:0", "cuda:1"]   # optional: train every round data-parallel, one process per device
                                # (torch.distributed: NCCL on GPUs, gloo for ["cpu", "cpu"] = 2 CPU processes);
                                # "all" = every visible GPU (one CPU process where there is none); replaces device
+    # sharding = "none"                # with devices: "fsdp" shards a causal LM across them (each holds 1/N)
     # distributed_timeout = 600        # seconds a process of a multi-device round waits for a silent peer
     # gradient_checkpointing = false   # recompute activations in the backward pass (less GPU memory, ~30% more time)
     mixed_precision = false    # allow autocast on CUDA when a task asks for it
@@ -198,6 +199,21 @@ def _seconds(value: Any, key: str, source: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 86_400:
         raise ConfigError(f"{source}: {key} must be a number of seconds between 1 and 86400, got {value!r}")
     return float(value)
+
+
+def _sharding(doc: dict[str, Any], source: str) -> str:
+    """The ``sharding`` setting, checked (fedclinic.federation.distributed_round.check_sharding): "none" (default)
+    or "fsdp", which needs ``devices``."""
+    value = doc.get("sharding", "none")
+    if value == "none":
+        return "none"
+    from fedclinic.federation.distributed_round import check_sharding  # only for multi-device sites
+
+    value = check_sharding(value, f"{source}: sharding")
+    if "devices" not in doc:
+        raise ConfigError(f'{source}: sharding = "{value}" shards the model across devices; set devices too '
+                          '(e.g. devices = ["cuda:0", "cuda:1"])')
+    return value
 
 
 def _flag(doc: dict[str, Any], key: str, default: bool, source: str) -> bool:
@@ -391,6 +407,8 @@ class AgentConfig:
     #: train each round on these devices, one torch.distributed process each ("all": every visible GPU); None:
     #: one process on ``device`` (fedclinic.federation.distributed_round)
     devices: list[str] | str | None = None
+    #: how a multi-device round holds the model: "none" (a replica per process), "fsdp" (sharded; causal LMs)
+    sharding: str = "none"
     #: seconds a process of a multi-device round waits in a collective for a silent peer before the round fails
     distributed_timeout: float = 600.0
     #: recompute Hugging Face models' activations in the backward pass (the same gradients for less memory)
@@ -456,7 +474,7 @@ class AgentConfig:
                             **_results_policy(pol, f"{source}: [policy]"))
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level", "metrics_address", "torch_threads",
-                              "preload_training_stack", "devices", "distributed_timeout",
+                              "preload_training_stack", "devices", "distributed_timeout", "sharding",
                               "gradient_checkpointing"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
@@ -470,7 +488,7 @@ class AgentConfig:
                    metrics_address=parse_metrics_address(doc.get("metrics_address"), source),
                    torch_threads=_torch_threads(doc.get("torch_threads", 0), source),
                    preload_training_stack=_flag(doc, "preload_training_stack", True, source),
-                   devices=_devices(doc, source),
+                   devices=_devices(doc, source), sharding=_sharding(doc, source),
                    distributed_timeout=_seconds(doc.get("distributed_timeout", 600), "distributed_timeout", source),
                    gradient_checkpointing=_flag(doc, "gradient_checkpointing", False, source))
 

@@ -177,20 +177,26 @@ class TrainingStep:
             enable_gradient_checkpointing(loaded.module)
         if self.config.devices is None:
             return run_site_round(loaded, state.train_data, inp)
-        from fedclinic.federation.distributed_round import run_site_round_distributed, single_process_reason
+        from fedclinic.federation.distributed_round import (fsdp_problem, run_site_round_distributed,
+                                                            single_process_reason)
 
         devices = self.devices()
         reason = single_process_reason(loaded, inp) if len(devices) > 1 else "one device configured or visible"
         if reason:
             log.info("training in one process", reason=reason, device=devices[0])
             return run_site_round(loaded, state.train_data, replace(inp, train=replace(inp.train, device=devices[0])))
+        sharding = self.config.sharding
+        problem = fsdp_problem(loaded, inp) if sharding == "fsdp" else None
+        if problem:  # e.g. a classifier's task at an FSDP site: each process holds the whole model
+            log.info("training data-parallel without sharding", reason=problem)
+            sharding = "none"
         threads = max(1, self.config.torch_threads // len(devices)) if self.config.torch_threads else 0
-        log.info("training on several devices", devices=devices)
+        log.info("training on several devices", devices=devices, sharding=sharding)
         return run_site_round_distributed(loaded, state.train_data, inp, files=state.package_files or {},
                                           devices=devices, threads=threads,
                                           collective_timeout=self.config.distributed_timeout,
                                           gradient_checkpointing=self.config.gradient_checkpointing,
-                                          workdir=self.config.work_dir)
+                                          sharding=sharding, workdir=self.config.work_dir)
 
     def evaluate_base(self, a: agent_pb2.Assignment, state: TaskState, trained: Trained, sync) -> dict[str, float]:
         """The round's evaluation, after its update left: the warm model brought back to the round's base model

@@ -24,6 +24,11 @@ the round fails with the worker's error. A rank that hangs fails its peers' coll
 ``deadline`` bounds the whole launch; cancelling (``inp.progress`` raising) stops the launcher (SIGTERM, then
 SIGKILL of its session) and re-raises. Workers die with the launcher (``PR_SET_PDEATHSIG``).
 
+Sharding (``sharding``, :func:`check_sharding`): ``"none"`` (default) -- every rank holds the whole model and the
+gradients are all-reduced (:mod:`fedclinic.training.data_parallel`); ``"fsdp"`` -- every rank holds ``1/W`` of the
+model (FSDP2 ``fully_shard`` per transformer block, :mod:`fedclinic.training.fully_sharded`), for causal LMs too
+large for one device; the same global batch and update, gathered once to rank 0 for the result.
+
 Devices: ``["cpu", "cpu"]`` is two CPU processes (gloo); ``["cuda:0", "cuda:1"]`` one process per GPU (NCCL);
 ``"all"`` every visible GPU, or one CPU process where there is none (:func:`resolve_devices`).
 """
@@ -64,6 +69,16 @@ log = logging.getLogger("fedclinic.federation")
 #: the most processes one site round may start
 MAX_PROCESSES = 64
 _DEVICE = re.compile(r"cpu|cuda:\d{1,3}")
+#: how a distributed round holds the model: "none" (a replica per process) or "fsdp" (sharded, FSDP2)
+SHARDINGS = ("none", "fsdp")
+
+
+def check_sharding(value: Any, where: str = "sharding") -> str:
+    """The ``sharding`` setting (no torch): one of :data:`SHARDINGS`; ConfigError says what to write."""
+    if value not in SHARDINGS:
+        raise ConfigError(f'{where} must be "none" (each process holds the whole model) or "fsdp" (each holds a '
+                          f"shard: causal LMs too large for one device); got {value!r}")
+    return str(value)
 
 
 def check_devices(value: Any, where: str = "devices") -> list[str] | str:
@@ -125,10 +140,19 @@ def single_process_reason(loaded: "LoadedModel", inp: SiteRoundInput) -> str | N
     return None
 
 
+def fsdp_problem(loaded: "LoadedModel", inp: SiteRoundInput) -> str | None:
+    """Why this round cannot train sharded (``sharding = "fsdp"``; None: it can):
+    :func:`fedclinic.training.fully_sharded.sharding_problem` for the model's family and the round's settings."""
+    from fedclinic.training.fully_sharded import sharding_problem, tied_output  # lazy: numpy, torch.distributed
+
+    return sharding_problem(loaded.family, tied=tied_output(loaded.module), dp=inp.dp is not None,
+                            measure_gradient_change=inp.train.measure_gradient_change)
+
+
 def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRoundInput, *,
                                files: Mapping[str, bytes], devices: Sequence[str], threads: int = 0,
                                collective_timeout: float = 600.0, deadline: float = 86_400.0,
-                               gradient_checkpointing: bool = False,
+                               gradient_checkpointing: bool = False, sharding: str = "none",
                                workdir: str | os.PathLike[str] | None = None) -> SiteRoundResult:
     """Run one site round (:func:`~fedclinic.federation.site_round.run_site_round`, same inputs, same result) as
     ``len(devices)`` data-parallel processes on ``devices`` (from :func:`resolve_devices`; at least 2).
@@ -139,7 +163,8 @@ def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRou
     (0: this host's cores shared between them). ``collective_timeout``: seconds a collective waits for a silent
     rank before the round fails; ``deadline``: seconds the whole launch may take; ``gradient_checkpointing``:
     recompute activations in the backward pass (:func:`fedclinic.models.base.enable_gradient_checkpointing`: Hugging
-    Face models; the same gradients for less memory). ``workdir``: where the private
+    Face models; the same gradients for less memory). ``sharding``: :data:`SHARDINGS` (``"fsdp"``: ConfigError before
+anything starts for a round it cannot shard, :func:`fedclinic.training.fully_sharded.sharding_problem`). ``workdir``: where the private
     job directory is made (default: the system's temp dir); it is removed afterwards. Raises the worker's error
     (ConfigError, DatasetError, IntegrityError, else FedclinicError) when a process fails, FedclinicError on the
     deadline, and whatever ``inp.progress`` raises (cancellation) after stopping the processes."""
@@ -159,6 +184,10 @@ def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRou
     reason = single_process_reason(loaded, inp)
     if reason:
         raise ConfigError(f"this round cannot run on several devices: {reason}")
+    if check_sharding(sharding) == "fsdp":
+        problem = fsdp_problem(loaded, inp)
+        if problem:
+            raise ConfigError(f'sharding = "fsdp" cannot train this round: {problem}; use sharding = "none"')
     if inp.private and inp.private_values is not None:
         load_tensors(loaded.module, dict(inp.private_values))
     job = Path(tempfile.mkdtemp(prefix="fedclinic-ddp-", dir=workdir))  # mkdtemp: mode 0700, this user only
@@ -172,7 +201,8 @@ def run_site_round_distributed(loaded: "LoadedModel", data: object, inp: SiteRou
             "private": list(inp.private), "train": _jsonable(asdict(inp.train)),
             "dp": None if inp.dp is None else asdict(inp.dp), "dp_entropy": inp.dp_entropy,
             "devices": devices, "threads": int(threads) or cores_per_process(len(devices)),
-            "collective_timeout": float(collective_timeout), "gradient_checkpointing": bool(gradient_checkpointing)})
+            "collective_timeout": float(collective_timeout), "gradient_checkpointing": bool(gradient_checkpointing),
+            "sharding": sharding})
         _launch(job, len(devices), inp.progress, deadline)
         result = json.loads((job / "result.json").read_text())
         trained = _read_tensors(job / "result.safetensors")
@@ -354,5 +384,5 @@ def train_config_from_job(doc: Mapping[str, Any], device: str):
     return replace(TrainConfig(**{k: v for k, v in kw.items() if k in known and k != "device"}), device=device)
 
 
-__all__ = ["DATA_CLASSES", "MAX_PROCESSES", "check_devices", "read_data", "resolve_devices",
+__all__ = ["DATA_CLASSES", "MAX_PROCESSES", "SHARDINGS", "check_devices", "check_sharding", "fsdp_problem", "read_data", "resolve_devices",
            "run_site_round_distributed", "single_process_reason", "train_config_from_job", "write_data"]

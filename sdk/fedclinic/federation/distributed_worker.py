@@ -7,6 +7,12 @@ the encoded data, and runs :func:`fedclinic.federation.site_round.run_site_round
 :class:`fedclinic.training.data_parallel.DataParallel` group (codec raw: the caller encodes the update). Rank 0
 writes ``progress.json`` after every step and ``result.safetensors`` + ``result.json`` at the end. Any failure
 writes ``error-<rank>.json`` (the error's class name and message) and exits 1.
+
+With the job's ``sharding`` = ``"fsdp"`` the model is sharded after it is built
+(:func:`fedclinic.training.fully_sharded.shard_module`), trained inside a
+:class:`~fedclinic.training.fully_sharded.ShardedDataParallel` group (the round's seed and training, as
+``run_site_round`` runs them for a round without DP-SGD or SAFL), and its trained tensors are gathered once to rank 0
+(:func:`~fedclinic.training.fully_sharded.full_tensors`) and written as above.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import signal
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,11 +41,12 @@ def run(job: Path, rank: int, local_rank: int) -> None:
     from safetensors.numpy import save_file
 
     from fedclinic.federation.distributed_round import read_data, train_config_from_job
-    from fedclinic.federation.site_round import SiteRoundInput, run_site_round
+    from fedclinic.federation.site_round import SiteRoundInput, run_site_round, site_seed
     from fedclinic.models import build_model, module_tensors
     from fedclinic.models.base import enable_gradient_checkpointing
     from fedclinic.privacy.dp_sgd import DPSGD
-    from fedclinic.training import data_parallel
+    from fedclinic.training import data_parallel, fully_sharded
+    from fedclinic.training.trainer import train_local
     from fedclinic.transport.package import ModelPackage
 
     spec = json.loads((job / "job.json").read_text())
@@ -52,6 +60,9 @@ def run(job: Path, rank: int, local_rank: int) -> None:
         loaded = build_model(ModelPackage.load(job / "model"))
         if spec.get("gradient_checkpointing"):
             enable_gradient_checkpointing(loaded.module)
+        sharded = spec.get("sharding") == "fsdp"
+        if sharded:
+            fully_sharded.shard_module(loaded.module)
         data = read_data(job)
 
         def progress(step: int, total: int, loss: float) -> None:
@@ -64,12 +75,21 @@ def run(job: Path, rank: int, local_rank: int) -> None:
                              train=train_config_from_job(spec["train"], device),
                              dp=DPSGD(**spec["dp"]) if spec["dp"] else None, dp_entropy=spec["dp_entropy"],
                              progress=progress if rank == 0 else None)
-        with data_parallel.active(data_parallel.DataParallel()):
-            out = run_site_round(loaded, data, inp)
+        if sharded:  # run_site_round's seed and training; the caller checked the names and computes the delta
+            send = list(inp.send)
+            cfg = replace(inp.train, seed=site_seed(inp.train.seed, inp.round, inp.site))
+            with data_parallel.active(fully_sharded.ShardedDataParallel()):
+                tr = train_local(loaded, data, cfg, trainable=send + list(inp.private), progress=inp.progress)
+            seed, metrics = cfg.seed, tr.reported_metrics()
+            trained = fully_sharded.full_tensors(loaded.module, send + list(inp.private), rank)
+        else:
+            with data_parallel.active(data_parallel.DataParallel()):
+                out = run_site_round(loaded, data, inp)
+            send, tr, seed, metrics = out.send, out.train, out.seed, out.metrics
+            trained = module_tensors(loaded.module, send + list(inp.private)) if rank == 0 else {}
         if rank == 0:
-            save_file(module_tensors(loaded.module, out.send + list(inp.private)), str(job / "result.safetensors"))
-            tr = out.train
-            doc = {"seed": out.seed, "send": out.send, "metrics": out.metrics,
+            save_file(trained, str(job / "result.safetensors"))
+            doc = {"seed": seed, "send": send, "metrics": metrics,
                    "train": {"num_samples": tr.num_samples, "steps": tr.steps, "loss": tr.loss,
                              "gradient_change_rate": tr.gradient_change_rate}}
             tmp = job / "result.tmp"

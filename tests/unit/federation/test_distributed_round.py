@@ -2,7 +2,7 @@
 global batch; its settings are checked; a failing or cancelled worker ends the round with a clear error.
 
 `make test` runs the classification equality, the error path and the checks; `make test-distributed` adds
-NER-CRF, QA (causal LM), DP-SGD and cancellation (one 2-process launch each)."""
+NER-CRF, QA (causal LM), DP-SGD, cancellation and the FSDP-sharded QA round (one 2-process launch each)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.federation.distributed_round import check_devices, resolve_devices, run_site_round_distributed
+from fedclinic.federation.distributed_round import (check_devices, check_sharding, resolve_devices,
+                                                   run_site_round_distributed)
 from fedclinic.federation.site_round import SiteRoundInput
 from fedclinic.training.trainer import TrainConfig
 
@@ -259,3 +260,55 @@ def test_a_killed_worker_fails_the_round_and_leaves_no_process(monkeypatch):
     assert killed and started[0].poll() is not None
     assert not [p for p in killed if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
 
+
+
+@full_only
+@pytest.mark.parametrize("optimizer, clip", [("adamw", 1.0), ("sgd", 0.0)])
+def test_fsdp_qa_causal_lm_round_on_two_gloo_processes_equals_one_process(optimizer, clip):
+    from tests.helpers import qa_models
+
+    # 9 rows in batches of 4 over 2 epochs: the last global batch (1 row) leaves rank 1 a zero-weight stand-in row;
+    # answers of different lengths: each rank's loss weighted by its answer tokens; FSDP sums the gradient shards.
+    # AdamW with clipping (DTensor gradients' global norm) is the usual run; plain SGD without clipping would show
+    # a gradient of the wrong scale (e.g. FSDP's default mean over ranks), which Adam and clipping hide.
+    examples = qa_models.toy_examples() + qa_models.toy_examples()[:3]
+    train = TrainConfig(batch_size=4, learning_rate=5e-3 if optimizer == "adamw" else 0.5, optimizer=optimizer,
+                        max_grad_norm=clip, local_epochs=2, max_length=32, seed=5, device="cpu")
+    one, two = both_rounds(qa_models.package(config=qa_models.TINY_LLAMA), examples, train, sharding="fsdp")
+    _assert_same_round(one, two)
+    assert one.train.steps == 6
+
+
+@pytest.mark.parametrize("value", ["FSDP", "ddp", "", None, 1])
+def test_bad_sharding_is_refused_with_what_to_write(value):
+    with pytest.raises(ConfigError, match='must be "none" .* or "fsdp"'):
+        check_sharding(value)
+    assert check_sharding("fsdp") == "fsdp" and check_sharding("none") == "none"
+
+
+def test_fsdp_refuses_rounds_it_cannot_shard_before_anything_starts(tmp_path):
+    from fedclinic.models import build_model
+    from fedclinic.training import trainer as training
+    from fedclinic.training.fully_sharded import sharding_problem
+
+    package = classification_package()
+    loaded = build_model(package)
+    data = training.encode(classification_examples(4, seed=1), loaded)
+    inp = SiteRoundInput(task_id="t", site="s", round=1, send=list(package.tensors), train=TrainConfig(device="cpu"))
+    with pytest.raises(ConfigError, match="causal language models"):
+        run_site_round_distributed(loaded, data, inp, files=package.files, devices=TWO_CPUS, sharding="fsdp",
+                                   workdir=tmp_path)
+    assert not list(tmp_path.iterdir())  # no job was written, no process started
+    ok = {"tied": False, "dp": False, "measure_gradient_change": False}
+    assert sharding_problem("question-answering", **ok) is None
+    assert "DP-SGD" in sharding_problem("question-answering", **{**ok, "dp": True})
+    assert "gradient-change" in sharding_problem("question-answering", **{**ok, "measure_gradient_change": True})
+    from tests.helpers import qa_models
+
+    gpt2 = qa_models.package()  # its output layer is its input embedding
+    loaded = build_model(gpt2)
+    inp = SiteRoundInput(task_id="t", site="s", round=1, send=list(gpt2.tensors), train=TrainConfig(device="cpu"))
+    with pytest.raises(ConfigError, match="ties its output layer"):
+        run_site_round_distributed(loaded, training.encode(qa_models.toy_examples(), loaded), inp, files=gpt2.files,
+                                   devices=TWO_CPUS, sharding="fsdp", workdir=tmp_path)
+    assert not list(tmp_path.iterdir())

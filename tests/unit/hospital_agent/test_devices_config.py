@@ -25,6 +25,7 @@ def _load(tmp_path, top: str) -> AgentConfig:
 def test_devices_default_to_one_process(tmp_path):
     cfg = _load(tmp_path, "")
     assert (cfg.devices, cfg.distributed_timeout, cfg.gradient_checkpointing) == (None, 600.0, False)
+    assert cfg.sharding == "none"  # the default: every process holds the whole model (all-reduce data parallel)
 
 
 @pytest.mark.parametrize("line, expected", [
@@ -36,6 +37,11 @@ def test_devices_are_read(tmp_path, line, expected):
     assert (cfg.devices, cfg.distributed_timeout, cfg.gradient_checkpointing) == (expected, 30.0, True)
 
 
+def test_fsdp_sharding_is_read_with_devices(tmp_path):
+    cfg = _load(tmp_path, 'devices = ["cpu", "cpu"]\nsharding = "fsdp"\n')
+    assert (cfg.devices, cfg.sharding) == (["cpu", "cpu"], "fsdp")
+
+
 @pytest.mark.parametrize("top, message", [
     ('devices = ["gpu0"]', "unknown device"),
     ('devices = ["cpu", "cuda:0"]', "mixes CPU and GPU"),
@@ -43,6 +49,9 @@ def test_devices_are_read(tmp_path, line, expected):
     ('devices = ["cuda:0", "cuda:1"]\ndevice = "cuda:0"', "either device"),
     ('distributed_timeout = 0', "distributed_timeout must be a number of seconds"),
     ('gradient_checkpointing = "yes"', "gradient_checkpointing"),
+    ('devices = ["cpu", "cpu"]\nsharding = "FSDP2"', 'sharding must be "none" .* or "fsdp"'),
+    ('devices = ["cpu", "cpu"]\nsharding = true', 'sharding must be "none" .* or "fsdp"'),
+    ('sharding = "fsdp"', "set devices too"),
 ])
 def test_bad_device_settings_say_what_to_write(tmp_path, top, message):
     with pytest.raises(ConfigError, match=message):
