@@ -29,7 +29,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -491,9 +491,12 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
 
 
 def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
-                  names: Iterable[str]) -> dict[str, np.ndarray]:
-    """``after - before`` as float32 for each name (IntegrityError on a missing name or shape mismatch)."""
-    out: dict[str, np.ndarray] = {}
+                  names: Iterable[str], *, into: "MutableMapping[str, np.ndarray] | None" = None
+                  ) -> "MutableMapping[str, np.ndarray]":
+    """``after - before`` as float32 for each name (IntegrityError on a missing name or shape mismatch), stored in
+    ``into`` as each is computed (e.g. ``fedclinic.federation.spilled_tensors.SpilledTensors``: one difference in
+    memory at a time) or in a new dict; returns where they are."""
+    out: MutableMapping[str, np.ndarray] = {} if into is None else into
     for name in names:
         if name not in before or name not in after:
             side = "before" if name not in before else "after"
