@@ -243,9 +243,7 @@ def module_tensors(module: "torch.nn.Module", names: Sequence[str] | None = None
 class ModuleTensorView(Mapping[str, np.ndarray]):
     """The module's (persistent) state-dict entries by name, each copied out by :func:`module_tensors` when it is
     looked up: a caller that handles one tensor at a time (e.g. ``trainer.compute_delta``) holds one copy, not a
-    copy of the model. Every lookup is a new array the caller owns (``fresh_copies``: it may be changed in place)."""
-
-    fresh_copies = True
+    copy of the model."""
 
     def __init__(self, module: "torch.nn.Module") -> None:
         self._module = module

@@ -505,10 +505,7 @@ def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarr
         b = np.asarray(before[name])
         if a.shape != b.shape:
             raise IntegrityError(f"cannot compute the update: tensor {name!r} changed shape {b.shape} -> {a.shape}")
-        if getattr(after, "fresh_copies", False) and a.dtype == np.float32:  # the lookup's own copy: in place
-            out[name] = np.subtract(a, b, out=a)
-        else:
-            out[name] = np.subtract(a, b, dtype=np.float32)
+        out[name] = np.subtract(a, b, dtype=np.float32)
     return out
 
 
