@@ -7,7 +7,8 @@ process that saves it as a package folder. Then, over mutual TLS on 127.0.0.1 (`
 and one hospital agent as separate processes):
 
 1. **submit** — the SDK client streams the package from the folder (``ModelPackage.load``) to the aggregator;
-2. **round** — the aggregator broadcasts round 1, the agent fetches every tensor, trains one local round, uploads
+2. **round** — the aggregator broadcasts round 1, the agent fetches every tensor, trains one local round (SGD with
+   the step fused into the backward pass, ``step_in_backward``; ``--ordinary-step`` for the ordinary step), uploads
    an update that covers every tensor (``trainable`` = all) and the aggregator folds it and stores round 1's model;
    the final evaluation phase follows (the site scores the final model);
 3. **download** — the SDK client writes the final model as a package folder.
@@ -173,6 +174,7 @@ def _write_data(folder: Path) -> dict:
 
 
 def run(shape: dict, out: Path, *, seed: int = 1, timeout: float = 3600, trainable: tuple[str, ...] = (),
+        step_in_backward: bool = True,
         in_process_package: bool = False) -> dict:
     """Submit, train one round, fold and download the Llama of ``shape``; return per-phase peaks in bytes."""
     from fedclinic.client import connect, state_name
@@ -198,6 +200,8 @@ def run(shape: dict, out: Path, *, seed: int = 1, timeout: float = 3600, trainab
             "dataset": DATASET, "num_rounds": 1, "min_sites": 1, "local_epochs": 1, "batch_size": 1,
             "learning_rate": 1e-4, "optimizer": "sgd", "max_length": 16, "round_timeout_s": int(timeout),
             "on_quorum_miss": "fail", "seed": seed}
+    if step_in_backward:  # the optimizer step fused into the backward pass (fedclinic.training.fused_step)
+        task.update(step_in_backward=True, max_grad_norm=0.0)
     if trainable:
         task["trainable"] = list(trainable)
     peaks: dict[str, dict[str, int]] = {}
@@ -250,7 +254,8 @@ def run(shape: dict, out: Path, *, seed: int = 1, timeout: float = 3600, trainab
         phase("download", t)
         sampler.stop()
     return {"params": params, "model_bytes": model_bytes, "idle": idle, "peaks": peaks, "client": client_peaks,
-            "times": times, "uplink_bytes": uplink, "trainable": list(trainable), "sampled": parts}
+            "times": times, "uplink_bytes": uplink, "trainable": list(trainable), "sampled": parts,
+            "step_in_backward": step_in_backward}
 
 
 def _died(name: str, fed) -> None:
@@ -276,7 +281,8 @@ def report(res: dict) -> tuple[bool, str]:
     growth = {"aggregator": agg - res["idle"]["aggregator"], "agent": agent - res["idle"]["agent"]}
     print(f"\nmodel {mb / GB:.3f} GB ({res['params'] / 1e6:.1f} M parameters); update uploaded "
           f"{res['uplink_bytes'] / GB:.3f} GB ({res['uplink_bytes'] / mb:.2f}x the model"
-          f"{', trainable ' + ' '.join(res['trainable']) if res['trainable'] else ', every tensor trained'})")
+          f"{', trainable ' + ' '.join(res['trainable']) if res['trainable'] else ', every tensor trained'}"
+          f"{' with the step fused into the backward pass' if res.get('step_in_backward') else ' with the ordinary step'})")
     print(f"peak / model size: aggregator {agg / mb:.2f}x, agent {agent / mb:.2f}x, client {client / mb:.2f}x; "
           f"growth over idle / model size: aggregator {growth['aggregator'] / mb:.2f}x, agent "
           f"{growth['agent'] / mb:.2f}x")
@@ -298,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"override the shape's {key}")
     ap.add_argument("--trainable", nargs="*", default=[],
                     help="the task's trainable patterns (default: every tensor, so the update is full-size)")
+    ap.add_argument("--ordinary-step", action="store_true",
+                    help="train with the ordinary optimizer step (all gradients kept until the step, clipping at "
+                         "1.0) instead of the step fused into the backward pass")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", help="work folder (default: a temporary one, removed after)")
     ap.add_argument("--json", help="also write the figures here")
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(SMOKE if args.smoke else FULL)
     shape.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
     with tempfile.TemporaryDirectory(prefix="bench-large-", dir=args.out) as tmp:
-        res = run(shape, Path(tmp), seed=args.seed, trainable=tuple(args.trainable), in_process_package=args.smoke)
+        res = run(shape, Path(tmp), seed=args.seed, trainable=tuple(args.trainable), in_process_package=args.smoke,
+                  step_in_backward=not args.ordinary_step)
     met, line = report(res)
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "shape": shape, "met": met}, indent=2))

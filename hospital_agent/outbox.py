@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Outbox:
         for partial in self.root.glob("*.tmp"):
             shutil.rmtree(partial, ignore_errors=True)
 
-    def put(self, header: agent_pb2.UpdateHeader, tensors: dict[str, np.ndarray | bytes]) -> OutboxEntry:
+    def put(self, header: agent_pb2.UpdateHeader, tensors: Mapping[str, np.ndarray | bytes]) -> OutboxEntry:
         """Persist an update (header tensors must be in the same order as ``tensors``): raw arrays, or the
         encoded payloads of an update codec (bytes, written as they will be sent). The header is sealed first."""
         if self.seal is not None:

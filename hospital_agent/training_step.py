@@ -21,6 +21,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Collection
 
@@ -148,7 +149,8 @@ class TrainingStep:
             dp_groups=state.patient_ids if state.private is not None and state.private.unit == "patient" else None,
             optimizer_state=state.optimizer_state if state.private is None else None,
             feedback=feedback, progress=progress,
-            dp_entropy=self.dp_entropy, base=state.global_tensors)
+            dp_entropy=self.dp_entropy, base=state.global_tensors,
+            spill_dir=update_spill_dir(self.config.work_dir, a.task_id))
         out = self._site_round(loaded, state, inp)
         if out.selection is not None:
             log.info("layers selected", layers=out.selection.layers, tensors=len(out.send))
@@ -223,7 +225,13 @@ class TrainingStep:
         trained.site.feedback.save(path)
 
 
-__all__ = ["Trained", "TrainingStep", "coverage_rate", "evaluate_warm", "evaluation_values", "reader_kwargs"]
+def update_spill_dir(work_dir: Path, task_id: str) -> Path:
+    """Where a round's delta is written tensor by tensor (fedclinic.federation.spilled_tensors) until its update is
+    in the outbox; emptied when the task's next round trains, removed once the update is written."""
+    return work_dir / "update-spill" / task_id
+
+
+__all__ = ["Trained", "TrainingStep", "update_spill_dir", "coverage_rate", "evaluate_warm", "evaluation_values", "reader_kwargs"]
 
 
 def evaluate_warm(state: TaskState) -> dict[str, float]:

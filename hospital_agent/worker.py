@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import random
+import shutil
 import threading
 import time
 import uuid
@@ -64,7 +65,7 @@ from fedclinic.verification.round_statement import FEATURE as STATEMENT_FEATURE
 from hospital_agent.site_model import private_store_folder
 from hospital_agent.site_privacy import SitePrivacy
 from hospital_agent.task_state import Stopped, TaskState
-from hospital_agent.training_step import TrainingStep
+from hospital_agent.training_step import TrainingStep, update_spill_dir
 from hospital_agent.uploader import StatementSeal, Uploader
 
 log = structlog.get_logger("fedclinic.agent")
@@ -482,6 +483,7 @@ class Agent:
         header.tensors.extend(trained.site.update.headers)
         self.training.stage_feedback(a.task_id, trained)  # the staged residual is durable before the update exists
         entry = self.outbox.put(header, trained.site.update.payloads)
+        shutil.rmtree(update_spill_dir(self.config.work_dir, a.task_id), ignore_errors=True)  # in the outbox now
         failpoint("agent.outbox-written")  # kill campaign: durable in the outbox, not yet sent
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))

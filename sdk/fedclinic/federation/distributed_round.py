@@ -127,12 +127,14 @@ def resolve_devices(value: list[str] | str) -> list[str]:
 
 def single_process_reason(loaded: "LoadedModel", inp: SiteRoundInput) -> str | None:
     """Why this round runs in one process even though several devices are configured (None: it can run
-    data-parallel): SAFL's layer selection, kept optimizer state, per-patient DP-SGD and DP-SGD through Opacus'
+    data-parallel): SAFL's layer selection, kept optimizer state, the step fused into the backward pass, per-patient DP-SGD and DP-SGD through Opacus'
     hooks (fedclinic.privacy.dp_sgd.distributed_problem) are not sharded yet."""
     if inp.safl is not None:
         return "SAFL layer selection runs in one process"
     if inp.train.optimizer_state == "keep":
         return 'optimizer_state = "keep" runs in one process'
+    if inp.train.step_in_backward:  # each rank would step before the gradients are all-reduced
+        return "step_in_backward (the optimizer step fused into the backward pass) runs in one process"
     if inp.dp is not None:
         from fedclinic.privacy.dp_sgd import distributed_problem  # lazy: torch
 

@@ -23,6 +23,7 @@ this (see :mod:`fedclinic.privacy.dp_sgd`).
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Sequence
 
@@ -31,6 +32,7 @@ import numpy as np
 from fedclinic.transport import codec_wire
 from fedclinic.codecs import CodecInputError, ErrorFeedback
 from fedclinic.errors import FedclinicError, IntegrityError
+from fedclinic.federation.spilled_tensors import SpilledTensors
 from fedclinic.transport.package import tensor_sha256
 from fedclinic.training.private_modules import outgoing_problems
 from fedclinic.proto import tensors_pb2
@@ -92,6 +94,9 @@ class SiteRoundInput:
     #: agent's tensor cache, read a tensor at a time): the delta is taken against them instead of a copy of the
     #: model made before training. They must equal the module's values on entry. None: that copy is made.
     base: Mapping[str, np.ndarray] | None = None
+    #: a folder for the delta: each tensor's difference is written there as it is computed and the update reads
+    #: them back one at a time (fedclinic.federation.spilled_tensors; the agent). None: the delta is held as arrays.
+    spill_dir: Path | None = None
 
 
 @dataclass
@@ -100,7 +105,7 @@ class EncodedUpdate:
     (the raw float32 delta, or the codec's bytes)."""
 
     headers: list[tensors_pb2.TensorHeader]
-    payloads: dict[str, np.ndarray | bytes]
+    payloads: Mapping[str, np.ndarray | bytes]
 
     def decoded(self) -> dict[str, np.ndarray]:
         """What the aggregator decodes from it: float32 deltas by name."""
@@ -169,7 +174,8 @@ def run_site_round(loaded: "LoadedModel", data: object, inp: SiteRoundInput) -> 
     else:
         result = train_local(loaded, data, cfg, trainable=send + private, progress=inp.progress,
                              optimizer_state=inp.optimizer_state)
-    delta = compute_delta(before, ModuleTensorView(loaded.module), send)  # one trained tensor copied at a time
+    into = SpilledTensors(inp.spill_dir) if inp.spill_dir is not None else None
+    delta = compute_delta(before, ModuleTensorView(loaded.module), send, into=into)  # one trained tensor at a time
     leaking = outgoing_problems(send, private)
     if leaking:  # unreachable while the check above holds; the last gate before anything is encoded
         raise IntegrityError("refusing to send: " + "; ".join(leaking))
@@ -192,7 +198,9 @@ def encode_update(delta: Mapping[str, np.ndarray], send: Sequence[str], inp: Sit
             arr = delta[name]
             headers.append(tensors_pb2.TensorHeader(name=name, dtype="float32", shape=list(arr.shape), codec="raw",
                                                     sha256=tensor_sha256(arr), encoded_nbytes=int(arr.nbytes)))
-        return EncodedUpdate(headers, {n: delta[n] for n in send}), None
+        # spilled: the files themselves, read a tensor at a time where the update is written
+        payloads = delta if isinstance(delta, SpilledTensors) else {n: delta[n] for n in send}
+        return EncodedUpdate(headers, payloads), None
     feedback = None
     if codec_wire.uses_error_feedback(codec):
         feedback = inp.feedback if inp.feedback is not None else ErrorFeedback(codec)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64\x63linic/v1/task.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\xdd\x02\n\x0eTrainingConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\x12\x17\n\x0fmixed_precision\x18\x08 \x01(\x08\x12\x13\n\x0bproximal_mu\x18\t \x01(\x01\x12\x12\n\nmax_length\x18\n \x01(\x05\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x17\n\x0foptimizer_state\x18\x0c \x01(\t\x12\x1f\n\x17measure_gradient_change\x18\r \x01(\x08\x12\x12\n\npos_weight\x18\x0e \x03(\x01\x12\x19\n\x11pos_weight_source\x18\x0f \x01(\t\"\xbc\x01\n\x0bRoundConfig\x12\x12\n\nnum_rounds\x18\x01 \x01(\x05\x12\x11\n\tmin_sites\x18\x02 \x01(\x05\x12\x1e\n\x16participation_fraction\x18\x03 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\x04 \x01(\x01\x12\x32\n\x0eon_quorum_miss\x18\x05 \x01(\x0e\x32\x1a.fedclinic.v1.QuorumPolicy\x12\x19\n\x11max_round_retries\x18\x06 \x01(\x05\"\x8e\x02\n\x0cUpdateConfig\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.fedclinic.v1.UpdateKind\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1a\n\x12trainable_patterns\x18\x03 \x03(\t\x12\x17\n\x0f\x66rozen_patterns\x18\x04 \x03(\t\x12\x18\n\x10private_patterns\x18\x05 \x03(\t\x12\x1b\n\x13select_top_k_layers\x18\x06 \x01(\x05\x12\x11\n\tselection\x18\x07 \x01(\t\x12\x1c\n\x14safl_profile_samples\x18\x08 \x01(\x05\x12\x12\n\nsafl_token\x18\t \x01(\t\x12\x16\n\x0e\x64ownlink_codec\x18\n \x01(\t\"\xa2\x02\n\rPrivacyConfig\x12\r\n\x05level\x18\x01 \x01(\t\x12\x16\n\x0etarget_epsilon\x18\x02 \x01(\x01\x12\x14\n\x0ctarget_delta\x18\x03 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x04 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x05 \x01(\x01\x12\x12\n\naccountant\x18\x06 \x01(\t\x12\x0c\n\x04unit\x18\x07 \x01(\t\x12\x11\n\tmechanism\x18\t \x01(\t\x12\r\n\x05scale\x18\n \x01(\x01\x12\x15\n\rrounding_beta\x18\x0b \x01(\x01\x12\x1a\n\x12logical_batch_size\x18\r \x01(\x05\x12\x17\n\x0fsteps_per_round\x18\x0e \x01(\x05\x12\x13\n\x0bsample_rate\x18\x0f \x01(\x01\"\xcb\x01\n\x17SecureAggregationConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tthreshold\x18\x02 \x01(\x05\x12\x12\n\nmin_cohort\x18\x03 \x01(\x05\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x0c\n\x04\x62its\x18\x05 \x01(\x05\x12\x10\n\x08rounding\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65gree\x18\x07 \x01(\x05\x12\x11\n\tweighting\x18\x08 \x01(\t\x12\x12\n\nweight_cap\x18\t \x01(\x05\x12\x13\n\x0bmetric_clip\x18\n \x01(\x01\"\xe5\x06\n\x08TaskSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x13\n\x0bmulti_label\x18\x06 \x01(\x08\x12.\n\x08training\x18\x07 \x01(\x0b\x32\x1c.fedclinic.v1.TrainingConfig\x12)\n\x06rounds\x18\x08 \x01(\x0b\x32\x19.fedclinic.v1.RoundConfig\x12\x10\n\x08strategy\x18\t \x01(\t\x12\x43\n\x0fstrategy_params\x18\n \x03(\x0b\x32*.fedclinic.v1.TaskSpec.StrategyParamsEntry\x12*\n\x06update\x18\x0b \x01(\x0b\x32\x1a.fedclinic.v1.UpdateConfig\x12,\n\x07privacy\x18\x0c \x01(\x0b\x32\x1b.fedclinic.v1.PrivacyConfig\x12\x41\n\x12secure_aggregation\x18\r \x01(\x0b\x32%.fedclinic.v1.SecureAggregationConfig\x12\r\n\x05sites\x18\x0e \x03(\t\x12\x18\n\x10tokenizer_sha256\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x10 \x01(\t\x12\x45\n\x10strategy_options\x18\x11 \x03(\x0b\x32+.fedclinic.v1.TaskSpec.StrategyOptionsEntry\x12\x36\n\x0cverification\x18\x14 \x01(\x0b\x32 .fedclinic.v1.VerificationConfig\x12\x0c\n\x04kind\x18\x15 \x01(\t\x12\x32\n\nevaluation\x18\x16 \x01(\x0b\x32\x1e.fedclinic.v1.EvaluationConfig\x12\x32\n\nstatistics\x18\x17 \x01(\x0b\x32\x1e.fedclinic.v1.StatisticsConfig\x1a\x35\n\x13StrategyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x36\n\x14StrategyOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x10StatisticsConfig\x12\x0f\n\x07\x65psilon\x18\x01 \x01(\x01\"9\n\x10\x45valuationConfig\x12\x12\n\nmodel_task\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"-\n\x12VerificationConfig\x12\x17\n\x0fpublish_updates\x18\x01 \x01(\x08\"_\n\x0fSignedStatement\x12\x0f\n\x07purpose\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x04 \x01(\x0c*^\n\x0cQuorumPolicy\x12\x1d\n\x19QUORUM_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13QUORUM_POLICY_RETRY\x10\x01\x12\x16\n\x12QUORUM_POLICY_FAIL\x10\x02*@\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64\x63linic/v1/task.proto\x12\x0c\x66\x65\x64\x63linic.v1\"\xf8\x02\n\x0eTrainingConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\x11\n\toptimizer\x18\x04 \x01(\t\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\x12\x17\n\x0fmixed_precision\x18\x08 \x01(\x08\x12\x13\n\x0bproximal_mu\x18\t \x01(\x01\x12\x12\n\nmax_length\x18\n \x01(\x05\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x17\n\x0foptimizer_state\x18\x0c \x01(\t\x12\x1f\n\x17measure_gradient_change\x18\r \x01(\x08\x12\x12\n\npos_weight\x18\x0e \x03(\x01\x12\x19\n\x11pos_weight_source\x18\x0f \x01(\t\x12\x19\n\x10step_in_backward\x18\x84\x07 \x01(\x08\"\xbc\x01\n\x0bRoundConfig\x12\x12\n\nnum_rounds\x18\x01 \x01(\x05\x12\x11\n\tmin_sites\x18\x02 \x01(\x05\x12\x1e\n\x16participation_fraction\x18\x03 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\x04 \x01(\x01\x12\x32\n\x0eon_quorum_miss\x18\x05 \x01(\x0e\x32\x1a.fedclinic.v1.QuorumPolicy\x12\x19\n\x11max_round_retries\x18\x06 \x01(\x05\"\x8e\x02\n\x0cUpdateConfig\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.fedclinic.v1.UpdateKind\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x1a\n\x12trainable_patterns\x18\x03 \x03(\t\x12\x17\n\x0f\x66rozen_patterns\x18\x04 \x03(\t\x12\x18\n\x10private_patterns\x18\x05 \x03(\t\x12\x1b\n\x13select_top_k_layers\x18\x06 \x01(\x05\x12\x11\n\tselection\x18\x07 \x01(\t\x12\x1c\n\x14safl_profile_samples\x18\x08 \x01(\x05\x12\x12\n\nsafl_token\x18\t \x01(\t\x12\x16\n\x0e\x64ownlink_codec\x18\n \x01(\t\"\xa2\x02\n\rPrivacyConfig\x12\r\n\x05level\x18\x01 \x01(\t\x12\x16\n\x0etarget_epsilon\x18\x02 \x01(\x01\x12\x14\n\x0ctarget_delta\x18\x03 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x04 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x05 \x01(\x01\x12\x12\n\naccountant\x18\x06 \x01(\t\x12\x0c\n\x04unit\x18\x07 \x01(\t\x12\x11\n\tmechanism\x18\t \x01(\t\x12\r\n\x05scale\x18\n \x01(\x01\x12\x15\n\rrounding_beta\x18\x0b \x01(\x01\x12\x1a\n\x12logical_batch_size\x18\r \x01(\x05\x12\x17\n\x0fsteps_per_round\x18\x0e \x01(\x05\x12\x13\n\x0bsample_rate\x18\x0f \x01(\x01\"\xcb\x01\n\x17SecureAggregationConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tthreshold\x18\x02 \x01(\x05\x12\x12\n\nmin_cohort\x18\x03 \x01(\x05\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x0c\n\x04\x62its\x18\x05 \x01(\x05\x12\x10\n\x08rounding\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65gree\x18\x07 \x01(\x05\x12\x11\n\tweighting\x18\x08 \x01(\t\x12\x12\n\nweight_cap\x18\t \x01(\x05\x12\x13\n\x0bmetric_clip\x18\n \x01(\x01\"\xe5\x06\n\x08TaskSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x13\n\x0bmulti_label\x18\x06 \x01(\x08\x12.\n\x08training\x18\x07 \x01(\x0b\x32\x1c.fedclinic.v1.TrainingConfig\x12)\n\x06rounds\x18\x08 \x01(\x0b\x32\x19.fedclinic.v1.RoundConfig\x12\x10\n\x08strategy\x18\t \x01(\t\x12\x43\n\x0fstrategy_params\x18\n \x03(\x0b\x32*.fedclinic.v1.TaskSpec.StrategyParamsEntry\x12*\n\x06update\x18\x0b \x01(\x0b\x32\x1a.fedclinic.v1.UpdateConfig\x12,\n\x07privacy\x18\x0c \x01(\x0b\x32\x1b.fedclinic.v1.PrivacyConfig\x12\x41\n\x12secure_aggregation\x18\r \x01(\x0b\x32%.fedclinic.v1.SecureAggregationConfig\x12\r\n\x05sites\x18\x0e \x03(\t\x12\x18\n\x10tokenizer_sha256\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x10 \x01(\t\x12\x45\n\x10strategy_options\x18\x11 \x03(\x0b\x32+.fedclinic.v1.TaskSpec.StrategyOptionsEntry\x12\x36\n\x0cverification\x18\x14 \x01(\x0b\x32 .fedclinic.v1.VerificationConfig\x12\x0c\n\x04kind\x18\x15 \x01(\t\x12\x32\n\nevaluation\x18\x16 \x01(\x0b\x32\x1e.fedclinic.v1.EvaluationConfig\x12\x32\n\nstatistics\x18\x17 \x01(\x0b\x32\x1e.fedclinic.v1.StatisticsConfig\x1a\x35\n\x13StrategyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x36\n\x14StrategyOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x10StatisticsConfig\x12\x0f\n\x07\x65psilon\x18\x01 \x01(\x01\"9\n\x10\x45valuationConfig\x12\x12\n\nmodel_task\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"-\n\x12VerificationConfig\x12\x17\n\x0fpublish_updates\x18\x01 \x01(\x08\"_\n\x0fSignedStatement\x12\x0f\n\x07purpose\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x04 \x01(\x0c*^\n\x0cQuorumPolicy\x12\x1d\n\x19QUORUM_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13QUORUM_POLICY_RETRY\x10\x01\x12\x16\n\x12QUORUM_POLICY_FAIL\x10\x02*@\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,32 +36,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_options = b'8\001'
   _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._loaded_options = None
   _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_QUORUMPOLICY']._serialized_start=2468
-  _globals['_QUORUMPOLICY']._serialized_end=2562
-  _globals['_UPDATEKIND']._serialized_start=2564
-  _globals['_UPDATEKIND']._serialized_end=2628
+  _globals['_QUORUMPOLICY']._serialized_start=2495
+  _globals['_QUORUMPOLICY']._serialized_end=2589
+  _globals['_UPDATEKIND']._serialized_start=2591
+  _globals['_UPDATEKIND']._serialized_end=2655
   _globals['_TRAININGCONFIG']._serialized_start=42
-  _globals['_TRAININGCONFIG']._serialized_end=391
-  _globals['_ROUNDCONFIG']._serialized_start=394
-  _globals['_ROUNDCONFIG']._serialized_end=582
-  _globals['_UPDATECONFIG']._serialized_start=585
-  _globals['_UPDATECONFIG']._serialized_end=855
-  _globals['_PRIVACYCONFIG']._serialized_start=858
-  _globals['_PRIVACYCONFIG']._serialized_end=1148
-  _globals['_SECUREAGGREGATIONCONFIG']._serialized_start=1151
-  _globals['_SECUREAGGREGATIONCONFIG']._serialized_end=1354
-  _globals['_TASKSPEC']._serialized_start=1357
-  _globals['_TASKSPEC']._serialized_end=2226
-  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_start=2117
-  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_end=2170
-  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_start=2172
-  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_end=2226
-  _globals['_STATISTICSCONFIG']._serialized_start=2228
-  _globals['_STATISTICSCONFIG']._serialized_end=2263
-  _globals['_EVALUATIONCONFIG']._serialized_start=2265
-  _globals['_EVALUATIONCONFIG']._serialized_end=2322
-  _globals['_VERIFICATIONCONFIG']._serialized_start=2324
-  _globals['_VERIFICATIONCONFIG']._serialized_end=2369
-  _globals['_SIGNEDSTATEMENT']._serialized_start=2371
-  _globals['_SIGNEDSTATEMENT']._serialized_end=2466
+  _globals['_TRAININGCONFIG']._serialized_end=418
+  _globals['_ROUNDCONFIG']._serialized_start=421
+  _globals['_ROUNDCONFIG']._serialized_end=609
+  _globals['_UPDATECONFIG']._serialized_start=612
+  _globals['_UPDATECONFIG']._serialized_end=882
+  _globals['_PRIVACYCONFIG']._serialized_start=885
+  _globals['_PRIVACYCONFIG']._serialized_end=1175
+  _globals['_SECUREAGGREGATIONCONFIG']._serialized_start=1178
+  _globals['_SECUREAGGREGATIONCONFIG']._serialized_end=1381
+  _globals['_TASKSPEC']._serialized_start=1384
+  _globals['_TASKSPEC']._serialized_end=2253
+  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_start=2144
+  _globals['_TASKSPEC_STRATEGYPARAMSENTRY']._serialized_end=2197
+  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_start=2199
+  _globals['_TASKSPEC_STRATEGYOPTIONSENTRY']._serialized_end=2253
+  _globals['_STATISTICSCONFIG']._serialized_start=2255
+  _globals['_STATISTICSCONFIG']._serialized_end=2290
+  _globals['_EVALUATIONCONFIG']._serialized_start=2292
+  _globals['_EVALUATIONCONFIG']._serialized_end=2349
+  _globals['_VERIFICATIONCONFIG']._serialized_start=2351
+  _globals['_VERIFICATIONCONFIG']._serialized_end=2396
+  _globals['_SIGNEDSTATEMENT']._serialized_start=2398
+  _globals['_SIGNEDSTATEMENT']._serialized_end=2493
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ UPDATE_KIND_UNSPECIFIED: UpdateKind
 UPDATE_KIND_DELTA: UpdateKind
 
 class TrainingConfig(_message.Message):
-    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change", "pos_weight", "pos_weight_source")
+    __slots__ = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps", "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change", "pos_weight", "pos_weight_source", "step_in_backward")
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class TrainingConfig(_message.Message):
     MEASURE_GRADIENT_CHANGE_FIELD_NUMBER: _ClassVar[int]
     POS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     POS_WEIGHT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_IN_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     batch_size: int
     learning_rate: float
@@ -55,7 +56,8 @@ class TrainingConfig(_message.Message):
     measure_gradient_change: bool
     pos_weight: _containers.RepeatedScalarFieldContainer[float]
     pos_weight_source: str
-    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ..., measure_gradient_change: _Optional[bool] = ..., pos_weight: _Optional[_Iterable[float]] = ..., pos_weight_source: _Optional[str] = ...) -> None: ...
+    step_in_backward: bool
+    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., max_steps: _Optional[int] = ..., mixed_precision: _Optional[bool] = ..., proximal_mu: _Optional[float] = ..., max_length: _Optional[int] = ..., seed: _Optional[int] = ..., optimizer_state: _Optional[str] = ..., measure_gradient_change: _Optional[bool] = ..., pos_weight: _Optional[_Iterable[float]] = ..., pos_weight_source: _Optional[str] = ..., step_in_backward: _Optional[bool] = ...) -> None: ...
 
 class RoundConfig(_message.Message):
     __slots__ = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss", "max_round_retries")

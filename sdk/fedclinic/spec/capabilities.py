@@ -71,3 +71,30 @@ def check_optimizer_settings(optimizer: str, state_policy: str) -> list[str]:
         problems.append(f"optimizer_state {state_policy!r} is unknown; choose one of "
                         f"{', '.join(OPTIMIZER_STATE_POLICIES)}")
     return problems
+
+
+def step_in_backward_problems(step_in_backward: bool, *, max_grad_norm: float, proximal_mu: float,
+                              optimizer_state: str, private: bool = False) -> list[str]:
+    """Problems with ``step_in_backward`` (each parameter's optimizer step taken in the backward pass, as soon as
+    its gradient is accumulated, then the gradient freed; fedclinic.training.fused_step), as one sentence.
+
+    The fused step is the ordinary step only when a parameter's update needs nothing but its own gradient:
+    global-norm clipping (``max_grad_norm`` > 0) needs every gradient first, the proximal term and a kept optimizer
+    state are applied around the ordinary step, and DP-SGD clips and noises per example. Those settings conflict.
+    The trainer refuses the rest at a site (several devices, fp16 loss scaling), where they are chosen.
+    """
+    if not step_in_backward:
+        return []
+    conflicts = []
+    if max_grad_norm > 0:
+        conflicts.append(f"max_grad_norm = {max_grad_norm:g} (set 0: clipping needs every gradient first)")
+    if proximal_mu > 0:
+        conflicts.append(f"proximal_mu = {proximal_mu:g} (set 0)")
+    if optimizer_state == "keep":
+        conflicts.append('optimizer_state = "keep" (use "reset")')
+    if private:
+        conflicts.append('privacy level = "sample" (DP-SGD clips each example\'s gradient)')
+    if not conflicts:
+        return []
+    return ["step_in_backward (the optimizer step fused into the backward pass) cannot be combined with "
+            + "; ".join(conflicts) + "; change those settings or set step_in_backward = false"]

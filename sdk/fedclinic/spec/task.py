@@ -70,7 +70,8 @@ MULTI_LABEL_FAMILIES = ("image-text-classification",)
 #: families whose tasks have no label set (answers are generated text)
 UNLABELLED_FAMILIES = ("question-answering",)
 _TRAIN = ("local_epochs", "batch_size", "learning_rate", "optimizer", "weight_decay", "max_grad_norm", "max_steps",
-          "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change")
+          "mixed_precision", "proximal_mu", "max_length", "seed", "optimizer_state", "measure_gradient_change",
+          "step_in_backward")
 _ROUNDS = ("num_rounds", "min_sites", "participation_fraction", "round_timeout_s", "on_quorum_miss",
            "max_round_retries")
 _UPDATE = ("trainable", "frozen", "private", "codec", "downlink_codec", "selection", "safl_top_k",
@@ -107,6 +108,9 @@ class Task:
     proximal_mu: float = 0.0
     optimizer_state: str = "reset"       # "keep": local optimizer moments persist at each site across rounds
     measure_gradient_change: bool = False  # sites report gradient_change_rate (dynamic-weighting, "code")
+    #: each parameter's optimizer step in the backward pass, its gradient freed at once (peak memory: the model
+    #: plus one gradient); needs max_grad_norm = 0, proximal_mu = 0, optimizer_state = "reset", no DP-SGD
+    step_in_backward: bool = False
     max_length: int = 128
     seed: int = 0
     #: ``[training] pos_weight``: multi-label BCE weight of each label's positives (one positive number per label,

@@ -26,7 +26,7 @@ from fedclinic.proto import task_pb2
 from fedclinic.secagg import dp_plan
 from fedclinic.secagg.task_config import spec_problems as secure_aggregation_problems
 from fedclinic.spec import safl_settings as safl
-from fedclinic.spec.capabilities import LOOP_MODELS, check_supported
+from fedclinic.spec.capabilities import LOOP_MODELS, check_supported, step_in_backward_problems
 from fedclinic.spec.selection import private_names, select_names
 from fedclinic.strategies import Strategy, make_strategy
 from fedclinic.transport import codec_wire, downlink
@@ -242,6 +242,9 @@ def definition_problems(spec: task_pb2.TaskSpec) -> list[str]:
     p.extend(bounds)
     p.extend(rounds_problems(spec))
     p.extend(pos_weight_problems(spec))
+    t = spec.training
+    p.extend(step_in_backward_problems(t.step_in_backward, max_grad_norm=t.max_grad_norm, proximal_mu=t.proximal_mu,
+                                       optimizer_state=t.optimizer_state, private=spec.privacy.level == "sample"))
     if not bounds:  # it builds a session for the smallest cohort: not from absurd numbers
         p.extend(secure_aggregation_problems(spec))
     p.extend(privacy_problems(spec))

@@ -25,18 +25,21 @@ them the global batch's mean gradient: the same steps as one process.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
 from fedclinic.evaluation.multilabel import multilabel_evaluation
 from fedclinic.models.base import EncodedData, encode_texts
 from fedclinic.training import data_parallel
+from fedclinic.training.fused_step import BackwardStepper, fused_conflicts
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
 from fedclinic.training.precision import autocast_for, check_autocast_dtype
+from fedclinic.spec.capabilities import step_in_backward_problems
 from fedclinic.spec.selection import select_names
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 
@@ -64,6 +67,8 @@ class TrainConfig:
     proximal_mu: float = 0.0         # FedProx / PGD / PAdam perturbation; 0 = off
     optimizer_state: str = "reset"   # "reset": fresh moments every round; "keep": they persist at the site
     measure_gradient_change: bool = False  # compute TrainResult.gradient_change_rate (two extra data passes)
+    #: each parameter's step in the backward pass, its gradient freed at once (fedclinic.training.fused_step)
+    step_in_backward: bool = False
     max_length: int = 128
     seed: int = 0
     device: str = "auto"
@@ -90,6 +95,8 @@ class TrainConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 p.append(f"{name} must be a finite number >= 0, got {v!r}")
         p.extend(check_optimizer_settings(self.optimizer, self.optimizer_state))
+        p.extend(step_in_backward_problems(self.step_in_backward, max_grad_norm=self.max_grad_norm,
+                                           proximal_mu=self.proximal_mu, optimizer_state=self.optimizer_state))
         if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
                    for w in self.pos_weight):
             p.append(f"pos_weight values must be positive finite numbers, got {list(self.pos_weight)!r}")
@@ -112,7 +119,7 @@ class TrainConfig:
             if v:
                 kw[name] = v
         for name in ("weight_decay", "max_grad_norm", "max_steps", "proximal_mu", "seed", "mixed_precision",
-                     "measure_gradient_change"):
+                     "measure_gradient_change", "step_in_backward"):
             kw[name] = getattr(msg, name)
         kw["learning_rate"] = float(kw["learning_rate"])
         kw["weight_decay"] = float(kw["weight_decay"])
@@ -120,6 +127,7 @@ class TrainConfig:
         kw["proximal_mu"] = float(kw["proximal_mu"])
         kw["mixed_precision"] = bool(kw["mixed_precision"])
         kw["measure_gradient_change"] = bool(kw["measure_gradient_change"])
+        kw["step_in_backward"] = bool(kw["step_in_backward"])
         kw["device"] = device
         kw["pos_weight"] = tuple(float(w) for w in msg.pos_weight)
         return cls(**kw)
@@ -269,7 +277,8 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
     train_params = [p for _, p in named_train]
     if not train_params:
         raise ConfigError("none of the trainable names is a parameter of the model; nothing to train")
-    optimizer = make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = (None if cfg.step_in_backward else
+                 make_optimizer(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay))
     if cfg.optimizer_state == "keep" and optimizer_state:
         _load_optimizer_state(optimizer, named_train, optimizer_state, device)
     anchor = [p.detach().clone() for p in train_params] if cfg.proximal_mu > 0 else None
@@ -280,6 +289,10 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
     loss_fn = _batch_loss(loaded, data.multi_label, cfg.pos_weight)
     autocast, scaler = _autocast(device, cfg.mixed_precision, cfg.autocast_dtype)
     group = data_parallel.current()  # several processes: each trains its shard of every global batch
+    stepper: BackwardStepper | None = None
+    if cfg.step_in_backward:  # the step is taken by each parameter's gradient hook (fedclinic.training.fused_step)
+        fused_conflicts(data_parallel=group is not None, loss_scaling=scaler is not None)
+        stepper = BackwardStepper(cfg.optimizer, train_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
     n = len(data)
     per_epoch = math.ceil(n / cfg.batch_size)
@@ -296,45 +309,50 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
         module.train()
         grads_before = (_full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
                         if cfg.measure_gradient_change else None)
-        for _epoch in range(cfg.local_epochs):
-            if step >= total:
-                break
-            order = torch.randperm(n, generator=gen)
-            for inputs, y, bs in _global_batches(data, order, cfg.batch_size, device, group):
+        with stepper if stepper is not None else contextlib.nullcontext():
+            for _epoch in range(cfg.local_epochs):
                 if step >= total:
                     break
-                with autocast():
-                    loss = (loss_fn(inputs, y) if group is None
-                            else group.weighted_loss(loaded, loss_fn, inputs, y, train_params))
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                else:
-                    loss.backward()
-                if group is not None:  # the global batch's gradient and mean loss on every rank
-                    loss = group.all_reduce(train_params, loss)
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                if anchor is not None:
-                    add_proximal_gradient(train_params, anchor, cfg.proximal_mu)
-                if cfg.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(train_params, cfg.max_grad_norm)
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                step += 1
-                seen += bs
-                loss_sum.add_(loss.detach(), alpha=bs)
-                if progress is not None:
-                    progress(step, total, float(loss_sum) / seen)
+                order = torch.randperm(n, generator=gen)
+                for inputs, y, bs in _global_batches(data, order, cfg.batch_size, device, group):
+                    if step >= total:
+                        break
+                    with autocast():
+                        loss = (loss_fn(inputs, y) if group is None
+                                else group.weighted_loss(loaded, loss_fn, inputs, y, train_params))
+                    if optimizer is None:  # step_in_backward: each parameter's hook steps it and frees its gradient
+                        loss.backward()
+                    else:
+                        optimizer.zero_grad(set_to_none=True)
+                        if scaler is not None:
+                            scaler.scale(loss).backward()
+                        else:
+                            loss.backward()
+                        if group is not None:  # the global batch's gradient and mean loss on every rank
+                            loss = group.all_reduce(train_params, loss)
+                        if scaler is not None:
+                            scaler.unscale_(optimizer)
+                        if anchor is not None:
+                            add_proximal_gradient(train_params, anchor, cfg.proximal_mu)
+                        if cfg.max_grad_norm > 0:
+                            torch.nn.utils.clip_grad_norm_(train_params, cfg.max_grad_norm)
+                        if scaler is not None:
+                            scaler.step(optimizer)
+                            scaler.update()
+                        else:
+                            optimizer.step()
+                    step += 1
+                    seen += bs
+                    loss_sum.add_(loss.detach(), alpha=bs)
+                    if progress is not None:
+                        progress(step, total, float(loss_sum) / seen)
         rate = None
         if grads_before is not None:
             grads_after = _full_pass_gradients(loaded, data, train_params, cfg.batch_size, device, loss_fn)
             rate = gradient_change_rate(grads_before, grads_after)
     module.eval()
-    optimizer.zero_grad(set_to_none=True)  # the last step's gradients (one model-sized copy) are not needed now
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)  # the last step's gradients (one model-sized copy) are not needed now
     for _, p in params:
         p.requires_grad_(True)
     if not math.isfinite(float(loss_sum)):
@@ -473,9 +491,12 @@ def evaluate(loaded: "LoadedModel", data: EncodedData, *, batch_size: int = 64) 
 
 
 def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
-                  names: Iterable[str]) -> dict[str, np.ndarray]:
-    """``after - before`` as float32 for each name (IntegrityError on a missing name or shape mismatch)."""
-    out: dict[str, np.ndarray] = {}
+                  names: Iterable[str], *, into: "MutableMapping[str, np.ndarray] | None" = None
+                  ) -> "MutableMapping[str, np.ndarray]":
+    """``after - before`` as float32 for each name (IntegrityError on a missing name or shape mismatch), stored in
+    ``into`` as each is computed (e.g. ``fedclinic.federation.spilled_tensors.SpilledTensors``: one difference in
+    memory at a time) or in a new dict; returns where they are."""
+    out: MutableMapping[str, np.ndarray] = {} if into is None else into
     for name in names:
         if name not in before or name not in after:
             side = "before" if name not in before else "after"
