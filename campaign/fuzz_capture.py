@@ -71,9 +71,9 @@ class _Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
 
 @contextlib.contextmanager
 def recording_channels(capture: Capture) -> Iterator[Capture]:
-    """While entered, channels opened by ``fedclinic.client`` and ``hospital_agent.connection`` record into
-    ``capture`` (module docstring)."""
-    import fedclinic.client as client_mod
+    """While entered, channels opened by the SDK's control channel (``fedclinic.control_channel``, which
+    ``fedclinic.client`` dials through) and ``hospital_agent.connection`` record into ``capture`` (module docstring)."""
+    import fedclinic.control_channel as client_mod
     import hospital_agent.connection as conn_mod
 
     originals = (client_mod.secure_channel, conn_mod.secure_channel_pem)

@@ -88,7 +88,7 @@ def test_privacy_status_command_shows_budget_and_spend(tmp_path):
     sites = _sites(tmp_path, {"site-a": 6.0})
     fed = LocalFederation(tmp_path / "fed", sites, agent_threads=1)
     fed.make_pki()
-    config = fed.write_agent_config("site-a")
+    config = fed.write_agent_config("site-a", address="127.0.0.1:1")  # no aggregator runs: the command never dials
     ledger = PrivacyLedger(tmp_path / "fed" / "agent-site-a" / "privacy-ledger.sqlite")
     ledger.set_budget("notes", 6.0, 1e-4)
     ledger.admit("notes", "t-123", 4.0, 1e-5)
