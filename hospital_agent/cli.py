@@ -11,7 +11,6 @@ import tempfile
 import structlog
 
 from fedclinic.runtime import logs
-from fedclinic.runtime.heap_trim import fix_mmap_threshold
 from fedclinic.errors import FedclinicError
 from hospital_agent.config import AgentConfig
 from fedclinic.pki import check_own_certificate
@@ -223,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_address is not None:
             config = config.with_metrics_address(args.metrics_address, "--metrics-address")
         logs.configure(config.log_level)
-        fix_mmap_threshold()  # fetched models' chunks must not stay resident as freed heap
+        # glibc's mmap threshold is left dynamic here (the aggregator pins it): pinned at 128 KiB, every tensor a
+        # training step allocates became a fresh mapping with its page faults (the overhead bench's training 2x slower)
         apply_torch_threads(config.torch_threads)  # before any training: the inter-op pool is sized only once
         if config.preload_training_stack:
             preload_training_stack()  # before connecting, in this thread (not beside a round's own imports)
