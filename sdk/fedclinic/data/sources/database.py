@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import quote
 
-from fedclinic.errors import ConfigError, DatasetError
+from fedclinic.data.sources.records import SourceCheck
+from fedclinic.errors import ConfigError, DatasetError, FedclinicError
 
 ENGINES = ("postgresql", "sqlite")
 #: the keys of a dataset table that configure its database
@@ -257,5 +258,26 @@ def read_only_report(db: Database, run: Runner) -> tuple[list[str], list[str], l
     else:
         facts.append(f"database user {user!r} holds no write privilege on any table")
     return facts, problems, notes
-__all__ = ["DATABASE_KEYS", "ENGINES", "Database", "REFUSED", "SourceUnavailable", "UNREACHABLE", "read_only_report",
+def check_database(db: Database, body: Callable[[Runner, SourceCheck], None]) -> SourceCheck:
+    """``check-config``'s report for a database source: reachable, the read-only checks of
+    :func:`read_only_report`, then ``body(run, report)`` (the source's own columns and counts) in the same read-only
+    transaction; a FedclinicError becomes a problem, and a password file others can read a note."""
+    report = SourceCheck()
+    try:
+        with db.read_only() as run:
+            report.facts.append(f"reachable: {db.describe()}")
+            facts, problems, notes = read_only_report(db, run)
+            report.facts += facts
+            report.problems += problems
+            report.notes += notes
+            body(run, report)
+    except FedclinicError as exc:
+        report.problems.append(str(exc))
+    if db.password_file_exposed():
+        report.notes.append(f"password_file {db.password_file} is readable by every user of this machine; "
+                            f"chmod 600 {db.password_file}")
+    return report
+
+
+__all__ = ["DATABASE_KEYS", "ENGINES", "Database", "REFUSED", "SourceUnavailable", "UNREACHABLE", "check_database", "read_only_report",
            "refuse_password"]

@@ -34,11 +34,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-from fedclinic.data.sources.database import Database, Runner, read_only_report
+from fedclinic.data.sources.database import Database, Runner, check_database
 from fedclinic.data.sources.label_map import eval_share, optional_label, parse_label_map, split_of
 from fedclinic.data.sources.records import DataSource, Record, SourceCheck
 from fedclinic.data.sources.sql_guard import identifier
-from fedclinic.errors import ConfigError, DatasetError, FedclinicError
+from fedclinic.errors import ConfigError, DatasetError
 
 OMOP_KEYS = ("schema", "window_days", "note_type_concept_ids", "labels", "unmapped_label", "eval_share")
 NOTE_COLUMNS = ("note_id", "person_id", "note_date", "note_text")
@@ -124,23 +124,11 @@ class OmopSource(DataSource):
         return out
 
     def check(self) -> SourceCheck:
-        report = SourceCheck()
-        try:
-            with self.db.read_only() as run:
-                report.facts.append(f"reachable: {self.db.describe()}")
-                facts, problems, notes = read_only_report(self.db, run)
-                report.facts += facts
-                report.problems += problems
-                report.notes += notes
-                if not self._columns_present(run, report):
-                    return report
+        def tables(run: Runner, report: SourceCheck) -> None:
+            if self._columns_present(run, report):
                 self._counts(self._read(run), report)
-        except FedclinicError as exc:
-            report.problems.append(str(exc))
-        if self.db.password_file_exposed():
-            report.notes.append(f"password_file {self.db.password_file} is readable by every user of this machine; "
-                                f"chmod 600 {self.db.password_file}")
-        return report
+
+        return check_database(self.db, tables)
 
     def _columns_present(self, run: Runner, report: SourceCheck) -> bool:
         ok = True

@@ -19,10 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from fedclinic.data.sources.database import Database, Runner, read_only_report
+from fedclinic.data.sources.database import Database, Runner, check_database
 from fedclinic.data.sources.records import DataSource, Record, SourceCheck
 from fedclinic.data.sources.sql_guard import check_select
-from fedclinic.errors import ConfigError, DatasetError, FedclinicError
+from fedclinic.errors import ConfigError, DatasetError
 
 SQL_KEYS = ("query", "eval_query")
 MISSING_COLUMN = "the query result lacks a column the site configuration names"
@@ -83,21 +83,12 @@ class SqlSource(DataSource):
         return [columns.index(f) for f in self._fields()]
 
     def check(self) -> SourceCheck:
-        report = SourceCheck()
-        try:
-            with self.db.read_only() as run:
-                report.facts.append(f"reachable: {self.db.describe()}")
-                facts, problems, notes = read_only_report(self.db, run)
-                report.facts += facts
-                report.problems += problems
-                report.notes += notes
-                for split, query in (("train", self.query), ("eval", self.eval_query)):
-                    if query is not None:
-                        _check_query(self, run, split, query, report)
-        except FedclinicError as exc:
-            report.problems.append(str(exc))
-        _exposed_password(self.db, report)
-        return report
+        def queries(run: Runner, report: SourceCheck) -> None:
+            for split, query in (("train", self.query), ("eval", self.eval_query)):
+                if query is not None:
+                    _check_query(self, run, split, query, report)
+
+        return check_database(self.db, queries)
 
 
 def _check_query(source: SqlSource, run: Runner, split: str, query: str, report: SourceCheck) -> None:
@@ -116,12 +107,6 @@ def _check_query(source: SqlSource, run: Runner, split: str, query: str, report:
                                "database user may see the rows")
     else:
         report.facts.append(f"{which}: {count} row(s)")
-
-
-def _exposed_password(db: Database, report: SourceCheck) -> None:
-    if db.password_file_exposed():
-        report.notes.append(f"password_file {db.password_file} is readable by every user of this machine; "
-                            f"chmod 600 {db.password_file}")
 
 
 __all__ = ["MISSING_COLUMN", "SQL_KEYS", "SqlSource"]
