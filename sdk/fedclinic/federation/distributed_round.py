@@ -171,6 +171,7 @@ anything starts for a round it cannot shard, :func:`fedclinic.training.fully_sha
     (ConfigError, DatasetError, IntegrityError, else FedclinicError) when a process fails, FedclinicError on the
     deadline, and whatever ``inp.progress`` raises (cancellation) after stopping the processes."""
     from fedclinic.models import load_tensors, module_tensors
+    from fedclinic.models.base import ModuleTensorView
     from fedclinic.models.causal_lm_module import tied_aliases
     from fedclinic.runtime.cpu_cores import cores_per_process
     from fedclinic.training.private_modules import outgoing_problems
@@ -211,9 +212,10 @@ anything starts for a round it cannot shard, :func:`fedclinic.training.fully_sha
     finally:
         shutil.rmtree(job, ignore_errors=True)
     send = list(result["send"])
-    before = module_tensors(loaded.module, send)
+    # as run_site_round: the delta against the agent's cache when the caller gives it, one trained tensor at a time
+    before = inp.base if inp.base is not None else module_tensors(loaded.module, send)
     load_tensors(loaded.module, trained)
-    delta = compute_delta(before, module_tensors(loaded.module, send), send)
+    delta = compute_delta(before, ModuleTensorView(loaded.module), send)
     update, feedback = encode_update(delta, send, inp)
     train = TrainResult(**result["train"])
     return SiteRoundResult(seed=int(result["seed"]), send=send, delta=delta, update=update, train=train,
