@@ -4,8 +4,8 @@ The smoke (`make test`): the standby reports NOT_SERVING and refuses calls with 
 mid-round hands over to the standby within 15 s, which recovers the open round; agents and the SDK given both
 addresses fail over, and the task completes with exact counts.
 
-The phases (`make test-ha`, about a minute on 2 cores): the leader dies mid-upload, then (after a fenced
-hand-back) mid-fold; each time the standby serves within 15 s, the task completes with exact counts and its model
+The phases (`make test-ha`, about a minute on 2 cores): the leader is SIGKILLed mid-upload, then (after a fenced
+hand-back) mid-fold, each time stopped at that exact point by a paused failpoint first (runtime.failpoints); each time the standby serves within 15 s, the task completes with exact counts and its model
 equals the replay of the acknowledged updates.
 """
 
@@ -53,6 +53,15 @@ def _standby(fed, name: str, port: int):
     wait_until(lambda: health(fed, f"127.0.0.1:{port}") == NOT_SERVING, 60, f"replica {name} to listen, NOT_SERVING",
                check=lambda: proc.poll() is None or pytest.fail(fed.log_text(f"aggregator-{name}")))
     return proc
+
+
+def _kill_at(marker: Path, proc: subprocess.Popen, point: str) -> None:
+    """Wait until ``proc`` stops at the paused failpoint ``point`` (runtime.failpoints), then SIGKILL it there."""
+    wait_until(marker.exists, 120, f"the leader to reach {point}",
+               check=lambda: proc.poll() is None or pytest.fail(f"the leader exited ({proc.returncode})"))
+    assert marker.read_text().split() == [point, str(proc.pid)]
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
 
 
 def _probe(fed, address: str, *extra: str) -> int:
@@ -116,19 +125,23 @@ def test_the_standby_takes_over_a_sigkilled_leader_mid_round_with_exact_counts(f
 @pytest.mark.skipif(not os.environ.get("FEDCLINIC_TEST_HA_PHASES"),
                     reason="about a minute on 2 cores: `make test-ha` runs it")
 def test_leader_dies_mid_upload_then_mid_fold_and_the_model_equals_the_replay(federation_factory, postgres_server,
-                                                                              postgres_database, monkeypatch):
+                                                                              postgres_database, monkeypatch,
+                                                                              tmp_path):
     fed, (port_a, port_b) = _ha_federation(federation_factory, postgres_server, postgres_database)
     a, b = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"
     both = f"{a},{b}"
-    monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "aggregator.update.chunk:1")  # dies on the first update bytes
+    paused = tmp_path / "paused"  # the failpoint stops the leader's thread there; the test SIGKILLs it
+    monkeypatch.setenv("FEDCLINIC_FAILPOINT_PAUSE", str(paused))
+    monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "aggregator.update.chunk:1")  # on the first update bytes
     fed.start_aggregator()
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
+    monkeypatch.delenv("FEDCLINIC_FAILPOINT_PAUSE")
     replica_b = _standby(fed, "b", port_b)
     fed.start_agent("site-a", both)
     fed.start_agent("site-b", both)
     with fed.client(both) as client:
         first = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=300), package=tiny_package("logreg"))
-        assert fed.aggregator.wait(120) == 97  # the leader died mid-upload (the failpoint's exit)
+        _kill_at(paused, fed.aggregator, "aggregator.update.chunk")  # SIGKILL mid-upload
         wait_until(lambda: health(fed, b) == SERVING, TAKEOVER_S, "the standby to serve after the mid-upload death")
         final = client.wait(first.task_id, timeout=300, progress=False)
         _exact(fed, final, first.task_id)
@@ -136,9 +149,12 @@ def test_leader_dies_mid_upload_then_mid_fold_and_the_model_equals_the_replay(fe
 
     # the old leader's address comes back as a standby that will die mid-fold once it leads; the leader's lock
     # session is cut: it fences itself (exits) and the standby takes over
+    paused = tmp_path / "paused-fold"
+    monkeypatch.setenv("FEDCLINIC_FAILPOINT_PAUSE", str(paused))
     monkeypatch.setenv("FEDCLINIC_FAILPOINTS", "aggregator.fold:1")
     replica_a = _standby(fed, "a2", port_a)
     monkeypatch.delenv("FEDCLINIC_FAILPOINTS")
+    monkeypatch.delenv("FEDCLINIC_FAILPOINT_PAUSE")
     assert end_leader_lock_session(postgres_server, postgres_database) == [(True,)]
     assert replica_b.wait(30) == 2
     assert "FENCED" in fed.log_text("aggregator-b")
@@ -147,7 +163,7 @@ def test_leader_dies_mid_upload_then_mid_fold_and_the_model_equals_the_replay(fe
     with fed.client(both) as client:
         second = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=300),
                                package=tiny_package("logreg"))
-        assert replica_a.wait(120) == 97  # died mid-fold: folded in memory, not recorded nor acknowledged
+        _kill_at(paused, replica_a, "aggregator.fold")  # SIGKILL mid-fold: folded in memory, not recorded nor acked
         wait_until(lambda: health(fed, b) == SERVING, TAKEOVER_S, "the standby to serve after the mid-fold death")
         final = client.wait(second.task_id, timeout=300, progress=False)
         _exact(fed, final, second.task_id)
