@@ -203,13 +203,16 @@ def run_federated(plan: dict[str, Any], work: Path) -> dict[str, Any]:
         if state_name(final.state) != "completed":
             raise SystemExit(f"the federated task ended {state_name(final.state)}: {final.error}")
         threads = fed.agent_threads
+        # each service's CPU seconds so far (it is idle now: the task is over), read while it still runs
+        cpu = {"aggregator": _proc_cpu(fed.aggregator.pid),
+               **{f"agent-{s}": _proc_cpu(p.pid) for s, p in fed.agents.items()}}
         logs = {name: _log_events(fed.logs / f"{name}.log") for name in ["aggregator", *(f"agent-{s}" for s in
                                                                                           plan["sites"])]}
     train_seconds = {(r.round, rep.site_id): rep.metrics.get("train_seconds", 0.0)
                      for r in final.rounds for rep in r.reports}
     return {"wall": done - t0, "start": started - t0, "submit": submitted - started, "t0_wall": t0_wall,
             "submitted_wall": t0_wall + (submitted - t0), "done_wall": t0_wall + (done - t0), "logs": logs,
-            "train_seconds": train_seconds, "agent_threads": threads, "rounds": len(final.rounds)}
+            "train_seconds": train_seconds, "agent_threads": threads, "rounds": len(final.rounds), "process_cpu": cpu}
 
 
 def federated_split(fed: dict[str, Any], sites: list[str]) -> dict[str, float]:
@@ -290,6 +293,12 @@ def _cpu(who: int) -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of the running process ``pid`` (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -350,11 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  extra: {fed['wall'] - base['wall']:+.1f} s; load average after: {load_after}")
     print(f"CPU seconds (user + system, every process): baseline {base['cpu']:.1f}, federated {fed['cpu']:.1f} "
           f"({fed['cpu'] / base['cpu']:.2f}x)")
+    services = sum(fed["process_cpu"].values())
+    print("  federated by process: " + ", ".join(f"{k} {v:.1f}" for k, v in fed["process_cpu"].items())
+          + f", this process (PKI, client: packaging, upload, waiting) {fed['cpu'] - services:.1f}")
     figures = {"baseline_seconds": base["wall"], "federated_seconds": fed["wall"], "ratio": ratio,
                "baseline_cpu_seconds": base["cpu"], "federated_cpu_seconds": fed["cpu"],
                "baseline": base_split, "federated": split, "agent_threads": fed["agent_threads"],
                "baseline_threads": base["torch_threads"], "rounds": args.rounds, "rows": rows,
-               "load_after": load_after}
+               "load_after": load_after, "federated_process_cpu": fed["process_cpu"]}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     met = "yes" if ratio <= TARGET else "no"

@@ -30,6 +30,7 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.codecs import ErrorFeedback
+from fedclinic.evaluation.combine import defined_values
 from fedclinic.evaluation.multilabel import round_report_metrics
 from fedclinic.training.private_modules import PrivateStore
 from fedclinic.proto import agent_pb2
@@ -245,9 +246,10 @@ def evaluate_warm(state: TaskState) -> dict[str, float]:
 
 
 def evaluation_values(metrics: dict) -> dict[str, float]:
-    """An evaluation as it leaves the site: floats, with ``eval_rows`` (the rows evaluated, the trainer's ``n``)
-    by which the aggregator weights it (fedclinic.evaluation.combine)."""
-    values = {k: float(v) for k, v in metrics.items() if k != "n"}
+    """An evaluation as it leaves the site: its defined (finite) values as floats
+    (fedclinic.evaluation.combine.defined_values: an undefined AUC is left out, not sent as NaN), with
+    ``eval_rows`` (the rows evaluated, the trainer's ``n``) by which the aggregator weights it."""
+    values = defined_values({k: v for k, v in metrics.items() if k != "n"})
     if "n" in metrics:
         values["eval_rows"] = float(metrics["n"])
     return values

@@ -93,5 +93,13 @@ def pool_evaluations(per_site: Mapping[str, Mapping[str, float]], min_cell: Mapp
     return Pooled(weighted_metrics(kept), len(kept))
 
 
-__all__ = ["DEFAULT_MIN_CELL_ROWS", "MIN_POOLED_SITES", "Pooled", "is_suppressed", "pool_evaluations",
-           "suppress_cell", "weighted_metrics"]
+def defined_values(values: Mapping[str, float]) -> dict[str, float]:
+    """The values of an evaluation that a site can report: the finite ones, as floats. An undefined figure (NaN,
+    e.g. the ROC AUC of a label that has one class only in the site's rows) is left out rather than sent: the
+    aggregator refuses non-finite numbers, and the pooled mean of that key is over the sites where it is
+    defined (module docstring)."""
+    return {k: float(v) for k, v in values.items() if math.isfinite(float(v))}
+
+
+__all__ = ["DEFAULT_MIN_CELL_ROWS", "MIN_POOLED_SITES", "Pooled", "defined_values", "is_suppressed",
+           "pool_evaluations", "suppress_cell", "weighted_metrics"]

@@ -33,6 +33,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from fedclinic.evaluation.combine import defined_values
 from fedclinic.evaluation.thresholds import sigmoid, threshold_histogram
 
 
@@ -124,8 +125,9 @@ def round_report_metrics(values: Mapping[str, float], *, max_keys: int = ROUND_R
     """The evaluation values a site sends with a training round's update: without the ``count/`` histograms (they
     are for the final-model evaluation, whose transport takes thousands of keys), and without the per-label
     ``f1/`` and ``auc/`` keys when there would still be more than ``max_keys`` (a model with ~100 labels or more:
-    the macro and micro figures stay)."""
-    out = {k: float(v) for k, v in values.items() if not k.startswith("count/")}
+    the macro and micro figures stay), and without undefined (non-finite) values
+    (:func:`fedclinic.evaluation.combine.defined_values`)."""
+    out = {k: v for k, v in defined_values(values).items() if not k.startswith("count/")}
     if len(out) > max_keys:
         out = {k: v for k, v in out.items() if not k.startswith(("f1/", "auc/"))}
     return out

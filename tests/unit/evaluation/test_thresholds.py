@@ -140,6 +140,17 @@ def test_round_reports_leave_the_histograms_out():
     assert round_report_metrics(many) == {"macro_f1": 0.2}
 
 
+def test_an_undefined_auc_is_left_out_of_what_a_site_sends_not_sent_as_nan():
+    import numpy as np
+
+    truth = np.array([[1, 0], [0, 0], [1, 0]])  # label b never occurs in these rows: its AUC is undefined
+    values = multilabel_scores(truth, np.array([[2.0, -1.0], [-1.0, -2.0], [1.0, 0.5]]), ["a", "b"])
+    assert np.isnan(values["auc/b"])  # in process the undefined value stays visible as NaN
+    sent = round_report_metrics(values)
+    assert "auc/b" not in sent and sent["auc/a"] == 1.0 and sent["macro_auc"] == 1.0
+    assert all(np.isfinite(v) for v in sent.values())
+
+
 def test_pos_weight_from_statistics():
     pooled = {"rows": 1000.0, "label/common": 400.0, "label/rare": 5.0, "label/majority": 900.0}
     w = pos_weight_from_statistics(pooled, ["common", "rare", "majority", "absent"])
