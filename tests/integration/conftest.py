@@ -11,6 +11,21 @@ from tests.helpers.text_models import write_site_data
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def _no_sqlite_state_on_postgresql(request, aggregator_store):
+    """With ``FEDCLINIC_TEST_STORE=postgresql`` a test whose aggregator still wrote an SQLite state file under its
+    ``tmp_path`` kept its state off the database under test (a configuration written by hand without
+    ``fed.aggregator_state``, a federation built in another process): that test errors, naming the file."""
+    if aggregator_store == "sqlite" or request.node.get_closest_marker("sqlite_state"):
+        yield
+        return
+    tmp_path = request.getfixturevalue("tmp_path")
+    yield
+    stray = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("aggregator.sqlite"))
+    assert not stray, (f"an aggregator kept its state in SQLite ({stray}) under FEDCLINIC_TEST_STORE=postgresql: give "
+                       "its configuration the suite's [state] (LocalFederation.aggregator_state)")
+
+
 @pytest.fixture
 def federation_factory(tmp_path, request):
     """Build LocalFederations with N sites holding synthetic clinical-ish text; torn down after the test."""
