@@ -37,12 +37,17 @@ test-distributed: $(STAMP)
 		tests/unit/federation/test_distributed_round.py tests/integration/test_distributed_agent.py \
 		tests/integration/test_fsdp_agent.py
 
-# The whole integration suite with every aggregator's state on PostgreSQL (issue 21; each test worker starts its own
-# server, tests/helpers/postgres_server.py). `make test` runs its smoke (tests/integration/test_postgres_federation.py).
+# The whole integration suite and the campaign's smokes with every aggregator's state on PostgreSQL (issue 21; each
+# test worker starts its own server, tests/helpers/postgres_server.py), the opt-in parts that start aggregators
+# included (the hot standby's kill phases, the 2-process agent rounds); only the SQLite backup/restore test skips.
+# About an hour of tests run one by one on 2 cores (docs/operator.md, "State on PostgreSQL"). `make test` runs its
+# smoke (tests/integration/test_postgres_federation.py).
 .PHONY: test-postgresql
 test-postgresql: $(STAMP)
 	sh scripts/install_postgresql.sh $(BIN)/python
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_STORE=postgresql $(BIN)/python -m pytest -q -n 2 --dist loadfile tests/integration
+	sh scripts/install_chromium.sh  # the dashboard's browser test (returns at once when present)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FEDCLINIC_TEST_STORE=postgresql FEDCLINIC_TEST_HA_PHASES=1 \
+		FEDCLINIC_TEST_DISTRIBUTED=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile tests/integration tests/campaign
 
 # The hot standby's kill phases (issue 21 item 3): the leader dies mid-upload, then mid-fold; ~1 min on 2 cores.
 # `make test` runs its smoke (a SIGKILLed leader, tests/integration/test_hot_standby.py).

@@ -7,10 +7,11 @@ values) and
 
 - **truncates** the free-text fields of :data:`FREE_TEXT` (a site's Decline/Hold reason, a CancelTask reason)
   longer than ``reason_chars``, keeping their start and appending :data:`MARKER` with the original length: such
-  a reason is shown to people, and its start says what happened;
+  a reason is shown to people, and its start says what happened; a NUL character in them becomes U+FFFD;
 - **refuses** everything else (names, hashes, keys, metric maps, secure-aggregation payloads, task specs) with
   :class:`~fedclinic.errors.Refused` INVALID_ARGUMENT naming the field, its size and the limit: these values must
-  be exact, a shortened one would be wrong.
+  be exact, a shortened one would be wrong; likewise any other string field holding a NUL character (U+0000),
+  which neither a name nor an id has and PostgreSQL's text type cannot store.
 
 Tensor and file chunk data are not read here (:data:`UNREAD`): they are bounded by the chunk size where they are
 assembled (``fedclinic.transport.wire.MAX_CHUNK_BYTES``).
@@ -32,6 +33,12 @@ FREE_TEXT = frozenset({"fedclinic.v1.DeclineRequest.reason", "fedclinic.v1.HoldR
                        "fedclinic.v1.CancelTaskRequest.reason"})
 #: appended to a truncated free-text field; ``{n}`` is its original length in characters
 MARKER = " [... truncated by the aggregator: {n} characters]"
+#: U+0000 in a string field: refused, or in free text replaced by :data:`NUL_SHOWN_AS`. The state database must
+#: hold every string a request carries, and PostgreSQL's text type cannot hold NUL (SQLite's can): without this a
+#: task id or key with a NUL was "not found" on SQLite and an INTERNAL error on PostgreSQL (found by the fuzz
+#: campaign on PostgreSQL); now both answer the same
+NUL = "\x00"
+NUL_SHOWN_AS = "\ufffd"
 
 #: limits that differ from the defaults: characters (string), bytes (bytes) or entries (list, map)
 FIELD_LIMITS: dict[str, int] = {
@@ -130,8 +137,12 @@ class FieldLimits:
             elif field.type in (_STRING, _BYTES):
                 value = getattr(message, field.name)
                 keep = self.limits.reason_chars
-                if name in FREE_TEXT and len(value) > keep:
-                    setattr(message, field.name, value[:keep] + MARKER.format(n=len(value)))
+                if name in FREE_TEXT:
+                    text = value.replace(NUL, NUL_SHOWN_AS)
+                    if len(text) > keep:
+                        text = text[:keep] + MARKER.format(n=len(value))
+                    if text != value:
+                        setattr(message, field.name, text)
                 else:
                     self._scalar(name, field.type, value)
 
@@ -155,3 +166,7 @@ class FieldLimits:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"field {_short(name)} has {len(value)} {unit}; at most {limit} are allowed (aggregator "
                           "limit); send a shorter value")
+        if kind == _STRING and NUL in value:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"field {_short(name)} contains a NUL character (U+0000) at position {value.index(NUL)}; "
+                          "no name, id, key or label may hold one: send the value without it")

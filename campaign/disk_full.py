@@ -31,6 +31,7 @@ from fedclinic.proto import control_pb2
 from campaign.fragment import Fragment
 from campaign.full_disk import FullDisk, can_mount
 from campaign.ledger_checks import update_problems
+from campaign.state_reader import StateReader
 from campaign.task_watch import TERMINAL, poll_status, submit
 from campaign.testbed import make_federation, restart, site_name
 
@@ -134,7 +135,7 @@ def run_side(side: str, root: Path, *, real: bool, frag: Fragment, rounds: int) 
             if final.final_model_hash == "":
                 problems.append(f"{side}: the task did not complete once space was back: {final.error}")
         agent_dirs = {s: fed.root / f"agent-{s}" for s in fed.sites}
-        found, acks = update_problems(state_dir, agent_dirs)
+        found, acks = update_problems(StateReader.of_config(fed.root / "aggregator.toml"), agent_dirs)
         problems += found
         n_blobs = 0
         for d in [state_dir / "blobs", *(a / "cache" for a in agent_dirs.values())]:

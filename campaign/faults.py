@@ -1,6 +1,6 @@
 """Campaign part ``faults``: real tasks over a bad network, every task ending within its deadlines.
 
-    python -m campaign.faults [--smoke] [--out FILE]
+    python -m campaign.faults [--smoke] [--out FILE] [--aggregator-state JSON]
 
 One aggregator and several hospital agents (real processes, real certificates, loopback only:
 :class:`~fedclinic.federation.local_federation.LocalFederation`), each agent dialing the aggregator through
@@ -125,7 +125,7 @@ def _audit(path: Path) -> list[dict]:
 class FaultRun:
     """The federation, its links and the checks of one campaign run (module docstring)."""
 
-    def __init__(self, root: Path, n_sites: int) -> None:
+    def __init__(self, root: Path, n_sites: int, state: dict | None = None) -> None:
         from fedclinic.federation.local_federation import LocalFederation, SiteSetup
         from tests.helpers.text_models import wide_package, write_site_data
 
@@ -136,7 +136,8 @@ class FaultRun:
         self.sites = [f"site-{chr(ord('a') + i)}" for i in range(n_sites)]
         setups = [SiteSetup(s, datasets={"notes": {"path": str(write_site_data(root / "data" / s, 24, seed=i)),
                                                    "format": "jsonl"}}) for i, s in enumerate(self.sites)]
-        self.fed = LocalFederation(root / "fed", setups, agent_threads=1)
+        self.fed = LocalFederation(root / "fed", setups, agent_threads=1,
+                                   aggregator_settings={"state": state} if state else None)
         self.proxies: list[FaultProxy] = []
 
     def start(self) -> None:
@@ -241,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m campaign.faults", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="three scenarios, two agents (under a minute)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--aggregator-state", type=json.loads, default=None, metavar="JSON",
+                    help="the aggregator's [state] table as JSON (default: the embedded SQLite database)")
     args = ap.parse_args(argv)
     frag = Fragment("faults", "Network faults", smoke=args.smoke)
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="fedclinic-faults-") as tmp:
-        run = FaultRun(Path(tmp), 2 if args.smoke else 3)
+        run = FaultRun(Path(tmp), 2 if args.smoke else 3, args.aggregator_state)
         try:
             run.start()
             for sc in scenarios(args.smoke):

@@ -30,6 +30,7 @@ from campaign.fuzz_cases import AGENT, RpcCase, Targets, agent_cases, aimed_upda
 from campaign.fuzz_driver import CaseFirer
 from campaign.fuzz_http import HttpCase, http_cases, send
 from campaign.fuzz_rig import IDENTITIES, FuzzRig
+from campaign.state_reader import StateReader
 from campaign.store_invariants import StoreInvariants
 
 SERVICES = ("agent", "control", "inference", "http")
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with FuzzRig(root, real_rounds=2 if args.smoke else 6) as rig:
             rig.start()
-            invariants = StoreInvariants(rig.state_dir())
+            state = StateReader.of_config(rig.fed.root / "aggregator.toml")
+            invariants = StoreInvariants(state.state_dir, state.database)
             watchdog = Watchdog(rig)
             channels = {"agent": rig.channels, "control": rig.channels, "inference": rig.inference_channels}
             firer = CaseFirer(channels, rig.http_port)

@@ -13,7 +13,8 @@ secure aggregation. While a task runs, the campaign kills a process every few se
 * **at a random time**: a SIGKILL after a random delay, whatever the process is doing.
 
 The aggregator's backup tool is killed mid-copy too (failpoint ``aggregator.backup.copy``); the half-written
-backup must not verify, and a backup taken next must. Each killed process is restarted at once (the aggregator
+backup must not verify, and a backup taken next must (SQLite state only: with the state in PostgreSQL the tool
+refuses, the database is pg_dump's). Each killed process is restarted at once (the aggregator
 on its port). After every kill the store and the agents' files are checked (campaign.ledger_checks: no update
 counted twice, no acknowledged update lost, no privacy ledger over its budget); at the end of every task it must
 have completed or failed with a reason, and a completed non-DP task's model must equal the replay of its counted
@@ -34,6 +35,7 @@ from pathlib import Path
 from campaign.fragment import Fragment
 from campaign.ledger_checks import ledger_problems, ledger_spent, update_problems
 from campaign.replay_check import replay_problems
+from campaign.state_reader import StateReader
 from campaign.task_watch import TERMINAL, poll_status, submit
 from tests.helpers.text_models import tiny_package
 
@@ -160,8 +162,9 @@ class KillCampaign:
         time.sleep(self.rng.uniform(0.3, 2.5))
         self.reap()
         who = min(self.want, key=lambda w: self.total(w) / max(1, self.want[w]))
-        if who == "aggregator" and self.kills[("aggregator", BACKUP)] < 0.08 * self.total("aggregator") + 1:
-            self.kill_backup()
+        if (who == "aggregator" and not self.state().is_postgresql
+                and self.kills[("aggregator", BACKUP)] < 0.08 * self.total("aggregator") + 1):
+            self.kill_backup()  # the backup tool covers the SQLite state only (PostgreSQL: pg_dump)
             return
         # a process with a failpoint armed is left to reach its phase, for a while
         candidates = [v for v in (["aggregator"] if who == "aggregator" else sorted(self.agent_dirs))
@@ -208,8 +211,12 @@ class KillCampaign:
             verify_backup(good)
 
     # checking -----------------------------------------------------------------------------------------------
+    def state(self) -> StateReader:
+        """The aggregator's state (SQLite or PostgreSQL), as its configuration names it."""
+        return StateReader.of_config(self.fed.root / "aggregator.toml")
+
     def check(self) -> None:
-        problems, checked = update_problems(self.fed.root / "aggregator-state", self.agent_dirs)
+        problems, checked = update_problems(self.state(), self.agent_dirs)
         problems += ledger_problems(self.agent_dirs)
         self.acks_checked = max(self.acks_checked, checked)
         for p in problems:

@@ -1,6 +1,7 @@
 """What the kill and disk-full parts check after every fault, read from the processes' own files (read-only):
 
-* the aggregator's store: every (task, round, site) holds at most one update (none counted twice);
+* the aggregator's store (SQLite or PostgreSQL, :class:`~campaign.state_reader.StateReader`): every
+  (task, round, site) holds at most one update (none counted twice);
 * the agents' audit trails: every update an agent was told was acknowledged (``update.sent``) is the one the store
   holds for its (task, round, site), under the same update id (none lost);
 * the agents' privacy ledgers: what every dataset has spent and committed stays within its budget;
@@ -16,6 +17,8 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
+from campaign.state_reader import StateReader
+
 #: the ledger's own tolerance for float sums (hospital_agent.privacy_ledger)
 SLACK = 1e-9
 
@@ -24,12 +27,11 @@ def _ro(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
 
 
-def stored_updates(state_dir: Path) -> dict[tuple[str, int, str], list[str]]:
+def stored_updates(state: StateReader) -> dict[tuple[str, int, str], list[str]]:
     """(task, round, site) -> the update ids the aggregator's store holds for it."""
     out: dict[tuple[str, int, str], list[str]] = {}
-    with closing(_ro(state_dir / "aggregator.sqlite")) as db:
-        for uid, task, rnd, site in db.execute("SELECT update_id, task_id, round, site FROM updates"):
-            out.setdefault((task, rnd, site), []).append(uid)
+    for uid, task, rnd, site in state.rows("SELECT update_id, task_id, round, site FROM updates"):
+        out.setdefault((task, rnd, site), []).append(uid)
     return out
 
 
@@ -54,9 +56,9 @@ def _field(rec: dict, key: str):
     return rec.get(key, rec.get("details", {}).get(key))
 
 
-def update_problems(state_dir: Path, agent_dirs: dict[str, Path]) -> tuple[list[str], int]:
+def update_problems(state: StateReader, agent_dirs: dict[str, Path]) -> tuple[list[str], int]:
     """Double-counted and lost updates (module docstring); also returns how many acknowledgements were checked."""
-    stored = stored_updates(state_dir)
+    stored = stored_updates(state)
     problems = [f"{site} has {len(ids)} updates stored for round {rnd} of {task}: {ids}"
                 for (task, rnd, site), ids in stored.items() if len(ids) > 1]
     checked = 0

@@ -11,21 +11,24 @@
 - the audit chain (``audit.jsonl``) verifies (:func:`fedclinic.runtime.audit_log.verify`) and still contains the
   head seen at the previous check (nothing cut off or rewritten since).
 
-Each check returns a list of problems (empty: all holds). The aggregator writes while we read: the database is
-opened read-only (``mode=ro``), and an audit line being appended (no final newline yet) is re-read once.
+Each check returns a list of problems (empty: all holds). The aggregator writes while we read: the database (its
+SQLite file, or its PostgreSQL database: :class:`~campaign.state_reader.StateReader`) is read read-only, and an
+audit line being appended (no final newline yet) is re-read once.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedclinic.runtime.audit_log import AuditError, verify
 
+from aggregator_service.store.database_settings import DatabaseSettings
 from aggregator_service.store.sqlite_store import manifest_from_json
+
+from campaign.state_reader import StateReader
 
 
 @dataclass
@@ -33,6 +36,8 @@ class StoreInvariants:
     """Read-only checks of one aggregator state directory (module docstring)."""
 
     state_dir: Path
+    #: the ``[state]`` database when it is PostgreSQL; by default the SQLite file of ``state_dir``
+    database: DatabaseSettings = field(default_factory=DatabaseSettings)
     #: update_id -> (task_id, round, site) of every non-duplicate receipt a caller got
     acknowledged: dict[str, tuple[str, int, str]] = field(default_factory=dict)
     audit_head: str | None = None
@@ -71,16 +76,12 @@ class StoreInvariants:
                 self._verified[path] = seen
         return problems
 
-    def _db(self) -> sqlite3.Connection:
-        return sqlite3.connect(f"file:{self.state_dir / 'aggregator.sqlite'}?mode=ro", uri=True, timeout=30)
+    def _rows(self, sql: str) -> list[tuple]:
+        return StateReader(self.state_dir, self.database).rows(sql)
 
     def updates(self) -> list[str]:
         problems = []
-        db = self._db()
-        try:
-            rows = db.execute("SELECT update_id, task_id, round, site, idempotency_key FROM updates").fetchall()
-        finally:
-            db.close()
+        rows = self._rows("SELECT update_id, task_id, round, site, idempotency_key FROM updates")
         by_id: dict[str, list[tuple]] = {}
         per_site: dict[tuple, int] = {}
         per_key: dict[tuple, int] = {}
@@ -100,11 +101,7 @@ class StoreInvariants:
 
     def manifests(self) -> list[str]:
         problems = []
-        db = self._db()
-        try:
-            rows = db.execute("SELECT model_hash, manifest FROM models").fetchall()
-        finally:
-            db.close()
+        rows = self._rows("SELECT model_hash, manifest FROM models")
         blobs = self.state_dir / "blobs"
         for model_hash, manifest in rows:
             m = manifest_from_json(manifest)

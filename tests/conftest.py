@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import structlog
 
@@ -82,3 +85,46 @@ def _structlog_as_found():
     yield
     if structlog.get_config() != before:
         structlog.configure(**before)
+
+
+#: which store the federations' aggregators keep their state in: "sqlite" (the default, `make test`) or
+#: "postgresql" (`make test-postgresql`: every federation on a database of this worker's PostgreSQL server)
+STORE = os.environ.get("FEDCLINIC_TEST_STORE", "sqlite")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def aggregator_store(request):
+    """The one switch of the integration and campaign suites' store: with ``FEDCLINIC_TEST_STORE=postgresql`` every
+    LocalFederation (and MaliciousAggregator) that names no ``[state]`` gets a fresh database of this worker's
+    PostgreSQL server, the same one each time its aggregator restarts on the same state folder. Yields the backend's
+    name."""
+    from fedclinic.federation.local_federation import LocalFederation
+    from tests.helpers.postgres_server import postgres_state
+
+    if STORE not in ("sqlite", "postgresql"):
+        raise pytest.UsageError(f"FEDCLINIC_TEST_STORE must be sqlite or postgresql, not {STORE!r}")
+    if STORE == "sqlite":
+        yield STORE
+        return
+    server = request.getfixturevalue("postgres_server")
+    databases: dict[Path, str] = {}
+
+    def state_for(state_dir: Path) -> dict:
+        key = Path(state_dir).resolve()
+        if key not in databases:
+            databases[key] = server.create_database()
+        return postgres_state(server, databases[key])
+
+    LocalFederation.default_state = state_for
+    try:
+        yield STORE
+    finally:
+        LocalFederation.default_state = None
+
+
+@pytest.fixture(autouse=True)
+def _sqlite_state_only(request, aggregator_store):
+    """Tests marked ``sqlite_state`` exercise the embedded SQLite file itself (its backup and restore): skipped on
+    PostgreSQL, whose state is backed up with pg_dump."""
+    if aggregator_store != "sqlite" and request.node.get_closest_marker("sqlite_state"):
+        pytest.skip("exercises the embedded SQLite state file (backup/restore); the state is in PostgreSQL")

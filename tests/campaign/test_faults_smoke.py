@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fedclinic.federation.local_federation import LocalFederation
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,8 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_faults_smoke_holds_its_checks(tmp_path):
     out = tmp_path / "faults.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "sdk"), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "campaign.faults", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # the part runs in a process of its own: it gets the suite's store (SQLite or PostgreSQL) from here
+    state = LocalFederation(tmp_path / "fed", []).aggregator_state(tmp_path / "faults-state")
+    store = ["--aggregator-state", json.dumps(state["state"])] if state else []
+    proc = subprocess.run([sys.executable, "-m", "campaign.faults", "--smoke", "--out", str(out), *store], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     frag = json.loads(out.read_text())
     assert proc.returncode == 0 and frag["ok"], json.dumps(frag, indent=1) + proc.stderr[-3000:]

@@ -2,56 +2,28 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from fedclinic.federation.local_federation import LocalFederation, SiteSetup
 
-from tests.helpers.postgres_server import postgres_state
 from tests.helpers.text_models import write_site_data
 
 pytestmark = pytest.mark.integration
 
-#: which store the federations' aggregators keep their state in: "sqlite" (the default, `make test`) or
-#: "postgresql" (`make test-postgresql`: every federation on a database of this worker's PostgreSQL server)
-STORE = os.environ.get("FEDCLINIC_TEST_STORE", "sqlite")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def aggregator_store(request):
-    """The one switch of the integration suite's store: with ``FEDCLINIC_TEST_STORE=postgresql`` every
-    LocalFederation (and MaliciousAggregator) that names no ``[state]`` gets a fresh database of this worker's
-    PostgreSQL server, the same one each time its aggregator restarts on the same state folder. Yields the backend's
-    name."""
-    if STORE not in ("sqlite", "postgresql"):
-        raise pytest.UsageError(f"FEDCLINIC_TEST_STORE must be sqlite or postgresql, not {STORE!r}")
-    if STORE == "sqlite":
-        yield STORE
-        return
-    server = request.getfixturevalue("postgres_server")
-    databases: dict[Path, str] = {}
-
-    def state_for(state_dir: Path) -> dict:
-        key = Path(state_dir).resolve()
-        if key not in databases:
-            databases[key] = server.create_database()
-        return postgres_state(server, databases[key])
-
-    LocalFederation.default_state = state_for
-    try:
-        yield STORE
-    finally:
-        LocalFederation.default_state = None
-
 
 @pytest.fixture(autouse=True)
-def _sqlite_state_only(request, aggregator_store):
-    """Tests marked ``sqlite_state`` exercise the embedded SQLite file itself (its backup and restore): skipped on
-    PostgreSQL, whose state is backed up with pg_dump."""
-    if aggregator_store != "sqlite" and request.node.get_closest_marker("sqlite_state"):
-        pytest.skip("exercises the embedded SQLite state file (backup/restore); the state is in PostgreSQL")
+def _no_sqlite_state_on_postgresql(request, aggregator_store):
+    """With ``FEDCLINIC_TEST_STORE=postgresql`` a test whose aggregator still wrote an SQLite state file under its
+    ``tmp_path`` kept its state off the database under test (a configuration written by hand without
+    ``fed.aggregator_state``, a federation built in another process): that test errors, naming the file."""
+    if aggregator_store == "sqlite" or request.node.get_closest_marker("sqlite_state"):
+        yield
+        return
+    tmp_path = request.getfixturevalue("tmp_path")
+    yield
+    stray = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("aggregator.sqlite"))
+    assert not stray, (f"an aggregator kept its state in SQLite ({stray}) under FEDCLINIC_TEST_STORE=postgresql: give "
+                       "its configuration the suite's [state] (LocalFederation.aggregator_state)")
 
 
 @pytest.fixture

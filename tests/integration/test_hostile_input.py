@@ -94,6 +94,11 @@ def test_hostile_submissions_are_refused_with_invalid_argument_and_agents_live(f
                 submit(_raw_submission(spec, package), timeout=60)
             e = exc.value
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.details(), (path, e.code(), e.details())
+        # a NUL character (which PostgreSQL's text cannot hold) is refused the same way on either state database
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.GetTask(control_pb2.GetTaskRequest(task_id="t-\x00"), timeout=30)
+        e = exc.value
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "task_id contains a NUL" in e.details(), e.details()
         assert not stub.ListTasks(control_pb2.ListTasksRequest(include_finished=True), timeout=30).tasks
         assert all(p.poll() is None for p in fed.agents.values()), "an agent exited"
     finally:

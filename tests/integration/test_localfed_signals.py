@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,14 +11,14 @@ import textwrap
 
 import pytest
 
-from fedclinic.federation.local_federation import wait_until
+from fedclinic.federation.local_federation import LocalFederation, wait_until
 
 pytestmark = pytest.mark.integration
 
 OWNER = textwrap.dedent("""
-    import signal, sys
+    import json, signal, sys
     from fedclinic.federation.local_federation import LocalFederation
-    with LocalFederation(sys.argv[1], [], log_level="warning") as fed:
+    with LocalFederation(sys.argv[1], [], log_level="warning", aggregator_settings=json.loads(sys.argv[2])) as fed:
         fed.make_pki()
         fed.start_aggregator()
         print(fed.aggregator.pid, flush=True)
@@ -39,7 +40,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_to_the_owner_stops_the_aggregator_it_started(tmp_path):
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "fed")], stdout=subprocess.PIPE,
+    # the owner is another process: it gets the suite's store (SQLite or PostgreSQL) from here
+    settings = LocalFederation(tmp_path / "fed", []).aggregator_state(tmp_path / "fed" / "aggregator-state")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "fed"), json.dumps(settings)],
+                             stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     aggregator = 0
     try:

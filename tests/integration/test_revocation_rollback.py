@@ -95,7 +95,7 @@ def _write_config(fed, tmp_path, **tls_extra) -> tuple:
     state = tmp_path / "no-crl-state"
     state.mkdir(exist_ok=True)
     path = tmp_path / "aggregator-no-crl.toml"
-    path.write_text(to_toml({"listen": "127.0.0.1:0", "state_dir": str(state),
+    path.write_text(to_toml({"listen": "127.0.0.1:0", "state_dir": str(state), **fed.aggregator_state(state),
                              "tls": {**fed.creds("aggregator"), **tls_extra}}))
     return path, state
 

@@ -58,6 +58,27 @@ def test_free_text_is_truncated_and_exact_fields_are_refused():
     fields.apply(agent_pb2.UpdateChunk(tensor=tensors_pb2.TensorChunk(name="w", data=bytes(4 << 20))))  # chunk data
 
 
+def test_a_nul_character_is_refused_in_exact_fields_and_replaced_in_free_text():
+    """PostgreSQL's text type cannot hold U+0000 (SQLite's can): a task id with one was NOT_FOUND on SQLite and an
+    INTERNAL error on PostgreSQL; every string field now answers the same on both."""
+    fields = FieldLimits(Limits(reason_chars=100))
+    for message, says in [
+        (control_pb2.GetTaskRequest(task_id="t-1\x00"), "GetTaskRequest.task_id contains a NUL character"),
+        (control_pb2.SubmitTaskChunk(header=control_pb2.SubmitTaskHeader(idempotency_key="\x00k")),
+         "SubmitTaskHeader.idempotency_key contains a NUL character .U.0000. at position 0"),
+        (agent_pb2.UpdateHeader(metrics={"lo\x00ss": 1.0}), "UpdateHeader.metrics key contains a NUL"),
+    ]:
+        with pytest.raises(Refused, match=says) as exc:
+            fields.apply(message)
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    m = control_pb2.CancelTaskRequest(task_id="t-1", reason="stop\x00now")
+    fields.apply(m)
+    assert m.reason == "stop\ufffdnow"
+    m = agent_pb2.DeclineRequest(task_id="t-1", reason="\x00" * 300)
+    fields.apply(m)
+    assert m.reason == "\ufffd" * 100 + " [... truncated by the aggregator: 300 characters]"
+
+
 def test_a_models_files_are_streamed_and_only_declared_ones_taken(tmp_path):
     blobs = BlobStore(tmp_path / "blobs")
     data = b"vocab " * 1000
