@@ -21,7 +21,7 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.runtime.blobstore import BlobStore
-from fedclinic.runtime.heap_trim import mapped_while_streaming
+from fedclinic.runtime.heap_trim import release_free_heap
 from fedclinic.codecs import parse_codec
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.transport.package import Manifest, ModelPackage, TensorEntry, raw_bytes
@@ -105,15 +105,7 @@ class ModelSync:
               deltas: dict[str, tensors_pb2.DownlinkDelta] | None = None) -> None:
         """Download the tensors (and files) of ``manifest`` this agent does not hold; those in ``deltas`` as their
         encoded change, rebuilt on the base tensor (fedclinic.transport.downlink.apply) and checked against the manifest's
-        sha256; a change that does not rebuild the tensor exactly is fetched again in full.
-
-        The stream's chunks are mapped and unmapped (fedclinic.runtime.heap_trim.mapped_while_streaming): left to
-        the heap, 8-9% of the bytes fetched stayed resident as free heap for the rest of the round."""
-        with mapped_while_streaming():
-            self._fetch(task_id, manifest, include_files, deltas)
-
-    def _fetch(self, task_id: str, manifest: Manifest, include_files: bool,
-               deltas: dict[str, tensors_pb2.DownlinkDelta] | None) -> None:
+        sha256; a change that does not rebuild the tensor exactly is fetched again in full."""
         deltas = deltas or {}
         have = [t.sha256 for t in manifest.tensors if self.cache.has(t.sha256)]
         expect = {t.name: deltas[t.name].header if t.name in deltas else header_of(t)
@@ -180,6 +172,9 @@ class ModelSync:
                    tensors=len(expect), skipped=len(have), files=len(files.files), as_changes=len(deltas),
                    resumed=resumes, started_over=sent_again)
         failed = self.rebuild_from_changes(manifest, deltas, changes)
+        # the stream's chunks, freed on gRPC's and this thread's heap arenas, would stay resident as fragmented heap
+        # (the agent's mmap threshold is dynamic: fedclinic.runtime.heap_trim) beside the model built next
+        release_free_heap()
         if failed:
             log.warning("encoded changes did not rebuild the global tensors; fetching them in full", tensors=failed)
             self.fetch(task_id, manifest, include_files=False)

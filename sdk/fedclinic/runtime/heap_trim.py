@@ -9,30 +9,23 @@ docs/results/large-model.md). :func:`fix_mmap_threshold` pins the threshold (``m
 also turns the dynamic adjustment off), so chunk-sized buffers are mapped and unmapped and the resident set
 stays bounded by what is live. Other C libraries are left alone.
 
-The hospital agent does not pin the threshold for good (at 128 KiB its training steps would map and fault every
-tensor-sized buffer: issue 19's overhead bench ran 1.45x slower). It pins it only while a model is fetched
-(:func:`mapped_while_streaming`), so the fetch's 2 MiB chunks are mapped and unmapped instead of being left as
-free heap (0.07-0.14 GB after a 1.93 GB fetch, 0.40 GB after a 4.4 GB one, which ``malloc_trim`` did not give
-back: docs/results/large-model.md), and then leaves it at 32 MiB with a 64 MiB trim threshold: where glibc's
-dynamic threshold itself ends up once blocks that large have been freed, so training allocates from the heap as
-before. (``mallopt`` cannot turn the dynamic adjustment back on.)
+The hospital agent does not pin the threshold (its training steps would map and fault every tensor-sized
+buffer: issue 19's overhead bench ran 1.45x slower); it calls :func:`release_free_heap` once a stream has passed
+through it instead (``malloc_trim(0)``: the whole free pages inside every arena's free chunks go back to the
+kernel), so the chunks a model fetch left as fragmented heap do not stay in its resident set for the round (about
+0.09x of a 4.4 GB model on a 16-core machine: docs/results/large-model.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
-from typing import Iterator
 
-__all__ = ["AFTER_STREAM_THRESHOLD_BYTES", "MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "mapped_while_streaming"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "release_free_heap"]
 
 #: blocks at least this large are mapped (and returned to the kernel when freed); glibc's own start value
 MMAP_THRESHOLD_BYTES = 128 * 1024
-#: the threshold left after a stream: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, the dynamic threshold's ceiling
-AFTER_STREAM_THRESHOLD_BYTES = 32 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_M_TRIM_THRESHOLD = -1
 
 
 def _glibc() -> "ctypes.CDLL | None":
@@ -45,6 +38,18 @@ def _glibc() -> "ctypes.CDLL | None":
     return libc
 
 
+def release_free_heap() -> bool:
+    """Give the heap's free memory back to the kernel (glibc ``malloc_trim(0)``, every arena); True when glibc
+    released some, False when there was none to release or the C library is not glibc. Live allocations are not
+    touched; it costs a walk over the free chunks (milliseconds), so call it after a large transfer, not per chunk."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return libc.malloc_trim(0) == 1
+
+
 def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Pin glibc's mmap threshold at ``threshold`` bytes for this process; True when applied, False where the
     C library is not glibc (nothing changes there)."""
@@ -55,21 +60,3 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1
-
-
-@contextlib.contextmanager
-def mapped_while_streaming() -> Iterator[bool]:
-    """Inside: the mmap threshold pinned at :data:`MMAP_THRESHOLD_BYTES` (as :func:`fix_mmap_threshold`), so the
-    chunk-sized buffers of a stream are mapped and unmapped. On exit, whatever happened inside: the threshold at
-    :data:`AFTER_STREAM_THRESHOLD_BYTES` and the trim threshold at twice that, the values glibc's dynamic
-    adjustment reaches once such blocks have been freed. Yields whether it applied (False where the C library is
-    not glibc: nothing changes there). Process-wide, like every ``mallopt``."""
-    applied = fix_mmap_threshold()
-    try:
-        yield applied
-    finally:
-        if applied:
-            fix_mmap_threshold(AFTER_STREAM_THRESHOLD_BYTES)
-            libc = _glibc()
-            if libc is not None:
-                libc.mallopt(_M_TRIM_THRESHOLD, 2 * AFTER_STREAM_THRESHOLD_BYTES)
