@@ -21,7 +21,6 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.runtime.blobstore import BlobStore
-from fedclinic.runtime.heap_trim import release_free_heap
 from fedclinic.codecs import parse_codec
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.transport.package import Manifest, ModelPackage, TensorEntry, raw_bytes
@@ -172,9 +171,6 @@ class ModelSync:
                    tensors=len(expect), skipped=len(have), files=len(files.files), as_changes=len(deltas),
                    resumed=resumes, started_over=sent_again)
         failed = self.rebuild_from_changes(manifest, deltas, changes)
-        # the stream's chunks, freed on gRPC's and this thread's heap arenas, would stay resident as fragmented heap
-        # (the agent's mmap threshold is dynamic: fedclinic.runtime.heap_trim) beside the model built next
-        release_free_heap()
         if failed:
             log.warning("encoded changes did not rebuild the global tensors; fetching them in full", tensors=failed)
             self.fetch(task_id, manifest, include_files=False)
