@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from fedclinic.runtime.array_blocks import flat_blocks
 from fedclinic.runtime.blobstore import fsync_dir
 from fedclinic.transport.package import raw_bytes
 from fedclinic.proto import agent_pb2
@@ -54,7 +55,11 @@ class Outbox:
         with open(tmp / "tensors.bin", "wb") as fh:
             for t in header.tensors:
                 data = tensors[t.name]
-                fh.write(data if isinstance(data, bytes) else raw_bytes(data))
+                if isinstance(data, bytes):
+                    fh.write(data)
+                    continue
+                for (block,) in flat_blocks([np.asarray(data)]):  # a spilled delta: one block's pages mapped at a time
+                    fh.write(raw_bytes(block))
             fh.flush()
             os.fsync(fh.fileno())
         with open(tmp / "header.pb", "wb") as fh:

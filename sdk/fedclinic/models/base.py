@@ -32,6 +32,7 @@ import numpy as np
 
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models.meta import ModelMeta
+from fedclinic.runtime.array_blocks import flat_blocks
 from fedclinic.transport.package import WEIGHTS_FILE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -241,9 +242,12 @@ def module_tensors(module: "torch.nn.Module", names: Sequence[str] | None = None
 
 
 class ModuleTensorView(Mapping[str, np.ndarray]):
-    """The module's (persistent) state-dict entries by name, each copied out by :func:`module_tensors` when it is
-    looked up: a caller that handles one tensor at a time (e.g. ``trainer.compute_delta``) holds one copy, not a
-    copy of the model."""
+    """The module's (persistent) state-dict entries by name, as :func:`module_tensors` gives them, one per lookup.
+
+    A float32 tensor in CPU memory comes back without a copy: a read-only numpy view of the tensor itself, which
+    changes when the module does (read it before training the module again). Any other (a GPU tensor, another
+    dtype) is copied out by :func:`module_tensors`. A caller that handles one tensor at a time (e.g.
+    ``trainer.compute_delta``) so holds at most one copy, never a copy of the model."""
 
     def __init__(self, module: "torch.nn.Module") -> None:
         self._module = module
@@ -252,6 +256,12 @@ class ModuleTensorView(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._names:
             raise KeyError(name)
+        torch = _torch()
+        t = self._module.state_dict()[name].detach()
+        if t.device.type == "cpu" and t.dtype == torch.float32:
+            view = t.numpy()
+            view.flags.writeable = False
+            return view
         return module_tensors(self._module, [name])[name]
 
     def __contains__(self, name: object) -> bool:
@@ -288,8 +298,15 @@ def load_tensors(module: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, arr in tensors.items():
             dst = state[name]
-            src = torch.from_numpy(np.ascontiguousarray(arr))
-            dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+            if not dst.is_contiguous():
+                dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).to(dtype=dst.dtype, device=dst.device))
+                continue
+            # block by block: a memory-mapped source (the agent's cache) keeps one block's pages resident, not
+            # the tensor's (fedclinic.runtime.array_blocks); an elementwise copy, the same values as one copy_
+            flat, start = dst.view(-1), 0
+            for (block,) in flat_blocks([np.asarray(arr)]):
+                flat[start:start + block.size].copy_(torch.from_numpy(block).to(dtype=dst.dtype, device=dst.device))
+                start += block.size
 
 
 def format_names(items: Sequence[str], limit: int = 8) -> str:

@@ -35,6 +35,7 @@ import numpy as np
 
 from fedclinic.evaluation.multilabel import multilabel_evaluation
 from fedclinic.models.base import EncodedData, encode_texts
+from fedclinic.runtime.array_blocks import flat_blocks
 from fedclinic.training import data_parallel
 from fedclinic.training.fused_step import BackwardStepper, fused_conflicts
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
@@ -494,9 +495,17 @@ def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarr
                   names: Iterable[str], *, into: "MutableMapping[str, np.ndarray] | None" = None
                   ) -> "MutableMapping[str, np.ndarray]":
     """``after - before`` as float32 for each name (IntegrityError on a missing name or shape mismatch), stored in
-    ``into`` as each is computed (e.g. ``fedclinic.federation.spilled_tensors.SpilledTensors``: one difference in
-    memory at a time) or in a new dict; returns where they are."""
+    ``into`` as each is computed or in a new dict; returns where they are.
+
+    Each difference is computed in flat blocks (:func:`fedclinic.runtime.array_blocks.flat_blocks`; elementwise,
+    so the same values as one ``np.subtract``), and the blocks already read of a read-only memory-mapped
+    ``before``/``after`` (the agent's tensor cache) are released as it goes. Where ``into`` has
+    ``put_blocks(name, shape, dtype, blocks)`` (``fedclinic.federation.spilled_tensors.SpilledTensors``) the
+    blocks are handed to it as they are computed: with ``after`` a view of the trained module
+    (``models.base.ModuleTensorView``), a tensor's update then needs one block of memory, not the tensor's size
+    two or three times over (a copy of the trained tensor, the difference, the mapped global tensor)."""
     out: MutableMapping[str, np.ndarray] = {} if into is None else into
+    put_blocks = getattr(out, "put_blocks", None)
     for name in names:
         if name not in before or name not in after:
             side = "before" if name not in before else "after"
@@ -505,7 +514,15 @@ def compute_delta(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarr
         b = np.asarray(before[name])
         if a.shape != b.shape:
             raise IntegrityError(f"cannot compute the update: tensor {name!r} changed shape {b.shape} -> {a.shape}")
-        out[name] = np.subtract(a, b, dtype=np.float32)
+        if put_blocks is not None:
+            put_blocks(name, a.shape, np.float32,
+                       (np.subtract(x, y, dtype=np.float32) for x, y in flat_blocks([a, b])))
+        else:
+            d = np.empty(a.shape, dtype=np.float32)
+            for x, y, o in flat_blocks([a, b, d]):
+                np.subtract(x, y, out=o, dtype=np.float32)
+            out[name] = d
+        del a, b
     return out
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from fedclinic.errors import IntegrityError
 from fedclinic.runtime.safetensors_file import safetensors_with_metadata  # noqa: F401  (re-exported)
+from fedclinic.runtime.array_blocks import flat_blocks
 from fedclinic.runtime.safetensors_file import MappedSafetensors
 
 WEIGHTS_FILE = "model.safetensors"
@@ -42,8 +43,12 @@ def meta_bytes(meta: Mapping[str, Any]) -> bytes:
 
 
 def tensor_sha256(array: np.ndarray) -> str:
-    """Hex sha256 of the array's raw little-endian C-order bytes (the tensor's content id)."""
-    return hashlib.sha256(raw_bytes(array)).hexdigest()
+    """Hex sha256 of the array's raw little-endian C-order bytes (the tensor's content id), hashed block by block
+    (a memory-mapped array keeps one block's pages resident: fedclinic.runtime.array_blocks)."""
+    digest = hashlib.sha256()
+    for (block,) in flat_blocks([np.asarray(array)]):
+        digest.update(raw_bytes(block))
+    return digest.hexdigest()
 
 
 def raw_bytes(array: np.ndarray) -> memoryview:
