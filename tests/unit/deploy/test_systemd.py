@@ -247,8 +247,7 @@ def test_torch_cpu_kernels_fail_under_wx_which_is_why_the_agent_keeps_it_off(tmp
     code = ("import torch\n"
             "conv = torch.nn.Conv1d(4, 8, 3)\n"
             "print(conv(torch.randn(2, 4, 16)).shape)\n")
-    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr
+    exec(compile(code, "<plain>", "exec"), {})  # without W^X (this process) the same code runs
     wx = subprocess.run([sys.executable, str(helper), sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=300)
     assert wx.returncode != 0 and "could not create a primitive" in wx.stderr, wx.stderr[-2000:]
