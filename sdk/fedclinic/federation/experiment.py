@@ -28,7 +28,7 @@ The config (TOML)::
     name = "flcmc-table8"
     rounds = 100
     seeds = [0, 1, 2]
-    workers = 2                      # processes; each runs one torch thread
+    workers = 2                      # processes, each one torch thread (1: the runs run in this process)
 
     [data.synthetic_05_05]           # one or more data settings
     kind = "synthetic"               # FedProx Synthetic(alpha, beta); iid = true for the IID variant
@@ -320,6 +320,32 @@ def _read_csv(path: Path) -> list[dict]:
     return rows
 
 
+def _finished_runs(exp: Experiment, todo: list[tuple[str, Algorithm, int]]):
+    """Run ``todo`` and yield ``((data, algorithm, seed), rows)`` as each run finishes.
+
+    Several at a time: one spawned worker process each (no forked torch state; each imports torch afresh, seconds
+    of CPU). One at a time (``workers = 1``, or one run left to do): here, in this process, which gives the same
+    rows (every run is seeded) without starting a process; torch's thread count is restored afterwards."""
+    workers = min(exp.workers, len(todo))
+    if workers <= 1:
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            for d, a, s in todo:
+                yield (d, a, s), run_one(d, exp.data[d], a, s, exp.rounds)
+        finally:
+            torch.set_num_threads(threads)
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {pool.submit(run_one, d, exp.data[d], a, s, exp.rounds): (d, a, s) for d, a, s in todo}
+        for fut in as_completed(futures):
+            yield futures[fut], fut.result()
+
+
 def run_experiment(exp: Experiment, *, log: Callable[[str], None] = print) -> list[dict]:
     """Run every missing run of the grid (``exp.workers`` at a time), then write rounds.csv, summary.json, PNGs."""
     exp.output.mkdir(parents=True, exist_ok=True)
@@ -333,21 +359,13 @@ def run_experiment(exp: Experiment, *, log: Callable[[str], None] = print) -> li
     log(f"experiment {exp.name}: {total} runs, {total - len(todo)} already done, {len(todo)} to run "
         f"on {exp.workers} worker(s); output in {exp.output}")
     started = time.monotonic()
-    if todo:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")  # no forked torch state; each worker imports afresh
-        with ProcessPoolExecutor(max_workers=exp.workers, mp_context=ctx) as pool:
-            futures = {pool.submit(run_one, d, exp.data[d], a, s, exp.rounds): (d, a, s) for d, a, s in todo}
-            for i, fut in enumerate(as_completed(futures), start=1):
-                d, a, s = futures[fut]
-                rows = fut.result()
-                _write_csv(_run_path(exp.output, d, a.name, s), rows)
-                elapsed = time.monotonic() - started
-                eta = elapsed / i * (len(todo) - i)
-                best = max(r["accuracy"] for r in rows)
-                log(f"[{i}/{len(todo)}] {d} {a.name} seed {s}: max accuracy {best:.3f}, "
-                    f"min loss {min(r['loss'] for r in rows):.3f} ({elapsed:.0f} s elapsed, ~{eta:.0f} s left)")
+    for i, ((d, a, s), rows) in enumerate(_finished_runs(exp, todo), start=1):
+        _write_csv(_run_path(exp.output, d, a.name, s), rows)
+        elapsed = time.monotonic() - started
+        eta = elapsed / i * (len(todo) - i)
+        best = max(r["accuracy"] for r in rows)
+        log(f"[{i}/{len(todo)}] {d} {a.name} seed {s}: max accuracy {best:.3f}, "
+            f"min loss {min(r['loss'] for r in rows):.3f} ({elapsed:.0f} s elapsed, ~{eta:.0f} s left)")
     rows = [r for d, a, s in exp.runs() for r in _read_csv(_run_path(exp.output, d, a.name, s))]
     _write_csv(exp.output / "rounds.csv", rows)
     summary = summarize(rows)

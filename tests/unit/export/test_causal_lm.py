@@ -6,6 +6,7 @@ onnxruntime (fedclinic.serving.generate) and compared with PyTorch's greedy gene
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -23,7 +24,6 @@ from tests.helpers.qa_models import TINY, TINY_LLAMA, package, toy_examples, tra
 
 QUESTIONS = ["what treats headache", "what treats diabetes", "what is the drug for a patient with reflux"]
 CONFIGS = {"gpt2": TINY, "llama": TINY_LLAMA}
-UNTRAINED = {"gpt2": (7, 0.2), "llama": (8, 0.02)}  # (seed, initializer_range)
 
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -76,21 +76,15 @@ def test_onnx_greedy_answers_are_pytorch_answers_token_for_token(exported, name)
     prompts = loaded.prompt_ids(questions, contexts)
     assert lm.generate_ids(prompts, max_new_tokens=5, batch_size=3) == loaded.generate_ids(prompts, max_new_tokens=5,
                                                                                             batch_size=3)
-    # untrained (seed and init scale picked so that a row runs on to the position limit): long generations,
-    # 1-token steps over a long past (the trained answers above end at different steps: rows fed padding after
-    # their EOS)
-    seed, init = UNTRAINED[name]
-    untrained_pkg = package({**CONFIGS[name], "initializer_range": init}, seed=seed)
-    untrained_pkg.save(bundle.parent / "untrained-pkg")
-    export_onnx(bundle.parent / "untrained-pkg", bundle.parent / "untrained")
-    untrained = build_model(untrained_pkg)
-    lm_u = OnnxCausalLM(ort.InferenceSession(str(bundle.parent / "untrained" / "model.onnx"),
-                                             providers=["CPUExecutionProvider"]),
-                        eos_id=untrained.eos_id, pad_id=untrained.pad_id, max_positions=untrained.max_positions)
+    # with an end marker no token has (-1), every row runs on to the position limit: long generations, 1-token
+    # steps over a long past, past the trained answers' EOS (the trained answers above end at different steps:
+    # rows fed padding after their EOS). The same graph: no second export of another model for this.
+    endless = dataclasses.replace(loaded, meta={**loaded.meta, "eos_token_id": -1})
+    lm_u = OnnxCausalLM(lm.session, eos_id=endless.eos_id, pad_id=endless.pad_id, max_positions=endless.max_positions)
     long = lm_u.generate_ids(prompts, max_new_tokens=100, batch_size=5)
-    assert long == untrained.generate_ids(prompts, max_new_tokens=100, batch_size=5)
+    assert long == endless.generate_ids(prompts, max_new_tokens=100, batch_size=5)
     width = max(len(p) for p in prompts)
-    assert max(len(r) for r in long) == untrained.max_positions - width  # stopped by the position limit
+    assert min(len(r) for r in long) == max(len(r) for r in long) == endless.max_positions - width
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -191,14 +185,13 @@ def test_a_wrong_graph_or_different_tokens_fail_the_check(exported, tmp_path):
         check_decoder(decoder(tmp_path / "wrong.onnx"), loaded, prompts, want, tolerance=1e-4, identical=True)
 
 
-def test_a_failed_check_leaves_no_model_behind(exported, tmp_path):
-    pkg, _, _ = exported["llama"]
-    pkg.save(tmp_path / "pkg")
+def test_a_failed_check_leaves_no_model_behind(tmp_path):
+    """A failed check raises and leaves nothing. An explicit int8 tolerance is checked too: the CLI test below
+    exports with --int8-tolerance, and its report carries that tolerance as the one check_decoder applied (which
+    raises above any tolerance it is given: test_a_wrong_graph_or_different_tokens_fail_the_check)."""
+    package(TINY, seed=2).save(tmp_path / "pkg")  # untrained: the check fails either way
     with pytest.raises(ParityError, match=r"> tolerance 1e-15"):
-        export_onnx(tmp_path / "pkg", tmp_path / "out", tolerance=1e-15)
-    assert not list((tmp_path / "out").iterdir())
-    with pytest.raises(ParityError, match=r"> tolerance 1e-09"):  # an explicit int8 tolerance is checked
-        export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True, int8_tolerance=1e-9)
+        export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True, tolerance=1e-15)
     assert not list((tmp_path / "out").iterdir())
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
@@ -210,11 +203,13 @@ def test_cli_export_with_questions_and_contexts(tmp_path, capsys):
     texts = tmp_path / "questions.jsonl"
     texts.write_text('{"text": "what treats headache"}\n{"text": "what drug", "context": "patient with reflux"}\n')
     assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "out"), "--texts", str(texts),
-                 "--allow-unsigned"]) == 0
+                 "--allow-unsigned", "--int8", "--int8-tolerance", "1.5"]) == 0
     printed = capsys.readouterr().out
     assert "fp32 parity: max |ONNX - PyTorch|" in printed
     assert "greedy answers to 2 questions identical to PyTorch's" in printed
-    assert json.loads((tmp_path / "out" / "export_report.json").read_text())["fp32"]["inputs"] == 2
+    assert "(tolerance 1.5)" in printed  # the int8 figures were checked against the given tolerance
+    saved = json.loads((tmp_path / "out" / "export_report.json").read_text())
+    assert saved["fp32"]["inputs"] == 2 and saved["int8"]["tolerance"] == 1.5
     texts.write_text('{"text": "what drug", "context": 3}\n')
     assert main(["export", "onnx", str(tmp_path / "pkg"), str(tmp_path / "o2"), "--texts", str(texts)]) == 2
     assert "questions.jsonl:1: 'context' must be a string" in capsys.readouterr().err

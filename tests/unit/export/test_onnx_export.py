@@ -1,36 +1,98 @@
-"""ONNX export: real exports of tiny models, parity against PyTorch in onnxruntime, and every refusal."""
+"""ONNX export: real exports of tiny models, parity against PyTorch in onnxruntime, and every refusal.
+
+A torch.onnx (dynamo) export costs seconds of CPU even for a tiny model, so the bundles several tests read are
+exported once per module (the fixtures below; a test that changes a bundle works on its own copy)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedclinic.cli import main
 from fedclinic.errors import ConfigError, IntegrityError
-from fedclinic.export.onnx_export import ParityError, check_parity, export_onnx
+from fedclinic.export.onnx_export import ExportReport, ParityError, check_parity, export_onnx
 from fedclinic.models.feature_classification import package_feature_model
 
 from tests.helpers.text_models import tiny_package
 
 
+@dataclass
+class Exported:
+    """A package saved in ``folder`` and exported once into ``bundle`` (read-only for the tests)."""
+
+    package: object
+    folder: Path
+    bundle: Path
+    report: ExportReport
+    log: list[str]
+
+
+def _export_once(root: Path, package, **options) -> Exported:
+    package.save(root / "pkg")
+    log: list[str] = []
+    report = export_onnx(root / "pkg", root / "bundle", log=log.append, **options)
+    return Exported(package, root / "pkg", root / "bundle", report, log)
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory) -> Exported:
+    """A two-layer BERT text classifier exported with --int8 (two layers: the rewrites must handle every layer,
+    and the first-token one only the last)."""
+    from fedclinic.models import package_from_config
+
+    from tests.helpers.text_models import LABELS, tiny_tokenizer_json
+
+    config = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 32, "max_position_embeddings": 64}
+    pkg = package_from_config(architecture="transformer", labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
+                              config=config, max_length=16, seed=5)
+    return _export_once(tmp_path_factory.mktemp("encoder"), pkg, int8=True)
+
+
+@pytest.fixture(scope="module")
+def lstm(tmp_path_factory) -> Exported:
+    """The text BiLSTM exported with --int8 (the first RNN export of this process: see the FedNER test)."""
+    return _export_once(tmp_path_factory.mktemp("lstm"), tiny_package("lstm", seed=3), int8=True)
+
+
+@pytest.fixture(scope="module")
+def crf_tagger(tmp_path_factory) -> Exported:
+    """A BERT + CRF NER model exported with --int8 on held-out texts."""
+    from tests.helpers.ner_models import make_examples, package
+
+    texts = [e.text for e in make_examples(20, seed=6)]
+    return _export_once(tmp_path_factory.mktemp("crf"), package("transformer-crf", scheme="BIOES", seed=4),
+                        int8=True, texts=texts)
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> Exported:
+    return _export_once(tmp_path_factory.mktemp("features"), package_feature_model(num_features=5, labels=["a", "b"]))
+
+
 @pytest.mark.parametrize("architecture", ["transformer", "lstm", "logreg"])
-def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, architecture):
+def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, request, architecture):
     import onnxruntime as ort
 
     from fedclinic.models import build_model
 
-    pkg = tiny_package(architecture, seed=3)
-    pkg.save(tmp_path / "pkg")
-    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True)
+    if architecture == "logreg":
+        exported = _export_once(tmp_path, tiny_package(architecture, seed=3), int8=True)
+    else:
+        exported = request.getfixturevalue({"transformer": "encoder", "lstm": "lstm"}[architecture])
+    pkg, report, out = exported.package, exported.report, exported.bundle
     assert report.fp32.max_abs_diff <= 1e-4 and report.fp32.inputs == 12
     assert report.int8 is not None and report.int8.top1_agreement >= 0.95
-    saved = json.loads((tmp_path / "out" / "export_report.json").read_text())
+    saved = json.loads((out / "export_report.json").read_text())
     assert saved["fp32"]["max_abs_diff"] == report.fp32.max_abs_diff
     assert {"model.onnx", "model.int8.onnx", "tokenizer.json", "fedclinic_model.json"} <= set(report.files)
     # a batch and length never seen at export time runs, and padding changes nothing for the real tokens
-    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     loaded = build_model(pkg)
     ids = np.array([[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 0, 0, 0, 0]], np.int64)
     ids[1, 3:] = loaded.pad_id
@@ -41,7 +103,7 @@ def test_text_model_exports_with_dynamic_axes_and_matches_pytorch(tmp_path, arch
     if architecture == "transformer":  # BERT: one fused Attention op per layer; int8: ONNX Attention, int8 Q/K/V
         import onnx
 
-        graphs = {name: onnx.load(str(tmp_path / "out" / name)) for name in ("model.onnx", "model.int8.onnx")}
+        graphs = {name: onnx.load(str(out / name)) for name in ("model.onnx", "model.int8.onnx")}
         ops = {name: {(n.domain, n.op_type) for n in g.graph.node} for name, g in graphs.items()}
         layers = loaded.module.config.num_hidden_layers
         assert report.fused_attention_layers == layers == saved["fused_attention_layers"]
@@ -71,7 +133,7 @@ def test_an_encoder_whose_attention_does_not_fuse_keeps_the_plain_graph(tmp_path
     assert "Attention" not in {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.node}
 
 
-def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
+def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path, encoder):
     """The rewrites made before int8 quantization (fedclinic.export.encoder_int8), on a padded batch: unpacking each
     fused attention changes the fp32 logits by float rounding only, and quantized it gives the logits of the fused
     op quantized whole (QAttention); computing the last layer at the first token only changes the fp32 logits by
@@ -81,17 +143,10 @@ def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
 
     from fedclinic.export import encoder_int8 as onnx_encoder_int8
     from fedclinic.export.quantize import _quantize_dynamic
-    from fedclinic.models import build_model, package_from_config
+    from fedclinic.models import build_model
 
-    from tests.helpers.text_models import LABELS, tiny_tokenizer_json
-
-    config = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "intermediate_size": 32, "max_position_embeddings": 64}
-    pkg = package_from_config(architecture="transformer", labels=LABELS, tokenizer_json=tiny_tokenizer_json(),
-                              config=config, max_length=16, seed=5)
-    pkg.save(tmp_path / "pkg")
-    export_onnx(tmp_path / "pkg", tmp_path / "out")
-    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    pkg = encoder.package
+    fused = onnx.load(str(encoder.bundle / "model.onnx"))
     fused.graph.ClearField("value_info")
     unpacked = onnx.ModelProto()
     unpacked.CopyFrom(fused)
@@ -124,16 +179,14 @@ def test_int8_rewrites_of_the_encoder_keep_its_function(tmp_path):
     np.testing.assert_allclose(logits(tmp_path / "unpacked.onnx"), logits(tmp_path / "qattention.onnx"), atol=1e-5)
 
 
-def test_the_first_token_rewrite_leaves_a_graph_that_reads_every_token(tmp_path):
+def test_the_first_token_rewrite_leaves_a_graph_that_reads_every_token(encoder):
     """A graph that also outputs the last layer's every position is not rewritten."""
     import onnx
 
     from fedclinic.export import encoder_int8 as onnx_encoder_int8
 
-    tiny_package("transformer", seed=5).save(tmp_path / "pkg")
-    export_onnx(tmp_path / "pkg", tmp_path / "out")
-    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
-    assert onnx_encoder_int8.unpack_attention(model) == 1
+    model = onnx.load(str(encoder.bundle / "model.onnx"))
+    assert onnx_encoder_int8.unpack_attention(model) == 2
     pooled = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] != "input_ids"
                   and "embeddings" not in n.input[0])
     model.graph.output.append(onnx.helper.make_tensor_value_info(pooled.input[0], onnx.TensorProto.FLOAT, None))
@@ -142,13 +195,19 @@ def test_the_first_token_rewrite_leaves_a_graph_that_reads_every_token(tmp_path)
     assert model.SerializeToString() == before
 
 
-def test_an_onnxruntime_without_the_onnx_attention_kernel_gets_qattention(tmp_path, monkeypatch):
-    """When the installed onnxruntime cannot load the unpacked graph, --int8 quantizes the fused attention whole."""
+def test_an_onnxruntime_without_the_onnx_attention_kernel_gets_qattention(tmp_path, monkeypatch, encoder):
+    """When the installed onnxruntime cannot load the unpacked graph, --int8 quantizes the fused attention whole,
+    and that graph passes export's int8 parity check. The int8 step of ``export_onnx --int8`` (quantize_int8, then
+    check_parity on the same inputs) is run on the exported fp32 graph; the other --int8 tests run it inside
+    export_onnx."""
     import onnx
+    import onnxruntime as ort
+    import torch
 
     from fedclinic.export import quantize as export
+    from fedclinic.export.onnx_export import INT8_MIN_AGREEMENT, INT8_TOLERANCE, parity_inputs
+    from fedclinic.models import build_model
 
-    tiny_package("transformer", seed=3).save(tmp_path / "pkg")
     loads = export._loads_in_onnxruntime
     probed: list[bool] = []
 
@@ -157,9 +216,18 @@ def test_an_onnxruntime_without_the_onnx_attention_kernel_gets_qattention(tmp_pa
         return False
 
     monkeypatch.setattr(export, "_loads_in_onnxruntime", old_onnxruntime)
-    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True)
-    assert probed == [True] and report.int8 is not None and report.int8.top1_agreement >= 0.95
-    ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.int8.onnx")).graph.node}
+    assert export.quantize_int8(encoder.bundle / "model.onnx", tmp_path / "model.int8.onnx") == []  # no rewrite
+    loaded = build_model(encoder.package)
+    session = ort.InferenceSession(str(tmp_path / "model.int8.onnx"), providers=["CPUExecutionProvider"])
+
+    def torch_logits(ids, mask):
+        with torch.no_grad():
+            return loaded.logits(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+
+    int8 = check_parity(lambda ids, mask: session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0],
+                        torch_logits, parity_inputs(loaded), tolerance=INT8_TOLERANCE, min_agreement=INT8_MIN_AGREEMENT)
+    assert probed == [True] and int8.top1_agreement >= 0.95
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "model.int8.onnx")).graph.node}
     assert "QAttention" in ops and "Attention" not in ops
 
 
@@ -180,14 +248,13 @@ def test_the_onnxruntime_probe_refuses_an_op_without_a_kernel(tmp_path):
     assert _loads_in_onnxruntime(tmp_path / "bad.onnx") is False
 
 
-def test_feature_model_exports(tmp_path):
-    package_feature_model(num_features=5, labels=["a", "b"]).save(tmp_path / "pkg")
-    report = export_onnx(tmp_path / "pkg", tmp_path / "out")
+def test_feature_model_exports(features):
+    report = features.report
     assert report.family == "feature-classification" and report.fp32.max_abs_diff <= 1e-4 and report.int8 is None
 
 
 def test_parity_check_fails_above_the_tolerance_and_leaves_no_model(tmp_path):
-    tiny_package("transformer").save(tmp_path / "pkg")
+    tiny_package("transformer").save(tmp_path / "pkg")  # a logreg's graph equals PyTorch's to the last bit
     with pytest.raises(ParityError, match=r"max \|ONNX - PyTorch\| = .* > tolerance 1e-15"):
         export_onnx(tmp_path / "pkg", tmp_path / "out", tolerance=1e-15)
     assert not list((tmp_path / "out").glob("model*"))
@@ -200,17 +267,16 @@ def test_parity_check_fails_above_the_tolerance_and_leaves_no_model(tmp_path):
         check_parity(ones, lambda *xs: np.ones((2, 4)), [(np.zeros(1),)], tolerance=1)
 
 
-def test_refusals_say_what_to_do(tmp_path):
+def test_refusals_say_what_to_do(tmp_path, features):
     with pytest.raises(ConfigError, match="is not a folder"):
         export_onnx(tmp_path / "missing", tmp_path / "out")
     (tmp_path / "empty").mkdir()
     with pytest.raises(IntegrityError, match="holds no model.safetensors"):
         export_onnx(tmp_path / "empty", tmp_path / "out")
-    package_feature_model(num_features=3, labels=["a", "b"]).save(tmp_path / "pkg")
-    export_onnx(tmp_path / "pkg", tmp_path / "out")
+    shutil.copytree(features.bundle, tmp_path / "out")  # a bundle an earlier export wrote
     before = (tmp_path / "out" / "model.onnx").read_bytes()
     with pytest.raises(ConfigError, match="exists; choose another OUT_DIR or pass --overwrite"):
-        export_onnx(tmp_path / "pkg", tmp_path / "out")
+        export_onnx(features.folder, tmp_path / "out")
     assert (tmp_path / "out" / "model.onnx").read_bytes() == before  # nothing already stored is lost
 
 
@@ -250,7 +316,7 @@ def test_lstm_export_path_equals_the_packed_path(config):
     np.testing.assert_allclose(unpacked.numpy(), packed.numpy(), atol=1e-6)
 
 
-def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
+def test_served_bundle_predicts_like_the_pytorch_model(tmp_path, encoder):
     import torch
 
     from fedclinic.training import trainer as training
@@ -258,9 +324,9 @@ def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
     from fedclinic.models import build_model
     from fedclinic.serving.bundle import ClassifierBundle
 
-    pkg = tiny_package("transformer", seed=5)
-    pkg.save(tmp_path / "pkg")
-    export_onnx(tmp_path / "pkg", tmp_path / "bundle")
+    pkg = encoder.package
+    shutil.copytree(encoder.bundle, tmp_path / "bundle")
+    (tmp_path / "bundle" / "model.int8.onnx").unlink()  # as exported without --int8
     bundle = ClassifierBundle(tmp_path / "bundle", threads=1)
     texts = ["fever cough night", "rash itch skin", "fever"]
     got = bundle.predict(texts)
@@ -296,22 +362,22 @@ def test_served_bundle_predicts_like_the_pytorch_model(tmp_path):
         ClassifierBundle(tmp_path / "bundle")
 
 
-def test_a_failed_re_export_leaves_the_existing_bundle_untouched(tmp_path):
-    tiny_package("transformer", seed=1).save(tmp_path / "pkg")
-    export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True)
+def test_a_failed_re_export_leaves_the_existing_bundle_untouched(tmp_path, encoder):
+    shutil.copytree(encoder.bundle, tmp_path / "out")  # an --int8 bundle an earlier export wrote
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     tiny_package("transformer", seed=9).save(tmp_path / "pkg2")  # a different model
     with pytest.raises(ParityError, match="tolerance 1e-12"):  # fp32 passes, int8 cannot meet this
         export_onnx(tmp_path / "pkg2", tmp_path / "out", int8=True, int8_tolerance=1e-12, overwrite=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
-    export_onnx(tmp_path / "pkg2", tmp_path / "out", overwrite=True)  # fp32 only: the old int8 must go
+    tiny_package("logreg", seed=9).save(tmp_path / "pkg3")  # another model, cheaper to export
+    export_onnx(tmp_path / "pkg3", tmp_path / "out", overwrite=True)  # fp32 only: the old int8 must go
     assert not (tmp_path / "out" / "model.int8.onnx").exists()
     assert (tmp_path / "out" / "model.onnx").read_bytes() != before["model.onnx"]
 
 
 @pytest.mark.parametrize("architecture", ["transformer", "transformer-crf"])
-def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
+def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, request, architecture):
     """Emissions within 1e-4; with a CRF, the graph's own Viterbi path equals PyTorch's on every input."""
     import onnxruntime as ort
     import torch
@@ -320,18 +386,20 @@ def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
 
     from tests.helpers.ner_models import make_examples, package
 
-    pkg = package(architecture, scheme="BIOES", seed=4)
-    pkg.save(tmp_path / "pkg")
-    texts = [e.text for e in make_examples(20, seed=6)]
-    report = export_onnx(tmp_path / "pkg", tmp_path / "out", int8=True, texts=texts)
+    if architecture == "transformer-crf":
+        exported = request.getfixturevalue("crf_tagger")  # package(architecture, scheme="BIOES", seed=4)
+    else:
+        texts = [e.text for e in make_examples(20, seed=6)]
+        exported = _export_once(tmp_path, package(architecture, scheme="BIOES", seed=4), int8=True, texts=texts)
+    pkg, report, out = exported.package, exported.report, exported.bundle
     assert report.fp32.max_abs_diff <= 1e-4
-    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in session.get_outputs()]
     if architecture == "transformer":
         import onnx
 
         assert outputs == ["logits"] and report.fp32.path_agreement is None
-        int8_nodes = onnx.load(str(tmp_path / "out" / "model.int8.onnx")).graph.node
+        int8_nodes = onnx.load(str(out / "model.int8.onnx")).graph.node
         assert any(n.op_type == "Attention" and n.domain == "" for n in int8_nodes)  # unpacked, and
         assert not any(n.name.endswith("_first_token_slice") for n in int8_nodes)  # every token's tags are read
         return
@@ -365,7 +433,7 @@ def test_ner_model_exports_and_decodes_like_pytorch(tmp_path, architecture):
         np.testing.assert_array_equal(got, crf.viterbi(em, mask).numpy())
 
 
-def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
+def test_a_wrong_crf_graph_fails_the_path_check(tmp_path, crf_tagger):
     """The path check is real: decoding with other transitions than the model's is caught."""
     import onnx
     from onnx import numpy_helper
@@ -375,12 +443,10 @@ def test_a_wrong_crf_graph_fails_the_path_check(tmp_path):
     from fedclinic.export.onnx_export import check_paths, torch_paths
     from fedclinic.models import build_model
 
-    from tests.helpers.ner_models import make_examples, package
+    from tests.helpers.ner_models import make_examples
 
-    pkg = package("transformer-crf", seed=5)
-    pkg.save(tmp_path / "pkg")
-    export_onnx(tmp_path / "pkg", tmp_path / "out")
-    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    pkg = crf_tagger.package
+    model = onnx.load(str(crf_tagger.bundle / "model.onnx"))
     for init in model.graph.initializer:
         if init.name == "crf_viterbi_transitions":
             size = numpy_helper.to_array(init).shape[0]
@@ -430,12 +496,15 @@ def test_bundle_card_carries_the_package_card_and_the_export_parity(tmp_path):
         json.loads((tmp_path / "out2" / "export_report.json").read_text())["fp32"]["max_abs_diff"]
 
 
-def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
+def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path, lstm):
     """cnn-bilstm-crf: the BiLSTM is traced through its unpacked forward; emissions within 1e-4 on ragged padded
-    batches, the graph's CRF path equals PyTorch's Viterbi path, and the served bundle finds the same entities."""
+    batches, the graph's CRF path equals PyTorch's Viterbi path, and the served bundle finds the same entities.
+    The ``lstm`` fixture exports an RNN earlier in this process: torch's memoised LSTM kernel must not pin this
+    export's sequence axis (the inputs below have lengths the export never saw)."""
     import onnxruntime as ort
     import torch
 
+    from fedclinic.export.onnx_export import check_paths, parity_inputs, torch_paths
     from fedclinic.models import build_model
     from fedclinic.serving.bundle import ClassifierBundle
 
@@ -444,16 +513,25 @@ def test_fedner_model_exports_and_decodes_like_pytorch(tmp_path):
 
     pkg = fedner_package(seed=4, scheme="BIOES")
     pkg.save(tmp_path / "pkg")
-    report = export_onnx(tmp_path / "pkg", tmp_path / "out")  # seeded random batches of 1, 3, 8 rows, padded
-    assert report.architecture == "cnn-bilstm-crf"
-    assert report.fp32.max_abs_diff <= 1e-4 and report.fp32.path_agreement == 1.0
     texts = [e.text for e in make_examples(20, seed=6)]
-    report = export_onnx(tmp_path / "pkg", tmp_path / "out", texts=texts, overwrite=True)
+    report = export_onnx(tmp_path / "pkg", tmp_path / "out", texts=texts)
+    assert report.architecture == "cnn-bilstm-crf"
     assert report.fp32.max_abs_diff <= 1e-4 and report.fp32.path_agreement == 1.0
     session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == ["logits", "tags"]
-    # a batch and length never seen at export time; padding changes nothing for the real tokens
     loaded = build_model(pkg)
+    # export's own checks on its default inputs too: seeded random batches of 1, 3, 8 rows, padded
+    batches = parity_inputs(loaded)
+
+    def torch_emissions(ids, mask):
+        with torch.no_grad():
+            return loaded.emissions(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+
+    default = check_parity(lambda ids, mask: session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0],
+                           torch_emissions, batches, tolerance=1e-4)
+    assert default.max_abs_diff <= 1e-4
+    assert check_paths(session, torch_paths(loaded, batches), batches, min_agreement=1.0) == 1.0
+    # a batch and length never seen at export time; padding changes nothing for the real tokens
     ids = np.array([[2, 5, 6, 7, 8, 9, 10, 11, 3], [2, 12, 13, 3, 0, 0, 0, 0, 0]], np.int64)
     mask = (ids != 0).astype(np.int64)
     emissions, tags = session.run(["logits", "tags"], {"input_ids": ids, "attention_mask": mask})
