@@ -135,7 +135,7 @@ def run_full(task: str, epsilons: list[float], out: Path, max_passes: int = 0) -
 
 
 def run_smoke(epsilons: list[float], out: Path) -> dict[str, Any]:
-    """The same comparison over the real services with the tests' tiny transformer (3 sites, 1 round each: a
+    """The same comparison over the real services with the tests' tiny transformer (2 sites, 1 round each: a
     smoke of the wiring for `make test`, not a measurement)."""
     from fedclinic.client import state_name
     from fedclinic.federation.local_federation import LocalFederation, SiteSetup
@@ -149,7 +149,7 @@ def run_smoke(epsilons: list[float], out: Path) -> dict[str, Any]:
     package = tiny_package("transformer", seed=0)
     sizes = {name: int(t.size) for name, t in package.tensors.items()}
     sets = sets_from_sizes(sizes, {"head": ([r"classifier\..*"], "head"), "all": ([r"(?!.*embeddings).*"], "layers")})
-    rows, setups = [24, 24, 24], []
+    rows, setups = [24, 24], []
     for i, n in enumerate(rows):
         name = f"hospital-{chr(ord('a') + i)}"
         (out / "data" / name).mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,8 @@ def run_smoke(epsilons: list[float], out: Path) -> dict[str, Any]:
                 results["last_dp_epsilon"] = final.rounds[-1].metrics.get("dp_epsilon")
                 return training.evaluate(loaded, training.encode(test, loaded, max_length=16))["accuracy"]
 
-            common = dict(architecture="transformer", num_rounds=1, local_epochs=1, batch_size=8, round_timeout_s=120)
+            common = dict(architecture="transformer", num_rounds=1, min_sites=len(rows), local_epochs=1, batch_size=8,
+                          round_timeout_s=120)
             results["runs"]["nonprivate"] = {"figure": accuracy(make_task(**common, trainable=[r"(?!.*embeddings).*"],
                                                                           learning_rate=0.05)), "config": "all, sgd"}
             for eps in epsilons:

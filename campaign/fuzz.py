@@ -193,15 +193,16 @@ def _plant(rig: FuzzRig, what: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m campaign.fuzz", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="a few hundred cases per service")
+    ap.add_argument("--smoke", action="store_true", help="a hundred-odd cases per service")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=16)
-    ap.add_argument("--cases", type=int, default=None, help="cases per service (default 10000, smoke 200)")
+    ap.add_argument("--cases", type=int, default=None, help="cases per service (default 10000, smoke 120)")
     ap.add_argument("--batch", type=int, default=None, help="cases per service between checks (default 1000)")
     ap.add_argument("--plant", choices=("corrupt-blob",), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    per_service = args.cases or (200 if args.smoke else 10_000)
-    batch = args.batch or (100 if args.smoke else 1000)
+    # the smoke: two batches (the checks run between them and at the end) of 60 cases per service
+    per_service = args.cases or (120 if args.smoke else 10_000)
+    batch = args.batch or (60 if args.smoke else 1000)
     frag = Fragment("fuzz", "Fuzz: agent, control and inference RPCs, serve's HTTP endpoints", smoke=args.smoke)
     root = Path(tempfile.mkdtemp(prefix="fedclinic-fuzz-"))
     totals: Counter = Counter()

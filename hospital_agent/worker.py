@@ -318,6 +318,10 @@ class Agent:
             self.metrics.assignment_refused("error")
             self._decline_unexpected(a, exc)
         finally:
+            if a.task_id in self._cancelled:
+                # the task ended at the aggregator while this site handled its assignment: a reservation admitted
+                # after the cancellation came (whose release then found nothing) is given back now, not leaked
+                self._release_privacy(a.task_id, "ended at the aggregator while this site handled it")
             structlog.contextvars.unbind_contextvars("task_id", "round", "site")
 
     def _decline_unexpected(self, a: agent_pb2.Assignment, exc: Exception) -> None:

@@ -1,6 +1,6 @@
-"""The fuzz part of the campaign (campaign/fuzz.py) in small: a few hundred cases per service against a real
-aggregator, real agents running a real task and a real ``fedclinic serve``; the part must find no crash, hang
-or broken invariant, and must fail when one is planted."""
+"""The fuzz part of the campaign (campaign/fuzz.py) in small: 120 cases per service (two batches, checked after
+each) against a real aggregator, real agents running a real task and a real ``fedclinic serve``; the part must
+find no crash, hang or broken invariant, and must fail when one is planted."""
 
 from __future__ import annotations
 
@@ -19,5 +19,5 @@ def test_fuzz_smoke_finds_nothing(tmp_path):
     frag = json.loads(out.read_text())
     assert rc == 0 and frag["ok"], frag["findings"]
     for service in fuzz.SERVICES:
-        assert frag["figures"][f"cases_{service}"] >= 200
+        assert frag["figures"][f"cases_{service}"] >= 120
     assert frag["figures"]["crashes"] == 0

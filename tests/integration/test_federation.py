@@ -87,19 +87,22 @@ def test_data_contract_violation_is_refused_with_rule_and_row(federation_factory
     with open(bad, "a") as fh:
         fh.write('{"text": "gout flare in the big toe", "label": "rheumatology"}\n')
     fed.start()
-    # both sites must hold their work stream when round 1 opens (a site that connects later is not asked), and the
-    # deadline leaves site-a time to train and upload on a loaded 2-core runner
+    # both sites must hold their work stream when round 1 opens (a site that connects later is not asked); the task
+    # names its two sites, so site-b's decline for good (a data problem) leaves quorum out of reach and the task
+    # fails at once instead of at its round deadline
     wait_until(lambda: streams_open(fed) >= {"site-a", "site-b"}, 60, "both agents' work streams")
     with fed.client() as client:
-        st = client.submit(make_task(num_rounds=1, min_sites=2, round_timeout_s=25), package=tiny_package())
-        final = client.wait(st.task_id, timeout=120, progress=False)
+        st = client.submit(make_task(num_rounds=1, min_sites=2, sites=["site-a", "site-b"], round_timeout_s=120),
+                           package=tiny_package())
+        final = client.wait(st.task_id, timeout=150, progress=False)
     assert state_name(final.state) == "failed"
+    assert "quorum can no longer be reached" in final.error, final.error
     refusal = [d for d in final.rounds[0].declined if d.startswith("site-b")]
     # the rule and the row reach the task owner; the row's content and the site's path stay at the site (issue 16,
     # item 8: test_site_data_leaks.py scans everything the aggregator holds)
     assert refusal and "not in the task's label set" in refusal[0] and "row 33" in refusal[0]
     assert "rheumatology" not in refusal[0] and "train.jsonl" not in refusal[0]
-    assert [r.site_id for r in final.rounds[0].reports] == ["site-a"]  # site-b trained and sent nothing
+    assert "site-b" not in [r.site_id for r in final.rounds[0].reports]  # site-b trained and sent nothing
     assert not list((fed.root / "agent-site-b" / "cache").glob("??/*"))  # and downloaded nothing
 
 

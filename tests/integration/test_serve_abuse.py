@@ -59,6 +59,20 @@ def _tls_flags(certs) -> list[str]:
     return ["--cert", str(server.cert_path), "--key", str(server.key_path), "--ca", str(server.ca_path)]
 
 
+@pytest.fixture(scope="module")
+def tls_server(bundle, certs, tmp_path_factory):
+    """One server for the module's certificate tests: HTTPS and the gRPC port over mutual TLS, with the CA's
+    revocation list naming a scientist's certificate ("left-the-project"). Yields (ports, that certificate)."""
+    ca_dir = certs["ca_dir"]
+    root = tmp_path_factory.mktemp("abuse-tls-serve")
+    revoked = pki.issue(ca_dir, role="scientist", name="left-the-project", out_dir=root / "revoked")
+    pki.revoke(ca_dir, cert_path=revoked.cert_path)
+    with ServeProcesses(root) as procs:
+        _, ports = procs.start(bundle, "--https", "--grpc-port", "0", "--crl", str(ca_dir / "crl.pem"),
+                               *_tls_flags(certs))
+        yield ports, revoked
+
+
 def _response(sock: socket.socket) -> tuple[int, dict]:
     """Status and JSON body of the one response on ``sock`` (read to the end of its Content-Length or EOF)."""
     sock.settimeout(60)
@@ -264,8 +278,8 @@ def _https(port: int, ca_path, cert=None) -> tuple[int, dict]:
         conn.close()
 
 
-def test_https_requires_a_client_certificate_of_an_allowed_role(bundle, serve, certs):
-    _, ports = serve(bundle, "--https", *_tls_flags(certs))
+def test_https_requires_a_client_certificate_of_an_allowed_role(tls_server, certs):
+    ports, _ = tls_server
     ca = certs["server"].ca_path
     status, answer = _https(ports["http"], ca, certs["scientist"])
     assert status == 200 and len(answer["predictions"]) == 1
@@ -293,13 +307,13 @@ def test_bearer_token(bundle, serve, tmp_path):
     assert status == 200 and len(answer["predictions"]) == 1
 
 
-def test_grpc_refuses_a_certificate_of_a_role_not_allowed(bundle, serve, certs):
+def test_grpc_refuses_a_certificate_of_a_role_not_allowed(tls_server, certs):
     import grpc
 
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
     from fedclinic.transport.rpc import TlsFiles, secure_channel
 
-    _, ports = serve(bundle, "--grpc-port", "0", *_tls_flags(certs))
+    ports, _ = tls_server
     address = f"127.0.0.1:{ports['grpc']}"
     for role in ("scientist", "agent"):
         c = certs[role]
@@ -318,16 +332,13 @@ def test_grpc_refuses_a_certificate_of_a_role_not_allowed(bundle, serve, certs):
             assert "role 'admin'" in denied.value.details() and "scientist or agent" in denied.value.details()
 
 
-def test_with_a_crl_a_revoked_certificate_is_refused_on_both_ports(bundle, serve, certs, tmp_path):
+def test_with_a_crl_a_revoked_certificate_is_refused_on_both_ports(tls_server, certs):
     import grpc
 
     from fedclinic.proto import inference_pb2, inference_pb2_grpc
     from fedclinic.transport.rpc import TlsFiles, secure_channel
 
-    ca_dir = certs["ca_dir"]
-    revoked = pki.issue(ca_dir, role="scientist", name="left-the-project", out_dir=tmp_path / "revoked")
-    pki.revoke(ca_dir, cert_path=revoked.cert_path)
-    _, ports = serve(bundle, "--https", "--grpc-port", "0", "--crl", str(ca_dir / "crl.pem"), *_tls_flags(certs))
+    ports, revoked = tls_server  # the server was started with the CA's revocation list, which names ``revoked``
     status, answer = _https(ports["http"], revoked.ca_path, revoked)
     assert status == 403 and "has been revoked" in answer["error"]
     assert _https(ports["http"], revoked.ca_path, certs["scientist"])[0] == 200
@@ -338,13 +349,13 @@ def test_with_a_crl_a_revoked_certificate_is_refused_on_both_ports(bundle, serve
     assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED and "has been revoked" in denied.value.details()
 
 
-def test_a_grpc_request_that_does_not_parse_is_invalid_argument_not_internal(bundle, serve, certs):
+def test_a_grpc_request_that_does_not_parse_is_invalid_argument_not_internal(tls_server, certs):
     """Found by the fuzz campaign: damaged bytes got grpc's own INTERNAL 'Exception deserializing request!'."""
     import grpc
 
     from fedclinic.transport.rpc import TlsFiles, secure_channel
 
-    _, ports = serve(bundle, "--grpc-port", "0", *_tls_flags(certs))
+    ports, _ = tls_server
     c = certs["scientist"]
     damaged = (b"\x0a\x7f\x00", b"\xff" * 10 + b"\x01")  # a cut length; a varint longer than 64 bits
     with secure_channel(f"127.0.0.1:{ports['grpc']}", TlsFiles(c.cert_path, c.key_path, c.ca_path)) as channel:

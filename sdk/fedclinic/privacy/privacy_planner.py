@@ -128,8 +128,10 @@ class PrivacyPlanner:
         from fedclinic.spec.task import privacy_config  # the same conversion a submitted task goes through
 
         pc: task_pb2.PrivacyConfig = privacy_config(section)
-        return tuple(plan_for_config(pc, num_examples=int(n), batch_size=self.batch_size, local_epochs=self.epochs,
-                                     rounds=self.rounds) for n in self.rows)
+        # a site's plan depends on its row count only: sites of the same size share one noise search
+        by_rows = {n: plan_for_config(pc, num_examples=n, batch_size=self.batch_size, local_epochs=self.epochs,
+                                      rounds=self.rounds) for n in sorted({int(n) for n in self.rows})}
+        return tuple(by_rows[int(n)] for n in self.rows)
 
     def candidates(self) -> list[Candidate]:
         """Every trainable set x {the task's batch, each logical batch below the smallest site, the full batch}."""
