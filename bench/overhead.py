@@ -7,8 +7,8 @@ for its local evaluation), 5 rounds x 1 local epoch, AdamW lr 2e-4, batch 16, 96
 1.0, raw updates. A LocalFederation on this host: a throwaway PKI, the aggregator and three agents as real
 processes over mutual TLS on 127.0.0.1, each agent with ``max(1, cores // 3)`` torch threads (its default) and
 importing its model stack at start-up (``preload_training_stack``, as the demo runs them).
-Timed from the first line of the federation's start-up (PKI) to the task's completion as the client sees it,
-the client packaging and uploading the model included.
+Run in a process of its own (as the baseline is), timed from that process's spawn to the task's completion as
+its client sees it: the PKI, the services' start, the client's imports, packaging and upload included.
 
 Baseline: the same training in one plain Python process without fedclinic (torch + transformers only, a child
 process started by this script, timed from its start to its exit): the same folder loaded with
@@ -217,12 +217,41 @@ def run_federated(plan: dict[str, Any], work: Path) -> dict[str, Any]:
             "train_seconds": train_seconds, "agent_threads": threads, "rounds": len(final.rounds), "process_cpu": cpu}
 
 
+def federated_child(plan_path: str) -> int:
+    """``--federated-child PLAN``: :func:`run_federated` in a process of its own, its figures on one stdout line."""
+    path = Path(plan_path)
+    fed = run_federated(json.loads(path.read_text()), path.parent)
+    fed["train_seconds"] = [[rnd, site, sec] for (rnd, site), sec in fed["train_seconds"].items()]
+    print("FEDERATED " + json.dumps(fed), flush=True)
+    return 0
+
+
+def run_federated_child(plan: dict[str, Any], work: Path) -> dict[str, Any]:
+    """The federated run in a fresh process, as the baseline is (so that every pair pays the client's imports of
+    torch and transformers, which this process would otherwise keep from the first pair); ``wall`` from the
+    child's spawn to the task's completion as its client saw it."""
+    path = work / "federated-plan.json"
+    path.write_text(json.dumps(plan))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    spawned = time.time()
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--federated-child", str(path)], env=env,
+                          stdout=subprocess.PIPE, text=True, timeout=7200)
+    line = [x for x in done.stdout.splitlines() if x.startswith("FEDERATED ")]
+    if done.returncode != 0 or not line:
+        raise SystemExit(f"the federated process failed ({done.returncode}); its error is above")
+    fed = json.loads(line[-1][len("FEDERATED "):])
+    fed["train_seconds"] = {(int(rnd), site): float(sec) for rnd, site, sec in fed["train_seconds"]}
+    fed["wall"] = fed["done_wall"] - spawned
+    fed["t0_wall"] = spawned  # the split's "submit" starts with the client's process start and imports
+    return fed
+
+
 def federated_split(fed: dict[str, Any], sites: list[str]) -> dict[str, float]:
     """The federated wall time split along its critical path (seconds):
 
     ``startup``: from the start to the last agent's ``connected`` (PKI, processes, imports, TLS hello), beyond the
-    client's submit when that ended later; ``submit``: the client packaging and uploading the model, while the
-    agents start; per round (summed), the slowest site's ``download`` (round open -> ``model fetched``), the time
+    client's submit when that ended later; ``submit``: the client starting, packaging and uploading the model,
+    while the agents start; per round (summed), the slowest site's ``download`` (round open -> ``model fetched``), the time
     from there to ``update ready`` less its training: in the first round ``first_prepare`` (importing the model
     stack, building the model, reading and tokenizing the site's rows, evaluating), in later ones
     ``eval_and_outbox`` (evaluating the round's global model, writing the update to the outbox), ``train`` (its
@@ -313,8 +342,8 @@ def measure_pair(plan: dict[str, Any], work: Path, args: argparse.Namespace, row
     children, own = _cpu(resource.RUSAGE_CHILDREN), _cpu(resource.RUSAGE_SELF)
     print(f"baseline (one process, torch + transformers, {base['torch_threads']} torch threads): "
           f"{base['wall']:.1f} s", flush=True)
-    fed = run_federated(plan, work)
-    # the services are waited for when the federation closes: their CPU is in RUSAGE_CHILDREN; the client's here
+    fed = run_federated_child(plan, work)
+    # the child and the services it waited for when its federation closed: RUSAGE_CHILDREN
     fed["cpu"] = _cpu(resource.RUSAGE_CHILDREN) - children + _cpu(resource.RUSAGE_SELF) - own
     print(f"federated (aggregator + {args.sites} agents, {fed['agent_threads']} torch thread(s) each): "
           f"{fed['wall']:.1f} s", flush=True)
@@ -333,7 +362,7 @@ def measure_pair(plan: dict[str, Any], work: Path, args: argparse.Namespace, row
           f"({fed['cpu'] / base['cpu']:.2f}x)")
     services = sum(fed["process_cpu"].values())
     print("  federated by process: " + ", ".join(f"{k} {v:.1f}" for k, v in fed["process_cpu"].items())
-          + f", this process (PKI, client: packaging, upload, waiting) {fed['cpu'] - services:.1f}")
+          + f", the client's process (PKI, packaging, upload, waiting) {fed['cpu'] - services:.1f}")
     print(f"pair ratio {ratio:.3f}x", flush=True)
     return {"baseline_seconds": base["wall"], "federated_seconds": fed["wall"], "ratio": ratio,
             "baseline_cpu_seconds": base["cpu"], "federated_cpu_seconds": fed["cpu"],
@@ -361,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="work folder (default: a temporary one)")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--baseline-child", help=argparse.SUPPRESS)
+    p.add_argument("--federated-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.baseline_child:
         return baseline_child(args.baseline_child)
+    if args.federated_child:
+        return federated_child(args.federated_child)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.smoke:
