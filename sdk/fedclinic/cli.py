@@ -21,7 +21,6 @@ import sys
 
 from fedclinic.dashboard.command import add_dashboard_arguments, run_dashboard
 from fedclinic.errors import FedclinicError
-from fedclinic.evaluation.statistics_table import statistics_report
 from fedclinic.export.onnx_export import add_export_commands
 from fedclinic.federation.demo import add_demo_arguments, run_demo
 from fedclinic.federation.experiment import add_experiment_commands
@@ -93,6 +92,9 @@ def _print_status(st, as_json: bool) -> None:
     if others:
         print(f"    waiting for: {', '.join(others)} (no update or refusal yet: still training or offline)")
     if st.site_statistics:  # a statistics task: the sites' values as a table, with what to act on
+        # lazy: the statistics modules (~0.2 s of imports) load only for a statistics task's status
+        from fedclinic.evaluation.statistics_table import statistics_report
+
         print(statistics_report({s: dict(v.values) for s, v in st.site_statistics.items()},
                                 dict(st.pooled_statistics), list(st.spec.labels), multi_label=st.spec.multi_label))
 
