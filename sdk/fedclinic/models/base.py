@@ -230,15 +230,14 @@ def module_tensors(module: "torch.nn.Module", names: Sequence[str] | None = None
         unknown = [n for n in names if n not in state]
         if unknown:
             raise IntegrityError(f"the model has no tensor(s) {format_names(unknown)}; it holds e.g. {format_names(list(state))}")
-    out: dict[str, np.ndarray] = {}
-    for name in names:
-        t = state[name].detach()
-        if t.is_floating_point():
-            t = t.to(device="cpu", dtype=torch.float32)
-        else:
-            t = t.to("cpu")
-        out[name] = t.numpy().copy()
-    return out
+    return {name: _numpy_copy(state[name], torch) for name in names}
+
+
+def _numpy_copy(tensor: "torch.Tensor", torch) -> np.ndarray:
+    """A detached CPU numpy copy of one state-dict entry: float32 when floating, else its own dtype."""
+    t = tensor.detach()
+    t = t.to(device="cpu", dtype=torch.float32) if t.is_floating_point() else t.to("cpu")
+    return t.numpy().copy()
 
 
 class ModuleTensorView(Mapping[str, np.ndarray]):
@@ -250,28 +249,27 @@ class ModuleTensorView(Mapping[str, np.ndarray]):
     ``trainer.compute_delta``) so holds at most one copy, never a copy of the model."""
 
     def __init__(self, module: "torch.nn.Module") -> None:
-        self._module = module
-        self._names = list(module.state_dict())
+        # the state dict once: its entries share storage with the module's tensors (in-place training shows
+        # through), and a lookup is then one dict access, not a new state dict per tensor
+        self._state = module.state_dict()
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._names:
-            raise KeyError(name)
         torch = _torch()
-        t = self._module.state_dict()[name].detach()
+        t = self._state[name].detach()
         if t.device.type == "cpu" and t.dtype == torch.float32:
             view = t.numpy()
             view.flags.writeable = False
             return view
-        return module_tensors(self._module, [name])[name]
+        return _numpy_copy(t, torch)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._names
+        return name in self._state
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self._state)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._state)
 
 
 def load_tensors(module: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -> None:
