@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import structlog
 
@@ -219,7 +219,7 @@ class ApprovalGate:
         self.held[a.task_id] = a
         return Verdict(HOLD, HOLD_AWAITING_APPROVAL, notify=previous is None or previous.round != a.round)
 
-    def decided(self, cancelled: set[str]) -> list[tuple[agent_pb2.Assignment, bool]]:
+    def decided(self, cancelled: Collection[str]) -> list[tuple[agent_pb2.Assignment, bool]]:
         """Held assignments whose task has been decided since (approved: True), removed from the held set;
         cancelled tasks are dropped."""
         if not self.held:

@@ -99,7 +99,8 @@ class Agent:
         self.stop_event = threading.Event()
         self.site_id = ""
         self._queue: "queue.Queue[agent_pb2.WorkItem]" = queue.Queue()
-        self._cancelled: set[str] = set()
+        #: task id -> the reason the aggregator gave when it cancelled or ended the task
+        self._cancelled: dict[str, str] = {}
         self._tasks: dict[str, TaskState] = {}
         #: the channel to the aggregator, rebuilt when the site's certificate is renewed (hospital_agent.connection)
         self._conn: AgentChannel | None = None
@@ -236,7 +237,7 @@ class Agent:
                     backoff = 1.0
                     kind = item.WhichOneof("item")
                     if kind == "cancel":
-                        self._cancelled.add(item.cancel.task_id)
+                        self._cancelled[item.cancel.task_id] = item.cancel.reason
                         self.secagg.forget(item.cancel.task_id)
                         log.info("task cancelled by aggregator", task_id=item.cancel.task_id, reason=item.cancel.reason)
                         self._release_privacy(item.cancel.task_id, f"ended at the aggregator: {item.cancel.reason}")
@@ -321,7 +322,7 @@ class Agent:
             if a.task_id in self._cancelled:
                 # the task ended at the aggregator while this site handled its assignment: a reservation admitted
                 # after the cancellation came (whose release then found nothing) is given back now, not leaked
-                self._release_privacy(a.task_id, "ended at the aggregator while this site handled it")
+                self._release_privacy(a.task_id, f"ended at the aggregator: {self._cancelled[a.task_id]}")
             structlog.contextvars.unbind_contextvars("task_id", "round", "site")
 
     def _decline_unexpected(self, a: agent_pb2.Assignment, exc: Exception) -> None:

@@ -135,8 +135,12 @@ def test_a_cancelled_task_gives_its_unspent_reservation_back(tmp_path):
 
             wait_until(charged, 180, "site-a to train and charge round 1")
             client.cancel(st.task_id, reason="wrong cohort")
-            wait_until(lambda: ledger.status()[0].tasks[0].finished, 60, "the agent to release the reservation")
+            audit_path = tmp_path / "fed" / "agent-site-a" / "audit.jsonl"
+            # the audit line is written after the ledger's release: wait for it, not for the ledger
+            wait_until(lambda: "privacy.reservation_released" in audit_path.read_text(), 60,
+                       "the agent to release the reservation")
     [spend] = ledger.status()
+    assert spend.tasks[0].finished
     task = spend.tasks[0]
     assert 0 < task.spent_epsilon < task.planned_epsilon
     assert spend.committed_epsilon == pytest.approx(task.spent_epsilon)
