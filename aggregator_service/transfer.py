@@ -209,21 +209,24 @@ def _model_chunks(blobs: BlobStore, manifest: Manifest, have: set[str], include_
         start = resume[1] if t.name == resume[0] else 0
         for c, nbytes in _file_tensor_chunks(path, header, what, start):
             if counter is not None:
-                counter[0] += nbytes  # not len(c.data): each read of a protobuf bytes field copies it
-            yield tensors_pb2.ModelChunk(tensor=c)
+                counter[0] += nbytes  # not len(c.tensor.data): each read of a protobuf bytes field copies it
+            yield c
 
 
 def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader, what: str, start: int = 0
-                        ) -> Iterator[tuple[tensors_pb2.TensorChunk, int]]:
-    """(chunk, payload bytes) read straight from a blob file (one copy per chunk, never the whole tensor in
-    memory), from byte ``start`` (a multiple of CHUNK_BYTES; the bytes before it are read and hashed, not sent).
-    The bytes are hashed as they are read and the last chunk is yielded only once they matched
-    ``header.sha256`` and ``header.encoded_nbytes``: StoredCopyDamaged (``what`` names the tensor) otherwise."""
+                        ) -> Iterator[tuple[tensors_pb2.ModelChunk, int]]:
+    """(ModelChunk holding a tensor chunk, payload bytes) read straight from a blob file (one copy per chunk, never
+    the whole tensor in memory), from byte ``start`` (a multiple of CHUNK_BYTES; the bytes before it are read and
+    hashed, not sent). The bytes are hashed as they are read and the last chunk is yielded only once they matched
+    ``header.sha256`` and ``header.encoded_nbytes``: StoredCopyDamaged (``what`` names the tensor) otherwise.
+
+    Each chunk is built in place inside its ModelChunk: ``ModelChunk(tensor=TensorChunk(...))`` would copy the
+    payload twice more (2 MB: 3.6 ms against 0.2 ms with upb), on every model download."""
     if header.encoded_nbytes == 0:
-        yield tensors_pb2.TensorChunk(name=header.name, header=header, offset=0, data=b""), 0
+        yield _model_chunk(header, header, 0, b""), 0
         return
     digest = hashlib.sha256()
-    held: tuple[tensors_pb2.TensorChunk, int] | None = None
+    held: tuple[tensors_pb2.ModelChunk, int] | None = None
     offset = 0
     try:
         fh = open(path, "rb")
@@ -237,10 +240,22 @@ def _file_tensor_chunks(path: Path, header: tensors_pb2.TensorHeader, what: str,
                 continue
             if held is not None:
                 yield held
-            held = (tensors_pb2.TensorChunk(name=header.name, header=header if offset == 0 else None, offset=offset,
-                                            data=data), len(data))
+            held = (_model_chunk(header, header if offset == 0 else None, offset, data), len(data))
             offset += len(data)
     if offset != header.encoded_nbytes or digest.hexdigest() != header.sha256:
         raise StoredCopyDamaged(f"{what} does not match its recorded sha256", path)
     assert held is not None
     yield held
+
+
+def _model_chunk(of: tensors_pb2.TensorHeader, header: tensors_pb2.TensorHeader | None, offset: int,
+                 data: bytes) -> tensors_pb2.ModelChunk:
+    """``ModelChunk(tensor=TensorChunk(name=of.name, header=header, offset=offset, data=data))``, built in place."""
+    chunk = tensors_pb2.ModelChunk()
+    tensor = chunk.tensor
+    tensor.name = of.name
+    if header is not None:
+        tensor.header.CopyFrom(header)
+    tensor.offset = offset
+    tensor.data = data
+    return chunk
