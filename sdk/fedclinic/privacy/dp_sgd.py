@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from fedclinic.errors import ConfigError, DatasetError, IntegrityError
 from fedclinic.spec.capabilities import ALTERNATIVE, LOOP_MODELS, REFUSED, SUPPORTED, check_supported  # noqa: F401  (re-exported)
+from fedclinic.training import eager_optimizers
 
 if TYPE_CHECKING:
     import torch
@@ -359,7 +360,7 @@ class _GhostRun:
             p.grad.div_(self.noisy.expected_batch_size)
         if self.step_hook is not None:
             self.step_hook(self.noisy)
-        self.optimizer.step()
+        eager_optimizers.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from fedclinic.errors import ConfigError
+from fedclinic.training import eager_optimizers
 from fedclinic.training.optimizers import make_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,7 +62,7 @@ class BackwardStepper:
 
     def _hook(self, opt: "torch.optim.Optimizer"):
         def step(p: "torch.Tensor") -> None:
-            opt.step()
+            eager_optimizers.step(opt)
             p.grad = None
             self.steps += 1
         return step

@@ -35,8 +35,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def make_optimizer(name: str, params: Sequence["torch.nn.Parameter"], *, lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> "torch.optim.Optimizer":
-    """The optimizer called ``name`` over ``params`` (ConfigError for an unknown name)."""
+    """The optimizer called ``name`` over ``params`` (ConfigError for an unknown name). Step it with
+    :func:`fedclinic.training.eager_optimizers.step`, which avoids importing torch's compiler."""
     import torch
+
+    from fedclinic.training import eager_optimizers
+
+    eager_optimizers.prepare()
 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -36,7 +36,7 @@ import numpy as np
 from fedclinic.evaluation.multilabel import multilabel_evaluation
 from fedclinic.models.base import EncodedData, encode_texts
 from fedclinic.runtime.array_blocks import flat_blocks
-from fedclinic.training import data_parallel
+from fedclinic.training import data_parallel, eager_optimizers
 from fedclinic.training.fused_step import BackwardStepper, fused_conflicts
 from fedclinic.training.optimizers import OPTIMIZERS, add_proximal_gradient, check_optimizer_settings, make_optimizer
 from fedclinic.training.precision import autocast_for, check_autocast_dtype
@@ -341,7 +341,7 @@ def train_local(loaded: "LoadedModel", data: EncodedData, cfg: TrainConfig, *, t
                             scaler.step(optimizer)
                             scaler.update()
                         else:
-                            optimizer.step()
+                            eager_optimizers.step(optimizer)
                     step += 1
                     seen += bs
                     loss_sum.add_(loss.detach(), alpha=bs)
