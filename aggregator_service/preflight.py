@@ -3,8 +3,10 @@
 It reads ``aggregator.toml`` (and its environment overrides) as ``serve`` does, and checks what ``serve`` would
 trip over at start, each with what to do: unknown or malformed settings, no CRL without ``allow_no_crl``, the
 TLS pair (files readable, key 0600 and belonging to the certificate, issued by the CA, valid now, role
-``aggregator``), the CRL (signed by that CA), and a writable ``state_dir`` (created when missing, as ``serve``
-does). It opens no port and touches no stored state.
+``aggregator``), the CRL (signed by that CA), a writable ``state_dir`` (created when missing, as ``serve``
+does), and with ``[state] database`` on PostgreSQL one connection to it: reachable with the configured password,
+and a schema this build can use (older: ``serve`` migrates it; newer: refused). It opens no port and writes no
+stored state.
 """
 
 from __future__ import annotations
@@ -49,4 +51,29 @@ def check_config(path: str | Path) -> tuple[list[str], list[str]]:
     except OSError as exc:
         problems.append(f"state_dir {config.state_dir} is not writable ({exc.strerror}); create it and give the "
                         "aggregator's user write access")
+    if config.state.is_postgresql:
+        _check_database(config, notes, problems)
     return notes, problems
+
+
+def _check_database(config: AggregatorConfig, notes: list[str], problems: list[str]) -> None:
+    from aggregator_service.store import SCHEMA_VERSION, StoreError
+    from aggregator_service.store.database_probe import probe_postgres
+
+    try:
+        found = probe_postgres(config.state)
+    except (StoreError, FedclinicError) as exc:
+        problems.append(str(exc))
+        return
+    if found.schema_version > SCHEMA_VERSION:
+        problems.append(f"the PostgreSQL database {found.where} has schema version {found.schema_version}, newer than "
+                        f"this fedclinic-aggregator's ({SCHEMA_VERSION}): it was written by a newer release; run that "
+                        "release (or newer), or restore a dump taken with this one")
+        return
+    if found.schema_version == SCHEMA_VERSION:
+        schema = f"schema version {found.schema_version} (this build's)"
+    elif found.schema_version == 0:
+        schema = "no fedclinic schema yet (serve creates it)"
+    else:
+        schema = f"schema version {found.schema_version} (serve migrates it to {SCHEMA_VERSION})"
+    notes.append(f"state database: PostgreSQL {found.server_version} at {found.where}, {schema}")

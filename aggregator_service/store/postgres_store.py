@@ -88,18 +88,12 @@ class PostgresStore(SqlStore):
         self._write_lock = threading.Lock()
         self._local = threading.local()
         password = settings.password()
-        kwargs: dict[str, Any] = {"autocommit": True, "row_factory": db_rows, "connect_timeout": CONNECT_TIMEOUT_S,
-                                  "application_name": "fedclinic-aggregator"}
-        if password is not None:
-            kwargs["password"] = password
+        kwargs = connection_kwargs(settings, password)
         try:  # one direct connection first: its error says why (a pool would only time out)
             with psycopg.connect(settings.url, **kwargs) as conn:
                 migrate_postgres(conn, self.where, self._state_dir)
         except psycopg.Error as exc:
-            raise StoreError(f"cannot use the PostgreSQL database {self.where} ([state] database): "
-                             f"{_redact(str(exc).strip(), password)}. Check that the server runs and accepts "
-                             "connections from this host, the database and user exist, and the password "
-                             "([state] database_password_file or FEDCLINIC_DATABASE_PASSWORD)") from None
+            raise cannot_connect(self.where, exc, password) from None
         self._pool = ConnectionPool(settings.url, kwargs=kwargs, min_size=1, max_size=settings.pool_size,
                                     open=False, timeout=POOL_WAIT_S, name="fedclinic-store",
                                     check=ConnectionPool.check_connection)
@@ -152,6 +146,24 @@ class PostgresStore(SqlStore):
             return conn.execute(pg_sql(sql), args).fetchall()
         with self._pool.connection() as conn:
             return conn.execute(pg_sql(sql), args).fetchall()
+
+
+def connection_kwargs(settings: DatabaseSettings, password: str | None) -> dict[str, Any]:
+    """psycopg's connection arguments for ``settings`` (the password from :meth:`DatabaseSettings.password`)."""
+    kwargs: dict[str, Any] = {"autocommit": True, "row_factory": db_rows, "connect_timeout": CONNECT_TIMEOUT_S,
+                              "application_name": "fedclinic-aggregator"}
+    if password is not None:
+        kwargs["password"] = password
+    return kwargs
+
+
+def cannot_connect(where: str, exc: Exception, password: str | None) -> StoreError:
+    """The error for a failed connection to the database ``where``: libpq's reason (the password redacted) and what
+    to check."""
+    return StoreError(f"cannot use the PostgreSQL database {where} ([state] database): "
+                      f"{_redact(str(exc).strip(), password)}. Check that the server runs and accepts "
+                      "connections from this host, the database and user exist, and the password "
+                      "([state] database_password_file or FEDCLINIC_DATABASE_PASSWORD)")
 
 
 def _redact(message: str, password: str | None) -> str:
