@@ -31,7 +31,7 @@ from aggregator_service.leader_election import LeaderElection, NotLeader, Standb
 from aggregator_service.metrics import AggregatorMetrics
 from aggregator_service.peer_limits import PeerLimits
 from aggregator_service.rpc_errors import ErrorInterceptor
-from aggregator_service.store import SCHEMA_VERSION, open_store
+from aggregator_service.store import SCHEMA_VERSION, StoreError, open_store
 
 log = structlog.get_logger("fedclinic.aggregator")
 
@@ -46,7 +46,9 @@ class Aggregator:
         process's additions (the test suite's malicious aggregator, tests/helpers/malicious_aggregator.py)."""
         config.require_crl_or_dev_mode()  # before anything is created: no CRL and no dev switch is refused
         self.config = config
-        self.store = open_store(config.state, config.state_dir)
+        # a standby (HA) writes nothing to the shared database until it is elected: a newer release's standby must
+        # not migrate the schema under an older leader that still serves (a rolling upgrade); it migrates in _take_over
+        self.store = open_store(config.state, config.state_dir, prepare=not config.ha.enabled)
         #: STATE_DIR/audit.jsonl (aggregator_service.audit_trail): task events after they commit, connections,
         #: downloads, refused certificates
         self.audit = AuditTrail(config.state_dir / "audit.jsonl")
@@ -148,14 +150,23 @@ class Aggregator:
             self.health.set(name, status)
 
     def _take_over(self) -> None:
-        """Elected (HA): recover as a restarted aggregator does, then serve. A database another release migrated
-        while this replica waited is not served (NotLeader: the replica fences itself and exits; restarted, the
-        store refuses a newer schema with its own message)."""
+        """Elected (HA): migrate the database to this release's schema if it is older (the standby wrote nothing
+        while it waited; a rolling upgrade migrates here, once the older leader is gone), recover as a restarted
+        aggregator does, then serve. A database a newer release migrated while this replica waited is not served
+        (NotLeader: the replica fences itself and exits; restarted, the store refuses a newer schema with its own
+        message)."""
         found = self.store.schema_version
-        if found != SCHEMA_VERSION:
+        if found > SCHEMA_VERSION:
             raise NotLeader(f"the database has schema version {found}, this release uses {SCHEMA_VERSION}: "
-                            "another release migrated it while this replica waited; run the same release on "
+                            "a newer release migrated it while this replica waited; run the same release on "
                             "every replica")
+        try:
+            self.store.prepare()  # type: ignore[attr-defined]  # HA runs on PostgreSQL only (HaSettings)
+        except StoreError as exc:
+            raise NotLeader(f"cannot prepare the database for this release: {exc}") from None
+        if found < SCHEMA_VERSION:
+            log.info("elected: the database was migrated for this release", from_version=found,
+                     to_version=SCHEMA_VERSION)
         self.engine.start()
         assert self.gate is not None
         self.gate.open.set()

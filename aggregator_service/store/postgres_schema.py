@@ -124,6 +124,15 @@ def read_pg_schema_version(conn: Any) -> int:
     return int(row[0]) if row is not None else 0
 
 
+def check_not_newer(version: int, where: str) -> None:
+    """StoreError when the database ``where`` holds schema ``version`` newer than this build's."""
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"the PostgreSQL database {where} has schema version {version}, newer than this "
+            f"fedclinic-aggregator ({fedclinic.__version__}, schema version {SCHEMA_VERSION}): it was written by "
+            "a newer release. Run that release (or newer), or restore a dump taken with this one")
+
+
 def migrate_postgres(conn: Any, where: str, state_dir: Path) -> None:
     """Bring the database on ``conn`` (a psycopg connection in autocommit mode) to :data:`SCHEMA_VERSION` in one
     transaction, or refuse it (StoreError) when it is newer than this build or a step fails. ``where`` names the
@@ -137,11 +146,7 @@ def migrate_postgres(conn: Any, where: str, state_dir: Path) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
         conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         current = read_pg_schema_version(conn)
-        if current > SCHEMA_VERSION:
-            raise StoreError(
-                f"the PostgreSQL database {where} has schema version {current}, newer than this "
-                f"fedclinic-aggregator ({fedclinic.__version__}, schema version {SCHEMA_VERSION}): it was written by "
-                "a newer release. Run that release (or newer), or restore a dump taken with this one")
+        check_not_newer(current, where)
         steps = [m for m in MIGRATIONS if m.to > current]
         for step in steps:
             try:

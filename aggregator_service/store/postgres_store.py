@@ -31,7 +31,8 @@ import structlog
 
 from aggregator_service.store.database_settings import DatabaseSettings
 from aggregator_service.store.migrations import StoreError
-from aggregator_service.store.postgres_schema import LOCK_KEY, migrate_postgres, read_pg_schema_version
+from aggregator_service.store.postgres_schema import (LOCK_KEY, check_not_newer, migrate_postgres,
+                                                      read_pg_schema_version)
 from aggregator_service.store.sql_rows import DbRow
 from aggregator_service.store.sql_store import SqlStore
 from aggregator_service.store.sql_transaction import SqlTransaction
@@ -73,7 +74,11 @@ class PostgresStore(SqlStore):
     """The state in the PostgreSQL database of ``settings`` (migrated to this build's schema on open); spill files,
     blobs and the audit trail stay in ``state_dir``."""
 
-    def __init__(self, settings: DatabaseSettings, state_dir: Path) -> None:
+    def __init__(self, settings: DatabaseSettings, state_dir: Path, *, prepare: bool = True) -> None:
+        """Open the store; with ``prepare`` (the default) also migrate the database to this build's schema and point
+        stored spill paths into ``state_dir`` (:meth:`prepare`). A hot-standby replica opens it with
+        ``prepare=False``: it only checks that the schema is not newer than this build's (StoreError otherwise) and
+        writes nothing until it is elected (aggregator_service.server)."""
         import psycopg
         from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -91,7 +96,10 @@ class PostgresStore(SqlStore):
         kwargs = connection_kwargs(settings, password)
         try:  # one direct connection first: its error says why (a pool would only time out)
             with psycopg.connect(settings.url, **kwargs) as conn:
-                migrate_postgres(conn, self.where, self._state_dir)
+                if prepare:
+                    migrate_postgres(conn, self.where, self._state_dir)
+                else:
+                    check_not_newer(read_pg_schema_version(conn), self.where)
         except psycopg.Error as exc:
             raise cannot_connect(self.where, exc, password) from None
         self._pool = ConnectionPool(settings.url, kwargs=kwargs, min_size=1, max_size=settings.pool_size,
@@ -104,7 +112,15 @@ class PostgresStore(SqlStore):
             raise StoreError(f"cannot open connections to the PostgreSQL database {self.where} ([state] database) "
                              f"within {CONNECT_TIMEOUT_S * 3} s, although a first connection worked: check the "
                              "server's max_connections and load") from None
-        log.info("store on PostgreSQL", database=self.where, pool_size=settings.pool_size)
+        log.info("store on PostgreSQL", database=self.where, pool_size=settings.pool_size, prepared=prepare)
+        if prepare:
+            self._relocate_spill_paths()
+
+    def prepare(self) -> None:
+        """Migrate the database to this build's schema (StoreError when it is newer or a step fails) and point stored
+        spill paths into this state folder: what opening with ``prepare=True`` does, for a replica just elected."""
+        with self._pool.connection() as conn:
+            migrate_postgres(conn, self.where, self._state_dir)
         self._relocate_spill_paths()
 
     @property

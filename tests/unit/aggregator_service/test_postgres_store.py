@@ -182,3 +182,24 @@ def test_backup_refuses_a_postgresql_state_with_the_right_advice(tmp_path, capsy
     assert main(["backup", "--config", str(tmp_path / "agg.toml"), str(tmp_path / "backup")]) == 2
     err = capsys.readouterr().err
     assert "keeps its state in PostgreSQL" in err and "pg_dump" in err and not (tmp_path / "backup").exists()
+
+
+def test_a_standby_opens_the_database_without_writing_and_migrates_only_when_told(tmp_path, postgres_server):
+    """A hot standby's store (prepare=False) checks the schema and writes nothing, so a newer release's standby never
+    migrates the database under an older leader; prepare() (on election) migrates it. A newer schema is refused."""
+    name = postgres_server.create_database()
+    try:
+        settings = DatabaseSettings(url=postgres_server.dsn(name), password_file=postgres_server.password_file(),
+                                    pool_size=2)
+        standby = PostgresStore(settings, tmp_path / "state", prepare=False)
+        assert postgres_server.admin_sql("SELECT to_regclass('meta') IS NULL", name) == [(True,)]
+        assert standby.schema_version == 0
+        standby.prepare()
+        assert standby.schema_version == SCHEMA_VERSION
+        standby.prepare()  # again: nothing to do
+        standby.close()
+        postgres_server.admin_sql(f"UPDATE meta SET value = '{SCHEMA_VERSION + 1}' WHERE key = 'schema_version'", name)
+        with pytest.raises(StoreError, match=f"has schema version {SCHEMA_VERSION + 1}, newer than this"):
+            PostgresStore(settings, tmp_path / "state", prepare=False)
+    finally:
+        postgres_server.drop_database(name)
