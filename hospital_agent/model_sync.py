@@ -21,6 +21,7 @@ import structlog
 
 from fedclinic.transport import codec_wire
 from fedclinic.runtime.blobstore import BlobStore
+from fedclinic.runtime.heap_trim import mapped_while_streaming
 from fedclinic.codecs import parse_codec
 from fedclinic.errors import FedclinicError, IntegrityError
 from fedclinic.transport.package import Manifest, ModelPackage, TensorEntry, raw_bytes
@@ -104,7 +105,16 @@ class ModelSync:
               deltas: dict[str, tensors_pb2.DownlinkDelta] | None = None) -> None:
         """Download the tensors (and files) of ``manifest`` this agent does not hold; those in ``deltas`` as their
         encoded change, rebuilt on the base tensor (fedclinic.transport.downlink.apply) and checked against the manifest's
-        sha256; a change that does not rebuild the tensor exactly is fetched again in full."""
+        sha256; a change that does not rebuild the tensor exactly is fetched again in full.
+
+        The stream's chunks are mapped and unmapped (fedclinic.runtime.heap_trim.mapped_while_streaming): left to
+        the heap, a share of the bytes fetched stayed resident as free heap for the rest of the round
+        (docs/results/large-model.md)."""
+        with mapped_while_streaming():
+            self._fetch(task_id, manifest, include_files, deltas)
+
+    def _fetch(self, task_id: str, manifest: Manifest, include_files: bool,
+               deltas: dict[str, tensors_pb2.DownlinkDelta] | None) -> None:
         deltas = deltas or {}
         have = [t.sha256 for t in manifest.tensors if self.cache.has(t.sha256)]
         expect = {t.name: deltas[t.name].header if t.name in deltas else header_of(t)
