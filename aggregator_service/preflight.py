@@ -57,18 +57,15 @@ def check_config(path: str | Path) -> tuple[list[str], list[str]]:
 
 
 def _check_database(config: AggregatorConfig, notes: list[str], problems: list[str]) -> None:
-    from aggregator_service.store import SCHEMA_VERSION, StoreError
+    from aggregator_service.store import SCHEMA_VERSION
     from aggregator_service.store.database_probe import probe_postgres
+    from aggregator_service.store.postgres_schema import check_not_newer
 
     try:
         found = probe_postgres(config.state)
-    except (StoreError, FedclinicError) as exc:
+        check_not_newer(found.schema_version, found.where)  # the refusal serve would give
+    except FedclinicError as exc:  # StoreError, ConfigError (the password file)
         problems.append(str(exc))
-        return
-    if found.schema_version > SCHEMA_VERSION:
-        problems.append(f"the PostgreSQL database {found.where} has schema version {found.schema_version}, newer than "
-                        f"this fedclinic-aggregator's ({SCHEMA_VERSION}): it was written by a newer release; run that "
-                        "release (or newer), or restore a dump taken with this one")
         return
     if found.schema_version == SCHEMA_VERSION:
         schema = f"schema version {found.schema_version} (this build's)"

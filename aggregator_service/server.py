@@ -156,14 +156,10 @@ class Aggregator:
         (NotLeader: the replica fences itself and exits; restarted, the store refuses a newer schema with its own
         message)."""
         found = self.store.schema_version
-        if found > SCHEMA_VERSION:
-            raise NotLeader(f"the database has schema version {found}, this release uses {SCHEMA_VERSION}: "
-                            "a newer release migrated it while this replica waited; run the same release on "
-                            "every replica")
-        try:
+        try:  # migrate_postgres refuses a newer schema (written by a newer release while this replica waited)
             self.store.prepare()  # type: ignore[attr-defined]  # HA runs on PostgreSQL only (HaSettings)
         except StoreError as exc:
-            raise NotLeader(f"cannot prepare the database for this release: {exc}") from None
+            raise NotLeader(f"cannot lead with this release: {exc}; run the same release on every replica") from None
         if found < SCHEMA_VERSION:
             log.info("elected: the database was migrated for this release", from_version=found,
                      to_version=SCHEMA_VERSION)

@@ -45,16 +45,20 @@ def _glibc() -> "ctypes.CDLL | None":
     return libc
 
 
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Pin glibc's mmap threshold at ``threshold`` bytes for this process; True when applied, False where the
-    C library is not glibc (nothing changes there)."""
+def _mallopt(option: int, value: int) -> bool:
+    """glibc's ``mallopt(option, value)``; True when applied, False where the C library is not glibc."""
     libc = _glibc()
     if libc is None:
         return False
-    mallopt = libc.mallopt
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, int(threshold)) == 1
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    return libc.mallopt(option, int(value)) == 1
+
+
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Pin glibc's mmap threshold at ``threshold`` bytes for this process; True when applied, False where the
+    C library is not glibc (nothing changes there)."""
+    return _mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 @contextlib.contextmanager
@@ -70,6 +74,4 @@ def mapped_while_streaming() -> Iterator[bool]:
     finally:
         if applied:
             fix_mmap_threshold(AFTER_STREAM_THRESHOLD_BYTES)
-            libc = _glibc()
-            if libc is not None:
-                libc.mallopt(_M_TRIM_THRESHOLD, 2 * AFTER_STREAM_THRESHOLD_BYTES)
+            _mallopt(_M_TRIM_THRESHOLD, 2 * AFTER_STREAM_THRESHOLD_BYTES)
