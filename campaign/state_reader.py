@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregator_service.store.database_settings import DatabaseSettings
-from aggregator_service.store.postgres_store import pg_sql
+from aggregator_service.store.postgres_store import connection_kwargs, pg_sql
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,8 @@ class StateReader:
         if self.database.is_postgresql:
             import psycopg
 
-            kwargs: dict[str, Any] = {"options": "-c default_transaction_read_only=on", "connect_timeout": 10,
-                                      "application_name": "fedclinic-campaign-check"}
-            password = self.database.password()
-            if password is not None:
-                kwargs["password"] = password
+            kwargs = {**connection_kwargs(self.database, self.database.password()),  # as the aggregator connects
+                      "options": "-c default_transaction_read_only=on", "application_name": "fedclinic-campaign-check"}
             with psycopg.connect(self.database.url, **kwargs) as conn:
                 return [tuple(r) for r in conn.execute(pg_sql(sql), args).fetchall()]  # type: ignore[arg-type]
         path = self.state_dir / "aggregator.sqlite"
