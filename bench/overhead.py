@@ -148,19 +148,25 @@ def baseline_child(plan_path: str) -> int:
     return 0
 
 
-def run_baseline(plan: dict[str, Any], work: Path) -> dict[str, float]:
-    """The baseline child's phases, with ``wall`` its whole run from spawn to exit."""
-    path = work / "baseline-plan.json"
+def _run_child(flag: str, prefix: str, plan: dict[str, Any], path: Path, timeout: float) -> dict[str, Any]:
+    """Run this script with ``flag PLAN`` (``plan`` written to ``path``) in a fresh process and return the JSON of
+    its last stdout line starting with ``prefix`` (SystemExit when it failed; its stderr, its progress, goes to
+    ours as it runs)."""
     path.write_text(json.dumps(plan))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    t = time.monotonic()
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--baseline-child", str(path)], env=env,
-                          stdout=subprocess.PIPE, text=True, timeout=3600)  # stderr: its progress, as it goes
-    wall = time.monotonic() - t
-    line = [x for x in done.stdout.splitlines() if x.startswith("BASELINE ")]
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), flag, str(path)], env=env,
+                          stdout=subprocess.PIPE, text=True, timeout=timeout)
+    line = [x for x in done.stdout.splitlines() if x.startswith(prefix)]
     if done.returncode != 0 or not line:
-        raise SystemExit(f"the baseline process failed ({done.returncode}); its error is above")
-    return {**json.loads(line[-1][len("BASELINE "):]), "wall": wall}
+        raise SystemExit(f"the {prefix.strip().lower()} process failed ({done.returncode}); its error is above")
+    return json.loads(line[-1][len(prefix):])
+
+
+def run_baseline(plan: dict[str, Any], work: Path) -> dict[str, float]:
+    """The baseline child's phases, with ``wall`` its whole run from spawn to exit."""
+    t = time.monotonic()
+    phases = _run_child("--baseline-child", "BASELINE ", plan, work / "baseline-plan.json", 3600)
+    return {**phases, "wall": time.monotonic() - t}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -230,16 +236,8 @@ def run_federated_child(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     """The federated run in a fresh process, as the baseline is (so that every pair pays the client's imports of
     torch and transformers, which this process would otherwise keep from the first pair); ``wall`` from the
     child's spawn to the task's completion as its client saw it."""
-    path = work / "federated-plan.json"
-    path.write_text(json.dumps(plan))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     spawned = time.time()
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--federated-child", str(path)], env=env,
-                          stdout=subprocess.PIPE, text=True, timeout=7200)
-    line = [x for x in done.stdout.splitlines() if x.startswith("FEDERATED ")]
-    if done.returncode != 0 or not line:
-        raise SystemExit(f"the federated process failed ({done.returncode}); its error is above")
-    fed = json.loads(line[-1][len("FEDERATED "):])
+    fed = _run_child("--federated-child", "FEDERATED ", plan, work / "federated-plan.json", 7200)
     fed["train_seconds"] = {(int(rnd), site): float(sec) for rnd, site, sec in fed["train_seconds"]}
     fed["wall"] = fed["done_wall"] - spawned
     fed["t0_wall"] = spawned  # the split's "submit" starts with the client's process start and imports
