@@ -79,6 +79,12 @@ def test_a_site_without_enough_budget_refuses_and_the_owner_hears_why(tmp_path):
         assert refusal and "only epsilon 1" in refusal[0] and "privacy officer" in refusal[0]
         [spend] = PrivacyLedger(tmp_path / "fed" / "agent-site-b" / "privacy-ledger.sqlite").status()
         assert spend.tasks == () and spend.spent_epsilon == 0.0  # nothing reserved, nothing trained or sent
+        if "site-a" in final.rounds[0].sites_assigned:
+            # the failure reaches site-a on its work stream a moment after the owner sees it: stopping the agent
+            # before would leave its reservation for the site's admin to finish (privacy_ledger's docstring)
+            wait_until(lambda: any("task cancelled by aggregator" in line and st.task_id in line
+                                   for line in fed.log_text("agent-site-a").splitlines()),
+                       60, "site-a to hear that the task failed")
     # site-a may admit the task (reserving its planned epsilon) after the failure reached it: once its agent has
     # stopped (every assignment handled), nothing of the ended task stays reserved there
     [spend] = PrivacyLedger(tmp_path / "fed" / "agent-site-a" / "privacy-ledger.sqlite").status()
