@@ -200,7 +200,8 @@ def run_federated(plan: dict[str, Any], work: Path) -> dict[str, Any]:
                 learning_rate=plan["learning_rate"], max_length=plan["max_length"], seed=plan["seed"],
                 trainable=plan["trainable"], round_timeout_s=900, on_quorum_miss="fail")
     t0_wall, t0 = time.time(), time.monotonic()
-    with LocalFederation(work / "federation", sites, preload_training_stack=True) as fed:  # as the demo runs it
+    with LocalFederation(work / "federation", sites, preload_training_stack=True,  # as the demo runs it
+                         fork_agents=plan.get("fork_agents")) as fed:
         fed.start()
         started = time.monotonic()
         with fed.client() as client:
@@ -213,7 +214,8 @@ def run_federated(plan: dict[str, Any], work: Path) -> dict[str, Any]:
         threads = fed.agent_threads
         # each service's CPU seconds so far (it is idle now: the task is over), read while it still runs
         cpu = {"aggregator": _proc_cpu(fed.aggregator.pid),
-               **{f"agent-{s}": _proc_cpu(p.pid) for s, p in fed.agents.items()}}
+               **{f"agent-{s}": _proc_cpu(p.pid) for s, p in fed.agents.items()},
+               **({"fork-server": _proc_cpu(fed.fork_server.pid)} if fed.fork_server is not None else {})}
         logs = {name: _log_events(fed.logs / f"{name}.log") for name in ["aggregator", *(f"agent-{s}" for s in
                                                                                           plan["sites"])]}
     train_seconds = {(r.round, rep.site_id): rep.metrics.get("train_seconds", 0.0)
@@ -313,7 +315,7 @@ def make_plan(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"model": str(Path(args.model).resolve()) if args.model else str(minilm_path()), "labels": labels,
             "dataset": demo.DEMO_DATASET, "trainable": list(args.trainable or demo.TRAINABLE), "rounds": args.rounds,
             "batch_size": 16, "learning_rate": 2e-4, "max_length": args.max_length, "seed": args.seed,
-            "sites": sites, "baseline_threads": args.baseline_threads}
+            "sites": sites, "baseline_threads": args.baseline_threads, "fork_agents": not args.spawn_agents}
 
 
 def _cpu(who: int) -> float:
@@ -384,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of the baseline process (default 0: torch's own default, every core)")
     p.add_argument("--repeat", type=int, default=3,
                    help="pairs of runs (baseline, then federated); the RESULT is the pair of the median ratio")
+    p.add_argument("--spawn-agents", action="store_true",
+                   help="start each agent as a process of its own (python -m hospital_agent.cli run) instead of "
+                        "forking the agents from one process that imported their stack (LocalFederation's default)")
     p.add_argument("--smoke", action="store_true", help="1 round, 8 training rows per site, 1 pair")
     p.add_argument("--out", help="work folder (default: a temporary one)")
     p.add_argument("--json", help="also write the figures here")

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar
 
 from fedclinic.errors import FedclinicError
 from fedclinic import pki
+from fedclinic.federation.fork_server import ForkedProcess, ForkServer
 from fedclinic.runtime.cpu_cores import cores_per_process
 
 
@@ -90,7 +91,18 @@ class LocalFederation:
 
     ``agent_threads``: each agent's torch threads (its ``torch_threads`` setting, and OMP/MKL threads for the
     libraries under it); None gives each of the N agents ``max(1, cores // N)`` of this host's cores
-    (fedclinic.runtime.cpu_cores.cores_per_process), so agents sharing the host do not oversubscribe it."""
+    (fedclinic.runtime.cpu_cores.cores_per_process), so agents sharing the host do not oversubscribe it.
+
+    ``fork_agents`` (default True where the host has pidfds, i.e. Linux): the agents are forked from one
+    :class:`~fedclinic.federation.fork_server.ForkServer` that has imported their stack (the agent's CLI and torch,
+    and with ``preload_training_stack`` the model stack) once, instead of each agent importing it again; they are
+    otherwise the same agent processes (``hospital_agent.cli run``), each in its own session with its own log.
+    False starts each agent as ``python -m hospital_agent.cli run`` (as systemd does)."""
+
+    #: what the fork server imports for every agent: the agent's CLI (it runs its ``main``), and torch, which the
+    #: ``run`` command imports at once (apply_torch_threads), with the training modules every round uses
+    AGENT_IMPORTS: ClassVar[tuple[str, ...]] = ("hospital_agent.cli", "torch", "fedclinic.training.trainer",
+                                                "fedclinic.models")
 
     #: the aggregator's ``[state]`` table for a federation whose ``aggregator_settings`` name none, as a function of
     #: its state folder (called at each start, so it must return the same database for the same folder); None: the
@@ -100,7 +112,8 @@ class LocalFederation:
 
     def __init__(self, root: str | Path, sites: list[SiteSetup], *, agent_threads: int | None = None,
                  aggregator_settings: dict[str, Any] | None = None, log_level: str = "info",
-                 metrics_address: str | None = None, preload_training_stack: bool = False) -> None:
+                 metrics_address: str | None = None, preload_training_stack: bool = False,
+                 fork_agents: bool | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.sites = {s.name: s for s in sites}
@@ -118,7 +131,10 @@ class LocalFederation:
         self.logs = self.root / "logs"
         self.logs.mkdir(exist_ok=True)
         self.aggregator: subprocess.Popen | None = None
-        self.agents: dict[str, subprocess.Popen] = {}
+        self.agents: dict[str, subprocess.Popen | ForkedProcess] = {}
+        self.fork_agents = hasattr(os, "pidfd_open") if fork_agents is None else fork_agents
+        self._fork_server: ForkServer | None = None
+        self._fork_env: dict[str, str] = {}
         self.address = ""
         self._log_files: list = []
         self._previous_sigterm: Any = None
@@ -203,13 +219,42 @@ class LocalFederation:
         path.write_text(to_toml(cfg))
         return path
 
-    def start_agent(self, site: str, address: str | None = None) -> subprocess.Popen:
-        """Start ``site``'s agent, dialing ``address`` (default: the aggregator's)."""
+    def start_agent(self, site: str, address: str | None = None) -> subprocess.Popen | ForkedProcess:
+        """Start ``site``'s agent, dialing ``address`` (default: the aggregator's); forked from the fork server
+        when :attr:`fork_agents` (class docstring)."""
         path = self.write_agent_config(site, address)
-        proc = self._spawn(["-m", "hospital_agent.cli", "run", "--config", str(path)], f"agent-{site}.log",
-                           self._env(self.agent_threads))
+        args, env = ["run", "--config", str(path)], self._env(self.agent_threads)
+        server = self._agent_fork_server(env)
+        if server is not None:
+            proc: subprocess.Popen | ForkedProcess = server.spawn(
+                "hospital_agent.cli:main", args, log=self.logs / f"agent-{site}.log", cwd=self.root)
+        else:
+            proc = self._spawn(["-m", "hospital_agent.cli", *args], f"agent-{site}.log", env)
         self.agents[site] = proc
         return proc
+
+    @property
+    def fork_server(self) -> ForkServer | None:
+        """The agents' fork server while one runs (class docstring), else None."""
+        return self._fork_server
+
+    def _start_fork_server(self) -> None:
+        """Start the agents' fork server (it imports while the caller goes on); a no-op when one runs or
+        :attr:`fork_agents` is off."""
+        if not self.fork_agents or self._fork_server is not None:
+            return
+        imports = [*self.AGENT_IMPORTS, *(["hospital_agent.warm_start:MODULES"] if self.preload_training_stack else [])]
+        self._fork_env = self._env(self.agent_threads)
+        self._fork_server = ForkServer(imports, env=self._fork_env, log=self.logs / "fork-server.log", cwd=self.root)
+
+    def _agent_fork_server(self, env: dict[str, str]) -> ForkServer | None:
+        """The fork server to fork an agent with ``env`` from, ready; None: start the agent as a process of its own
+        (forking is off, or the environment changed since the server started: modules read it at import)."""
+        self._start_fork_server()
+        if self._fork_server is None or env != self._fork_env:
+            return None
+        self._fork_server.wait_ready(timeout=180)
+        return self._fork_server
 
     def metrics_url(self, service: str = "aggregator") -> str:
         """``http://HOST:PORT/metrics`` of the aggregator or of the agent of site ``service``, as it bound it
@@ -224,6 +269,7 @@ class LocalFederation:
 
     def start(self) -> None:
         self.make_pki()
+        self._start_fork_server()  # it imports the agents' stack while the aggregator starts
         self.start_aggregator()
         for site in self.sites:
             self.start_agent(site)
@@ -261,6 +307,9 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+        if self._fork_server is not None:  # after its children: it has none left to stop
+            self._fork_server.close()
+            self._fork_server = None
         for f in self._log_files:
             f.close()
 
