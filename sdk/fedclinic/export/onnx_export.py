@@ -42,7 +42,8 @@ in logit units; 2.0 for NER's per-token scores, whose maximum runs over every to
 quantization changes values by design. For a multi-label model (image-text) the agreement checked is
 ``label_agreement``, the share of per-label decisions (logit > 0, i.e. probability > 0.5) that agree; top-1
 agreement is reported beside it. Weights are quantized per channel, on the MatMuls only (on MiniLM this kept every
-test prediction; per-tensor scales did not). A BERT graph is rewritten first (:mod:`fedclinic.export.encoder_int8`:
+test prediction; per-tensor scales did not), to 7 bits (onnxruntime's ``reduce_range``: 8-bit weights saturate its
+int8 kernels on x86 CPUs without VNNI; :mod:`fedclinic.export.quantize`). A BERT graph is rewritten first (:mod:`fedclinic.export.encoder_int8`:
 attention unpacked into three projections and the ONNX ``Attention`` op, opset 24; a sequence classifier's last
 layer computed at the first token only), so its int8 bundle needs an onnxruntime with opset-24 kernels.
 

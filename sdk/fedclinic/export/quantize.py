@@ -46,8 +46,12 @@ def _quantize_dynamic(graph, dst: Path, op_types: list[str]) -> None:
     try:
         # per-channel weight scales on the MatMuls: on MiniLM, per-tensor scales moved logits by up to 2.3
         # and flipped 4.5 % of test predictions; per-channel MatMul-only flipped none (max |diff| 0.45).
-        # A fused graph holds contrib ops that onnx's shape inference cannot type, hence the default tensor type
-        quantize_dynamic(str(plain), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+        # A fused graph holds contrib ops that onnx's shape inference cannot type, hence the default tensor type.
+        # reduce_range: 7-bit weights. onnxruntime's u8 x s8 kernels on an x86 CPU without VNNI (AVX2 only, e.g.
+        # AMD EPYC before Zen 4) add pairs of products in int16, which 8-bit weights can saturate: there the tiny
+        # test models' int8 logits moved by up to 2.2 (a causal LM) and flipped image-text decisions; 7 bits
+        # cannot saturate, and a bundle is served on whatever CPU the hospital has, not the one it was made on
+        quantize_dynamic(str(plain), str(dst), weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=op_types,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:

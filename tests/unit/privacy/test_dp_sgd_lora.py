@@ -72,7 +72,9 @@ def test_ghost_lora_norms_and_clipped_sum_equal_the_per_example_computation(base
     torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=1e-7)
     for k, p in enumerate(params):
         want = sum(gs[k] * min(1.0, clip / float(n)) for gs, n in zip(grads, want_norms))
-        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+        # float32, batched against one example at a time: the two matmul paths round differently, by how much
+        # depends on the CPU's vector unit (up to 1e-5 absolute on an AVX2-only CPU); a wrong clip is far larger
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=2e-5)
 
 
 def test_a_parameter_on_a_linear_that_no_rule_covers_is_unsupported():
