@@ -91,25 +91,28 @@ def test_a_malformed_request_is_refused_and_the_server_goes_on(server, tmp_path)
     assert server.spawn(f"{ENTRY}:report", ["0"], log=tmp_path / "after.log", cwd=tmp_path).wait(60) == 0
 
 
-def test_closing_the_server_stops_its_children_gracefully(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = ForkServer([], env=env, log=tmp_path / "fork-server.log", cwd=tmp_path)
+def _server_with_a_running_child(tmp_path):
+    """A server with no imports and one child that writes ``stopped`` when SIGTERM ends it: (server, child,
+    the marker file)."""
+    server = ForkServer([], env={**os.environ, "PYTHONPATH": str(ROOT)}, log=tmp_path / "fork-server.log",
+                        cwd=tmp_path)
     log, marker = tmp_path / "child.log", tmp_path / "stopped"
     child = server.spawn(f"{ENTRY}:stop_cleanly_on_sigterm", [str(marker)], log=log, cwd=tmp_path)
     wait_until(lambda: "ready" in _lines(log), 60, "the child to start")
+    return server, child, marker
+
+
+def test_closing_the_server_stops_its_children_gracefully(tmp_path):
+    server, child, marker = _server_with_a_running_child(tmp_path)
     server.close()
     assert marker.read_text() == "stopped cleanly"  # it got SIGTERM, and the server waited for it
     assert not _alive(child.pid)
     with pytest.raises(ForkServerError, match="ended"):
-        server.spawn(f"{ENTRY}:report", ["0"], log=log, cwd=tmp_path)
+        server.spawn(f"{ENTRY}:report", ["0"], log=tmp_path / "late.log", cwd=tmp_path)
 
 
 def test_no_child_outlives_a_server_that_is_killed(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = ForkServer([], env=env, log=tmp_path / "fork-server.log", cwd=tmp_path)
-    log, marker = tmp_path / "child.log", tmp_path / "stopped"
-    child = server.spawn(f"{ENTRY}:stop_cleanly_on_sigterm", [str(marker)], log=log, cwd=tmp_path)
-    wait_until(lambda: "ready" in _lines(log), 60, "the child to start")
+    server, child, marker = _server_with_a_running_child(tmp_path)
     os.kill(server.pid, signal.SIGKILL)
     # the kernel sends the child SIGTERM when its parent dies (PR_SET_PDEATHSIG); it stops as it would on SIGTERM
     wait_until(lambda: not _alive(child.pid), 30, "the orphaned child to stop")
