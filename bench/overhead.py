@@ -201,7 +201,8 @@ def run_federated(plan: dict[str, Any], work: Path) -> dict[str, Any]:
                 trainable=plan["trainable"], round_timeout_s=900, on_quorum_miss="fail")
     t0_wall, t0 = time.time(), time.monotonic()
     with LocalFederation(work / "federation", sites, preload_training_stack=True,  # as the demo runs it
-                         fork_agents=plan.get("fork_agents")) as fed:
+                         fork_agents=plan.get("fork_agents"),
+                         aggregator_settings=plan.get("aggregator_settings")) as fed:
         fed.start()
         started = time.monotonic()
         with fed.client() as client:
@@ -238,6 +239,12 @@ def run_federated_child(plan: dict[str, Any], work: Path) -> dict[str, Any]:
     """The federated run in a fresh process, as the baseline is (so that every pair pays the client's imports of
     torch and transformers, which this process would otherwise keep from the first pair); ``wall`` from the
     child's spawn to the task's completion as its client saw it."""
+    from fedclinic.federation.local_federation import LocalFederation
+
+    # the aggregator's [state] as a LocalFederation of this process would choose it (the test suite's PostgreSQL
+    # switch sets LocalFederation.default_state here, which the child would not see): {} for the embedded default
+    folder = work / "federation"
+    plan = {**plan, "aggregator_settings": LocalFederation(folder, []).aggregator_state(folder / "aggregator-state")}
     spawned = time.time()
     fed = _run_child("--federated-child", "FEDERATED ", plan, work / "federated-plan.json", 7200)
     fed["train_seconds"] = {(int(rnd), site): float(sec) for rnd, site, sec in fed["train_seconds"]}
