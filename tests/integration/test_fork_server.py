@@ -128,3 +128,48 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(ForkServerError, match="fork-server.log"):
         server.wait_ready(60)
     server.close()
+
+
+def _gated_server(tmp_path) -> tuple[ForkServer, Path]:
+    """A server held in its imports until the returned gate file exists (tests/helpers/fork_gate.py)."""
+    gate = tmp_path / "gate"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FORK_GATE": str(gate)}
+    return ForkServer(["tests.helpers.fork_gate"], env=env, log=tmp_path / "fork-server.log", cwd=tmp_path), gate
+
+
+def _open_gate(gate: Path, word: str) -> None:
+    """Create the gate file with ``word`` in it at once (a rename: the server never reads it half written)."""
+    (gate.parent / "gate.tmp").write_text(word)
+    (gate.parent / "gate.tmp").rename(gate)
+
+
+def test_children_asked_for_while_the_server_imports_are_forked_once_it_is_ready(tmp_path):
+    server, gate = _gated_server(tmp_path)
+    try:
+        # spawn returns while the server is still importing: the requests wait on its pipe
+        children = [server.spawn(f"{ENTRY}:report", [str(code)], log=tmp_path / f"q{code}.log", cwd=tmp_path)
+                    for code in (0, 4)]
+        assert [c.poll() for c in children] == [None, None]
+        assert not (tmp_path / "q0.log").exists()
+        _open_gate(gate, "go")
+        assert [c.wait(60) for c in children] == [0, 4]
+        # each handle learnt its own child's pid (answers come in request order)
+        assert [json.loads(_lines(tmp_path / f"q{code}.log")[0])["pid"] for code in (0, 4)] == [c.pid for c in children]
+    finally:
+        server.close()
+
+
+def test_a_child_asked_of_a_server_that_ends_before_it_is_ready_fails_with_the_reason_in_its_log(tmp_path):
+    server, gate = _gated_server(tmp_path)
+    try:
+        child = server.spawn(f"{ENTRY}:report", ["0"], log=tmp_path / "never.log", cwd=tmp_path)
+        _open_gate(gate, "exit")  # the server ends in its imports
+        assert child.wait(60) == 255
+        assert "fork server ended" in (tmp_path / "never.log").read_text()
+        with pytest.raises(ForkServerError, match="fork-server.log"):
+            child.pid
+        child.terminate()  # nothing to signal, as with an ended Popen
+        with pytest.raises(ForkServerError, match="ended"):
+            server.spawn(f"{ENTRY}:report", ["0"], log=tmp_path / "late.log", cwd=tmp_path)
+    finally:
+        server.close()

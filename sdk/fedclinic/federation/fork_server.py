@@ -9,8 +9,9 @@ imports them once and forks each agent from that warm process (copy-on-write: th
 Two halves:
 
 * :class:`ForkServer` (the owner's side) starts ``python -m fedclinic.federation.fork_server --import MOD ...``,
-  waits until it has imported its modules, asks it for processes (:meth:`ForkServer.spawn`) and returns a
-  :class:`ForkedProcess` for each: the part of :class:`subprocess.Popen`'s interface a federation uses
+  asks it for processes (:meth:`ForkServer.spawn`, which does not wait for the server's imports: the requests
+  queue on its pipe and the owner goes on, e.g. to package a model while the agents' stack is imported) and
+  returns a :class:`ForkedProcess` for each: the part of :class:`subprocess.Popen`'s interface a federation uses
   (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``), with Popen's
   conventions (``returncode`` is the exit status, or ``-N`` for a process ended by signal N).
 * :func:`main` (the server): a single-threaded loop over its request pipe and a pidfd per child. Each request
@@ -34,6 +35,7 @@ server whose request pipe closes (its owner exited or crashed) sends SIGTERM to 
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import gc
 import importlib
@@ -62,21 +64,35 @@ class ForkServerError(RuntimeError):
 class ForkedProcess:
     """A process the fork server forked: the part of :class:`subprocess.Popen` a federation uses.
 
-    Signals go through a pidfd opened right after the fork (never to a recycled pid); the exit status comes from
-    the server, which is the child's parent and reaps it."""
+    It exists from the moment it was asked for (:meth:`ForkServer.spawn` does not wait for the server): ``pid``
+    waits until the server has forked it (ForkServerError when it could not), ``poll`` says None while it
+    starts. Signals go through a pidfd opened right after the fork (never to a recycled pid); the exit status
+    comes from the server, which is the child's parent and reaps it."""
 
-    def __init__(self, server: "ForkServer", pid: int, args: list[str]) -> None:
-        self.pid = pid
+    #: how long ``pid`` and ``send_signal`` wait for the server to fork a requested child (its imports first)
+    START_TIMEOUT_S = 600.0
+
+    def __init__(self, server: "ForkServer", args: list[str], log: Path) -> None:
         self.args = args
         self.returncode: int | None = None
         self._server = server
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:  # already ended and reaped: its status is on its way
-            self._pidfd = None
+        self._log = log
+        self._pid: int | None = None
+        self._pidfd: int | None = None
+        self._start_error = ""   # why the server did not fork it (then returncode is UNKNOWN_STATUS)
+
+    @property
+    def pid(self) -> int:
+        """The child's pid, once the server forked it (waits up to :attr:`START_TIMEOUT_S`); ForkServerError
+        when the server could not start it."""
+        self._server._wait_started(self, self.START_TIMEOUT_S)
+        if self._pid is None:
+            raise ForkServerError(self._start_error)
+        return self._pid
 
     def poll(self) -> int | None:
-        """The exit status if the process has ended (and the server reported it), else None."""
+        """The exit status if the process has ended (and the server reported it), else None (also while it
+        starts)."""
         self._server._settle(self)
         return self.returncode
 
@@ -88,7 +104,8 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """Send ``sig`` unless the process has ended (as Popen does)."""
+        """Send ``sig`` unless the process has ended (as Popen does); one still being started is waited for."""
+        self._server._wait_started(self, self.START_TIMEOUT_S)
         if self.poll() is not None or self._pidfd is None:
             return
         try:
@@ -101,6 +118,25 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    # called by the server's reader with the server's condition held
+    def _started(self, pid: int) -> None:
+        self._pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already ended and reaped: its status is on its way
+            self._pidfd = None
+
+    def _not_started(self, reason: str) -> None:
+        """The server did not fork it: its status is UNKNOWN_STATUS and ``reason`` goes to its log (where its
+        owner looks when it ends)."""
+        self._start_error = reason
+        self.returncode = UNKNOWN_STATUS
+        try:
+            with open(self._log, "a") as fh:
+                fh.write(f"fedclinic fork server: {reason}\n")
+        except OSError:
+            pass
 
     def _ended(self, returncode: int) -> None:
         self.returncode = returncode
@@ -116,7 +152,7 @@ class ForkedProcess:
         return bool(readable)
 
     def __repr__(self) -> str:
-        return f"<ForkedProcess pid={self.pid} returncode={self.returncode}>"
+        return f"<ForkedProcess pid={self._pid} returncode={self.returncode}>"
 
 
 class ForkServer:
@@ -131,11 +167,11 @@ class ForkServer:
                  grace_s: float = 20.0) -> None:
         self.imports = list(imports)
         self._log_path = log
-        self._lock = threading.Lock()            # one request at a time
+        self._lock = threading.Lock()            # requests are written (and queued in _starting) one at a time
         self._changed = threading.Condition()    # a reply or an exit arrived, or the server ended
-        self._replies: list[dict[str, Any]] = []
+        self._starting: collections.deque[ForkedProcess] = collections.deque()  # asked for, not yet answered
+        self._replies: list[dict[str, Any]] = []  # answers to no request of spawn's (a malformed line's refusal)
         self._children: dict[int, ForkedProcess] = {}
-        self._early_exits: dict[int, int] = {}   # exits reported before the owner registered the child
         self._server_gone = False
         self._ready = False
         with open(log, "ab") as err:
@@ -153,34 +189,38 @@ class ForkServer:
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the server has imported its modules (at once when it has); :class:`ForkServerError` if it
-        ended or took longer."""
-        with self._lock:
-            if not self._ready:
-                self._reply(timeout, "the fork server to import its modules")
-                self._ready = True
+        ended or took longer. Not needed before :meth:`spawn`, which queues its request behind the imports."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self._ready:
+                left = deadline - time.monotonic()
+                if self._server_gone:
+                    raise ForkServerError(f"the fork server ended (exit status {self._proc.poll()}) before it "
+                                          f"imported its modules; see {self._log_path}")
+                if left <= 0:
+                    raise ForkServerError(f"timed out after {timeout:g} s waiting for the fork server to import its "
+                                          f"modules; see {self._log_path}")
+                self._changed.wait(left)
 
-    def spawn(self, entry: str, args: list[str], *, log: Path, cwd: Path, timeout: float = 60) -> ForkedProcess:
-        """Fork a child that runs ``entry`` (``package.module:function``, called with ``args``; its return value
-        is the exit status), appending its stdout and stderr to ``log``, in ``cwd``."""
+    def spawn(self, entry: str, args: list[str], *, log: Path, cwd: Path) -> ForkedProcess:
+        """Ask for a child that runs ``entry`` (``package.module:function``, called with ``args``; its return value
+        is the exit status), appending its stdout and stderr to ``log``, in ``cwd``. Returns at once, while the
+        server may still be importing: the child is forked when the server is ready (``ForkedProcess.pid`` waits
+        for that). ForkServerError when the server has already ended."""
         request = {"entry": entry, "args": args, "log": str(log), "cwd": str(cwd)}
-        self.wait_ready(timeout)
+        child = ForkedProcess(self, [entry, *args], log)
         with self._lock:
-            if self._proc.stdin is None or self._server_gone:
+            if self._proc.stdin is None or self._proc.stdin.closed or self._server_gone:
                 raise ForkServerError(f"the fork server has ended; see {self._log_path}")
+            with self._changed:
+                self._starting.append(child)  # before the write: the answer may come back at once
             try:
                 self._proc.stdin.write((json.dumps(request) + "\n").encode())
                 self._proc.stdin.flush()
             except (BrokenPipeError, OSError) as exc:
+                with self._changed:
+                    self._starting.remove(child)
                 raise ForkServerError(f"the fork server has ended ({exc}); see {self._log_path}") from None
-            reply = self._reply(timeout, f"the fork server to start {entry}")
-        if "error" in reply:
-            raise ForkServerError(f"the fork server could not start {entry}: {reply['error']}")
-        pid = int(reply["pid"])
-        child = ForkedProcess(self, pid, [entry, *args])
-        with self._changed:
-            self._children[pid] = child
-            if pid in self._early_exits:
-                child._ended(self._early_exits.pop(pid))
         return child
 
     def close(self, timeout: float = 30) -> None:
@@ -200,6 +240,7 @@ class ForkServer:
 
     # replies ---------------------------------------------------------------------------------------------------
     def _reply(self, timeout: float, what: str) -> dict[str, Any]:
+        """The next answer that belongs to no request of :meth:`spawn` (e.g. the refusal of a malformed line)."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while not self._replies:
@@ -213,23 +254,47 @@ class ForkServer:
             return self._replies.pop(0)
 
     def _read_replies(self) -> None:
+        """The server's messages, in order: ``ready`` once, then per request its ``pid`` or ``error`` (requests are
+        answered in the order they were written), and ``exited`` for a child that ended (always after its pid)."""
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             message = json.loads(line)
             with self._changed:
                 if "exited" in message:
-                    pid, status = int(message["exited"]), int(message["returncode"])
-                    child = self._children.get(pid)
-                    if child is None:
-                        self._early_exits[pid] = status
+                    child = self._children.get(int(message["exited"]))
+                    if child is not None:
+                        child._ended(int(message["returncode"]))
+                elif "ready" in message:
+                    self._ready = True
+                elif self._starting and ("pid" in message or "error" in message):
+                    child = self._starting.popleft()
+                    if "pid" in message:
+                        child._started(int(message["pid"]))
+                        self._children[int(message["pid"])] = child
                     else:
-                        child._ended(status)
+                        child._not_started(f"could not start {child.args[0]}: {message['error']}")
                 else:
                     self._replies.append(message)
                 self._changed.notify_all()
         with self._changed:
             self._server_gone = True
+            for child in self._starting:
+                child._not_started(f"the fork server ended (exit status {self._proc.poll()}) before it started "
+                                   f"{child.args[0]}; see {self._log_path}")
+            self._starting.clear()
             self._changed.notify_all()
+
+    def _wait_started(self, child: ForkedProcess, timeout: float) -> None:
+        """Wait until the server answered ``child``'s request (forked it, or could not); ForkServerError after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while child in self._starting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ForkServerError(f"timed out after {timeout:g} s waiting for the fork server to start "
+                                          f"{child.args[0]}; see {self._log_path}")
+                self._changed.wait(left)
 
     def _settle(self, child: ForkedProcess) -> None:
         """Without a server to report it, a child that ended gets :data:`UNKNOWN_STATUS`."""

@@ -97,7 +97,8 @@ class LocalFederation:
     :class:`~fedclinic.federation.fork_server.ForkServer` that has imported their stack (the agent's CLI and torch,
     and with ``preload_training_stack`` the model stack) once, instead of each agent importing it again; they are
     otherwise the same agent processes (``hospital_agent.cli run``), each in its own session with its own log.
-    False starts each agent as ``python -m hospital_agent.cli run`` (as systemd does)."""
+    ``start`` does not wait for those imports: the agents are forked when the server is ready, while the caller
+    goes on (a client packaging and submitting its task meanwhile). False starts each agent as ``python -m hospital_agent.cli run`` (as systemd does)."""
 
     #: what the fork server imports for every agent: the agent's CLI (it runs its ``main``), and torch, which the
     #: ``run`` command imports at once (apply_torch_threads), with the training modules every round uses
@@ -248,12 +249,12 @@ class LocalFederation:
         self._fork_server = ForkServer(imports, env=self._fork_env, log=self.logs / "fork-server.log", cwd=self.root)
 
     def _agent_fork_server(self, env: dict[str, str]) -> ForkServer | None:
-        """The fork server to fork an agent with ``env`` from, ready; None: start the agent as a process of its own
-        (forking is off, or the environment changed since the server started: modules read it at import)."""
+        """The fork server to fork an agent with ``env`` from (perhaps still importing: the agent is forked when it
+        is ready); None: start the agent as a process of its own (forking is off, or the environment changed since
+        the server started: modules read it at import)."""
         self._start_fork_server()
         if self._fork_server is None or env != self._fork_env:
             return None
-        self._fork_server.wait_ready(timeout=180)
         return self._fork_server
 
     def metrics_url(self, service: str = "aggregator") -> str:
