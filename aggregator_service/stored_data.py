@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Collection
 
 import numpy as np
 
@@ -70,12 +71,14 @@ def verify_blob(blobs: BlobStore, sha256: str, what: str) -> None:
         raise StoredCopyDamaged(f"{what} does not match its recorded sha256", path)
 
 
-def verify_model(blobs: BlobStore, manifest, model_hash: str) -> None:
-    """Check every tensor and file blob of a stored model (a ``Manifest``) before it is aggregated from or
-    re-published; StoredCopyDamaged naming the first damaged one."""
+def verify_model(blobs: BlobStore, manifest, model_hash: str, tensors: Collection[str] | None = None) -> None:
+    """Check the tensor and file blobs of a stored model (a ``Manifest``) before they are read; StoredCopyDamaged
+    naming the first damaged one. ``tensors``: check only the tensors of these names, and no file (what a round's
+    aggregation reads; None: every tensor and file)."""
     for t in manifest.tensors:
-        verify_blob(blobs, t.sha256, f"tensor {t.name!r} of model {model_hash[:12]}")
-    for f in manifest.files:
+        if tensors is None or t.name in tensors:
+            verify_blob(blobs, t.sha256, f"tensor {t.name!r} of model {model_hash[:12]}")
+    for f in manifest.files if tensors is None else ():
         verify_blob(blobs, f.sha256, f"file {f.path!r} of model {model_hash[:12]}")
 
 

@@ -12,9 +12,10 @@ and queues what arrives; the main thread handles one assignment at a time, each 
 4. privacy is charged, the update written to the outbox (durable) and uploaded with its idempotency key
    (hospital_agent.uploader); under secure aggregation the delta instead leaves only masked, in the round's
    SecAgg session (hospital_agent.secure_aggregation; phase messages are answered on their own thread);
-5. then the round's base model is evaluated on the site's held-out split and the values sent with
-   ``SubmitResult`` (hospital_agent.result_work), off the round's critical path (a secure round, or an
-   aggregator without "results-v1", evaluates before training and sends them with the update, as before).
+5. then the round's base model is evaluated on the site's held-out split, while the update uploads, and the values
+   sent with ``SubmitResult`` once the update was acknowledged (hospital_agent.result_work), off the round's
+   critical path (a secure round, or an aggregator without "results-v1", evaluates before training and sends them
+   with the update, as before).
 
 An assignment with ``work`` set trains nothing (hospital_agent.result_work): the final model's evaluation, an
 "evaluate" or a "statistics" task.
@@ -26,6 +27,7 @@ disk (the work stream then reopens with it; running calls and the outbox are not
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import random
 import shutil
@@ -492,19 +494,46 @@ class Agent:
         failpoint("agent.outbox-written")  # kill campaign: durable in the outbox, not yet sent
         log.info("update ready", samples=result.num_samples, loss=round(float(result.loss), 4),
                  nbytes=sum(t.encoded_nbytes for t in header.tensors))
-        self.uploader.upload(entry)
-        if deferred:
-            self._evaluate_round(a, manifest, state, trained)
+        if not deferred:
+            self.uploader.upload(entry)
+            return
+        values = self._upload_while_evaluating(entry, lambda: self._round_evaluation(a, manifest, state, trained))
+        if values:
+            self.results.send_round_eval(a.task_id, a.round, manifest.model_hash, values)
 
-    def _evaluate_round(self, a: agent_pb2.Assignment, manifest, state: TaskState, trained) -> None:
-        """After the update left: evaluate the round's base model and send it (hospital_agent.result_work); a
-        failure here is logged, the round is not affected."""
+    def _upload_while_evaluating(self, entry, evaluate) -> dict[str, float]:
+        """Upload ``entry`` on a thread of its own while this thread runs ``evaluate()``; returns its values once the
+        update was acknowledged (the upload's error is raised, and the values are not sent, when it was not).
+
+        The upload mostly waits (on the network and, for the round's last update, on the aggregator closing the
+        round), and the evaluation needs the CPU: one after the other, the last site to finish training spent both
+        before it could fetch the next round's model, on every round's critical path."""
+        failure: list[BaseException] = []
+
+        def upload() -> None:
+            try:
+                self.uploader.upload(entry)
+            except BaseException as exc:  # noqa: BLE001 - raised again on the worker's thread below
+                failure.append(exc)
+
+        # the upload's log lines carry the round's context (structlog's contextvars) as on this thread
+        sender = threading.Thread(target=contextvars.copy_context().run, args=(upload,), name="upload", daemon=True)
+        sender.start()
         try:
-            values = self.training.evaluate_base(a, state, trained, lambda: self.model_sync.sync(a, manifest, state))
+            values = evaluate()
+        finally:
+            sender.join()
+        if failure:
+            raise failure[0]
+        return values
+
+    def _round_evaluation(self, a: agent_pb2.Assignment, manifest, state: TaskState, trained) -> dict[str, float]:
+        """The round's base model evaluated (hospital_agent.result_work's values; empty without a held-out split); a
+        failure here is logged and gives no values, the round is not affected."""
+        try:
+            return self.training.evaluate_base(a, state, trained, lambda: self.model_sync.sync(a, manifest, state))
         except Stopped:
             raise
         except Exception:  # noqa: BLE001 - the update is sent; its evaluation is a report, not the round
             log.exception("round evaluation failed; the update was sent without it")
-            return
-        if values:
-            self.results.send_round_eval(a.task_id, a.round, manifest.model_hash, values)
+            return {}
