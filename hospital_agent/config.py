@@ -70,7 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fedclinic.data.sources import SOURCE_KEYS, SOURCE_KINDS, DataSource, ParquetSource, parse_source
 from fedclinic.data.sources.database import refuse_password
@@ -384,6 +384,23 @@ class SitePolicy:
         return None
 
 
+def _model_folders(doc: dict[str, Any], p: Callable[[str], Path], source: str) -> tuple[Path, ...]:
+    """``[models] folders``: pretrained model folders installed at the site, each an existing folder."""
+    table = doc.get("models") or {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [models] must be a table with 'folders', a list of pretrained model folders")
+    refuse_unknown(table, ("folders",), f"{source}: [models]", ENV_PREFIX)
+    folders = table.get("folders", [])
+    if not isinstance(folders, list) or not all(isinstance(f, str) and f for f in folders):
+        raise ConfigError(f"{source}: [models] folders must be a list of folder paths, got {folders!r}")
+    out = tuple(p(f) for f in folders)
+    for folder in out:
+        if not folder.is_dir():
+            raise ConfigError(f"{source}: [models] folders: {folder} is not a folder; list the pretrained model "
+                              "folders installed at this site (each with its *.safetensors weights)")
+    return out
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     #: the aggregator's ``host:port``; several (a hot-standby pair) comma-separated, tried in turn
@@ -413,6 +430,9 @@ class AgentConfig:
     distributed_timeout: float = 600.0
     #: recompute Hugging Face models' activations in the backward pass (the same gradients for less memory)
     gradient_checkpointing: bool = False
+    #: pretrained model folders installed at this site (``[models] folders``): a task's tensors they hold are
+    #: copied into the cache instead of being downloaded (hospital_agent.local_models)
+    model_folders: tuple[Path, ...] = ()
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -475,7 +495,7 @@ class AgentConfig:
         unknown = set(doc) - {"aggregator", "work_dir", "tls", "datasets", "policy", "server_name", "device",
                               "mixed_precision", "log_level", "metrics_address", "torch_threads",
                               "preload_training_stack", "devices", "distributed_timeout", "sharding",
-                              "gradient_checkpointing"}
+                              "gradient_checkpointing", "models"}
         if unknown:
             raise ConfigError(f"{source}: unknown setting(s) {sorted(unknown)}")
         if "aggregator" not in doc:
@@ -490,7 +510,8 @@ class AgentConfig:
                    preload_training_stack=_flag(doc, "preload_training_stack", True, source),
                    devices=_devices(doc, source), sharding=_sharding(doc, source),
                    distributed_timeout=_seconds(doc.get("distributed_timeout", 600), "distributed_timeout", source),
-                   gradient_checkpointing=_flag(doc, "gradient_checkpointing", False, source))
+                   gradient_checkpointing=_flag(doc, "gradient_checkpointing", False, source),
+                   model_folders=_model_folders(doc, p, source))
 
     def with_metrics_address(self, value: str, where: str) -> "AgentConfig":
         """This configuration with the Prometheus endpoint at ``value`` (e.g. from the command line; "" = off)."""

@@ -1,7 +1,7 @@
 """Model sync: bring a task's warm model to an assignment's global weights, fetching only unknown tensors.
 
-Tensors are content-addressed in the site's cache (fedclinic.runtime.blobstore). ``sync`` fetches the manifest's tensors
-the cache lacks (``FetchModel`` with the hashes held), those with a usable encoded change (compressed downlink:
+Tensors are content-addressed in the site's cache (fedclinic.runtime.blobstore). ``sync`` first copies in the tensors
+the site's pretrained folders hold (hospital_agent.local_models), then fetches the manifest's tensors the cache lacks (``FetchModel`` with the hashes held), those with a usable encoded change (compressed downlink:
 base held, a downlink codec this agent knows) as that change, rebuilt on the base and checked against the
 manifest's sha256 — a change that does not rebuild the tensor exactly is fetched again in full. The first
 round builds the model and encodes the site's data once; later rounds load only the tensors whose hash changed.
@@ -28,6 +28,7 @@ from fedclinic.transport.package import Manifest, ModelPackage, TensorEntry, raw
 from fedclinic.proto import agent_pb2, agent_pb2_grpc, tensors_pb2
 from fedclinic.transport.wire import ChunkAssembler, FileAssembler, MemoryWriter, header_of
 
+from hospital_agent.local_models import LocalModelFolders
 from hospital_agent.metrics import AgentMetrics
 from hospital_agent.task_state import Stopped, TaskState
 from hospital_agent.uploader import Audit
@@ -58,8 +59,10 @@ class CachedTensors(Mapping[str, np.ndarray]):
 
 class ModelSync:
     def __init__(self, cache: BlobStore, stub: Callable[[], agent_pb2_grpc.AgentServiceStub], metrics: AgentMetrics,
-                 audit: Audit, stop_event: threading.Event) -> None:
+                 audit: Audit, stop_event: threading.Event, local: LocalModelFolders | None = None) -> None:
         self.cache = cache
+        #: the site's pretrained folders: tensors they hold are copied into the cache, not downloaded
+        self.local = local
         self._stub = stub
         self.metrics = metrics
         self.audit = audit
@@ -72,6 +75,8 @@ class ModelSync:
         from fedclinic.training import trainer as training
         from fedclinic.models import build_model, load_tensors
 
+        if self.local is not None:
+            self.local.seed(self.cache, manifest.tensors)
         missing = [t for t in manifest.tensors if not self.cache.has(t.sha256)]
         need_files = any(not self.cache.has(f.sha256) for f in manifest.files)
         if missing or need_files:

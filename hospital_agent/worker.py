@@ -58,6 +58,7 @@ from hospital_agent.gates import (DECLINE, HOLD, ApprovalGate, GateChain, Policy
                                   PrivateModulesGate, SignedTaskGate, TokenizerGate, Verdict, private_names)
 from hospital_agent.task_bindings import TaskBindings
 from hospital_agent.metrics import AgentMetrics
+from hospital_agent.local_models import INDEX_FILE as LOCAL_MODELS_INDEX, LocalModelFolders
 from hospital_agent.model_sync import ModelSync
 from hospital_agent.outbox import OutboxEntry, Outbox
 from hospital_agent.outgoing import declined_for_good, outgoing_reason
@@ -122,8 +123,10 @@ class Agent:
         self.metrics = AgentMetrics(self.outbox, self.privacy.ledger, lambda: len(self.approval.held))
         self.uploader = Uploader(self.outbox, config.work_dir, self._submit_update, self.metrics, self.audit,
                                  self.stop_event, query_upload=lambda: self.stub().QueryUpload)
+        local = (LocalModelFolders(config.model_folders, config.work_dir / LOCAL_MODELS_INDEX)
+                 if config.model_folders else None)
         self.model_sync = ModelSync(BlobStore(config.work_dir / "cache"), self.stub, self.metrics, self.audit,
-                                    self.stop_event)
+                                    self.stop_event, local)
         self.training = TrainingStep(config, self.private_store, self.metrics, lambda: self.site_id, self.stop_event,
                                      self._cancelled)
         #: work that trains nothing: the final model's evaluation, "evaluate" and "statistics" tasks, and each

@@ -38,3 +38,14 @@ def test_overhead_bench_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = [line for line in printed.splitlines() if line.startswith("RESULT overhead ")]
     assert len(result) == 1 and "target=<=1.10x met=" in result[0], printed
+    # as the demo's, each site has the pretrained folder installed: round 1 copies the encoder from there and
+    # downloads only what the folder does not hold (the task's new head)
+    for site in ("hospital-a", "hospital-b"):
+        events = [json.loads(line) for line in
+                  (tmp_path / "work" / "pair-1" / "federation" / "logs" / f"agent-{site}.log").read_text().splitlines()
+                  if line.startswith("{")]
+        taken = [e for e in events if e.get("event") == "model tensors taken from local folders"]
+        fetched = [e for e in events if e.get("event") == "model fetched" and e.get("round") == 1]
+        assert len(taken) == 1 and taken[0]["tensors"] > 0, events
+        # (tensors of equal content are one blob: more are skipped than copied)
+        assert fetched and fetched[0]["skipped"] >= taken[0]["tensors"] and fetched[0]["tensors"] == 2  # classifier.*

@@ -28,6 +28,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fedclinic.assets.drugreview import _usable_condition, condition_classification, load_drug_reviews, minilm_path
 from fedclinic.assets.silver_ner import NER_LABELS, silver_ner
@@ -131,6 +132,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def demo_site_models(qa: bool = False) -> dict[str, Any]:
+    """The demo sites' ``[models]`` table: each has the installed MiniLM folder, as a hospital has the pretrained
+    model it agreed to fine-tune installed; round 1 then copies its tensors from there instead of downloading them
+    (hospital_agent.local_models). The QA demo's model is converted at run time: nothing to list."""
+    return {} if qa else {"models": {"folders": [str(minilm_path())]}}
 
 
 def _eval_size(n: int) -> int:
@@ -302,7 +310,8 @@ def run_demo(args: argparse.Namespace) -> int:
         sites.append(SiteSetup(name, datasets={DEMO_DATASET: {
             "path": str(out / "data" / name / "train.jsonl"), "eval_path": str(out / "data" / name / "eval.jsonl"),
             "format": "jsonl", **budget}},
-            policy={"allowed_families": [FAMILY_OF[args.task]], "allowed_datasets": [DEMO_DATASET]}))
+            policy={"allowed_families": [FAMILY_OF[args.task]], "allowed_datasets": [DEMO_DATASET]},
+            extra=demo_site_models(qa)))
         if qa:
             mix = {kind: sum(1 for ex in rows if ex.question == q) for kind, q in QA_QUESTIONS.items()}
             what = "questions"
