@@ -59,11 +59,13 @@ class AgentApi(agent_pb2_grpc.AgentServiceServicer):
         site = peer_identity(context).name
         delivered: dict[tuple[str, int, int], bool] = {}
         secagg_cursor = [0]  # the last secure-aggregation phase message this stream delivered
+        ended = self.engine.ended_work(site, list(request.open_tasks))  # a site away when its tasks ended
         self.engine.site_connected(site)
         self.audit.record("site.connected", actor=site)
         log.info("work stream opened", site=site)
         last_beat = 0.0
         try:
+            yield from ended
             while context.is_active() and not self.engine.stopping:
                 items = self.engine.next_work(site, delivered) + self.engine.secagg.pending(site, secagg_cursor)
                 yield from items

@@ -198,6 +198,11 @@ class Engine:
     def eligible(self, task_id: str, spec: task_pb2.TaskSpec, site: str) -> bool:
         return self.sites.eligible(task_id, spec, site)
 
+    def ended_work(self, site: str, task_ids: list[str]) -> list[agent_pb2.WorkItem]:
+        """Cancellations of the tasks ``site`` holds open that ended while it was away (Sites.ended_work)."""
+        with self.lock:
+            return self.sites.ended_work(site, task_ids)
+
     def next_work(self, site: str, delivered: dict[tuple[str, int, int], bool]) -> list[agent_pb2.WorkItem]:
         """Work for ``site`` not yet delivered on this stream: new assignments and cancellations."""
         with self.lock:

@@ -70,6 +70,7 @@ FIELD_LIMITS: dict[str, int] = {
     "fedclinic.v1.SecAggPhase.task_id": 64,
     "fedclinic.v1.SecAggPhase.session_id": 128,
     "fedclinic.v1.HelloRequest.agent_version": 128,
+    "fedclinic.v1.WatchWorkRequest.open_tasks": 1000,  # task ids (64 characters) the site holds open
     "fedclinic.v1.Capabilities.devices": 256,
     "fedclinic.v1.Capabilities.codecs": 256,
     "fedclinic.v1.Capabilities.families": 256,

@@ -125,6 +125,23 @@ class Sites:
             delivered[(task.task_id, rnd.round, rnd.attempt)] = True
         return items
 
+    def ended_work(self, site: str, task_ids: Iterable[str]) -> list[agent_pb2.WorkItem]:
+        """A cancellation (``CancelWork``; ``completed`` for a task that completed) for each of ``task_ids`` (the
+        tasks a site says it still holds open, e.g. a privacy reservation, as its work stream opens) that has ended
+        and was assigned to ``site``; unknown tasks and tasks of others are passed over in silence (a task id is not
+        a capability: a site learns nothing of a task it had no part in)."""
+        items = []
+        for task_id in dict.fromkeys(task_ids):
+            task = self.store.task(task_id)
+            if task is None or not self.store.is_assigned(task_id, site):
+                continue
+            if task.state in (S.TASK_STATE_CANCELLED, S.TASK_STATE_FAILED):
+                items.append(agent_pb2.WorkItem(cancel=agent_pb2.CancelWork(task_id=task_id, reason=task.error)))
+            elif task.state == S.TASK_STATE_COMPLETED:
+                items.append(agent_pb2.WorkItem(cancel=agent_pb2.CancelWork(task_id=task_id, reason="completed",
+                                                                            completed=True)))
+        return items
+
     def hold(self, site: str, task_id: str, rnd: int, reason: str) -> bool:
         """Record that ``site`` holds its assignment to round ``rnd`` (``reason``; "" = no longer); False when
         it is the same hold again. Refused when the site has no open assignment there."""

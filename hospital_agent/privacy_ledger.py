@@ -27,9 +27,11 @@ When a task ends for the site (:class:`hospital_agent.site_privacy.SitePrivacy` 
 - its last round (``rounds.num_rounds``) is charged: the plan covers no further round;
 - the aggregator cancels it or it fails (``CancelWork`` on the work stream);
 - the site declines it for good (``permanent`` decline: the aggregator never assigns it here again);
+- the agent reconnects after the task ended (cancelled, failed or completed) while it was away or before the news
+  reached it: its work stream names the tasks it holds open (:meth:`PrivacyLedger.open_tasks`) and the aggregator
+  answers each that ended with ``CancelWork`` (``completed`` for a completed task);
 - the site's admin says so (``hospital-agent privacy finish TASK``): for a task that completed without this
-  site in its last round, or ended while the agent was not connected. The agent is not told of a completed
-  task, so without one of these its unspent reservation would stay committed.
+  site in its last round while the agent stayed connected (nobody tells a connected site of a completion).
 
 So a crash between charge and send leaves the spend recorded (the update may never arrive: the ledger
 over-counts, never under-counts), and no sequence of concurrent admissions and charges lets the committed
@@ -198,6 +200,12 @@ class PrivacyLedger:
                                               "ORDER BY dataset", (task_id,))]
             db.execute("UPDATE tasks SET finished=1 WHERE task_id=? AND finished=0", (task_id,))
         return names
+
+    def open_tasks(self, limit: int = 1000) -> list[str]:
+        """The tasks holding a reservation here (admitted, not finished), the most recently admitted first."""
+        with self._tx() as db:
+            return [r[0] for r in db.execute("SELECT task_id FROM tasks WHERE finished=0 GROUP BY task_id "
+                                             "ORDER BY max(admitted_ms) DESC LIMIT ?", (limit,))]
 
     def accountant_state(self, dataset: str, task_id: str) -> str:
         """The JSON accountant state last charged for the task ('' when none), to resume after a restart."""

@@ -96,6 +96,10 @@ class SitePrivacy:
                                   max_grad_norm=private.max_grad_norm, accountant=plan.accountant,
                                   unit=private.unit)
 
+    def open_tasks(self) -> list[str]:
+        """The tasks holding an unspent reservation here (named on the work stream as it opens: hospital_agent.worker)."""
+        return self.ledger.open_tasks()
+
     def task_ended(self, task_id: str) -> list[str]:
         """The task will spend nothing more at this site: release its unspent reservations (the datasets)."""
         return self.ledger.finish_task(task_id)

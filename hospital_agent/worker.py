@@ -237,14 +237,16 @@ class Agent:
                 log.info("connected", aggregator=self.config.aggregator, site=resp.site_id,
                          aggregator_version=resp.aggregator_version)
                 self._watch_call = self.stub().WatchWork(
-                    agent_pb2.WatchWorkRequest(protocol_version=fedclinic.PROTOCOL_VERSION))
+                    agent_pb2.WatchWorkRequest(protocol_version=fedclinic.PROTOCOL_VERSION,
+                                               open_tasks=self._open_tasks()))
                 for item in self._watch_call:
                     backoff = 1.0
                     kind = item.WhichOneof("item")
                     if kind == "cancel":
                         self._cancelled[item.cancel.task_id] = item.cancel.reason
                         self.secagg.forget(item.cancel.task_id)
-                        log.info("task cancelled by aggregator", task_id=item.cancel.task_id, reason=item.cancel.reason)
+                        log.info("task completed at the aggregator" if item.cancel.completed else
+                                 "task cancelled by aggregator", task_id=item.cancel.task_id, reason=item.cancel.reason)
                         self._release_privacy(item.cancel.task_id, f"ended at the aggregator: {item.cancel.reason}")
                     elif kind == "assignment":
                         self._queue.put(item)
@@ -263,6 +265,15 @@ class Agent:
             self.metrics.connected = False
             self.stop_event.wait(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 30.0)
+
+    def _open_tasks(self) -> list[str]:
+        """The tasks this site holds a privacy reservation for, named as the work stream opens: the aggregator answers
+        those that ended while the agent was away (or before the news reached it) with a cancellation."""
+        try:  # task ids are the aggregator's (64 characters at most): anything else would get the stream refused
+            return [t for t in self.privacy.open_tasks() if 0 < len(t) <= 64]
+        except Exception:  # noqa: BLE001 - the ledger's trouble must not keep the work stream shut
+            log.exception("could not read the privacy ledger's open tasks")
+            return []
 
     def _failover(self, lost: str) -> bool:
         """UNAVAILABLE from ``lost`` (a standby, or nobody listening): move to the next aggregator address. True

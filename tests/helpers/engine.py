@@ -21,12 +21,13 @@ def make_engine(root, store=None):
     return store, Engine(store, BlobStore(root / "blobs"))
 
 
-def submit_task(engine, package, **kw):
-    """Put ``package``'s tensors in the blob store and create a task for it (``kw``: Task fields); its id."""
+def submit_task(engine, package, key="key-1", **kw):
+    """Put ``package``'s tensors in the blob store and create a task for it (``kw``: Task fields); its id. The same
+    idempotency ``key`` again returns the first task."""
     for t in package.manifest().tensors:
         engine.blobs.put(raw_bytes(package.tensors[t.name]))
     spec = Task(name="e", dataset="d", labels=["a", "b"], round_timeout_s=600, **kw).to_spec()
-    return engine.create_task("alice", "key-1", spec, package.manifest())
+    return engine.create_task("alice", key, spec, package.manifest())
 
 
 def update_stream(site, a: agent_pb2.Assignment, deltas: dict[str, np.ndarray], n=10, key=None, declared=None):

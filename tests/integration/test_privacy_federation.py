@@ -152,3 +152,34 @@ def test_a_cancelled_task_gives_its_unspent_reservation_back(tmp_path):
     assert spend.committed_epsilon == pytest.approx(task.spent_epsilon)
     audit = (tmp_path / "fed" / "agent-site-a" / "audit.jsonl").read_text()
     assert "privacy.reservation_released" in audit and "wrong cohort" in audit
+
+
+def test_an_agent_away_when_its_task_ends_gives_the_reservation_back_when_it_returns(tmp_path):
+    """site-a trains and charges round 1, then its agent stops; the owner cancels the task while it is away. When
+    the agent comes back its work stream names the task it still holds a reservation for, the aggregator answers
+    that it ended, and the unspent rest goes back to the dataset's budget without the site's admin."""
+    sites = _sites(tmp_path, {"site-a": 10.0})
+    ledger = PrivacyLedger(tmp_path / "fed" / "agent-site-a" / "privacy-ledger.sqlite")
+    audit_path = tmp_path / "fed" / "agent-site-a" / "audit.jsonl"
+    with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
+        fed.start()
+        with fed.client() as client:
+            st = client.submit(_task(num_rounds=3, min_sites=2, round_timeout_s=600),
+                               package=tiny_package("transformer"))
+
+            def charged() -> bool:
+                rows = ledger.status() if ledger.path.exists() else []
+                return bool(rows and rows[0].tasks and rows[0].tasks[0].rounds_charged == 1)
+
+            wait_until(charged, 180, "site-a to train and charge round 1")
+            assert fed.signal_agent("site-a") == 0  # the agent stops: nobody is there to hear the cancellation
+            client.cancel(st.task_id, reason="wrong cohort")
+            assert not ledger.status()[0].tasks[0].finished  # still reserved while the agent is away
+            fed.start_agent("site-a")
+            wait_until(lambda: "privacy.reservation_released" in audit_path.read_text(), 120,
+                       "the returning agent to release the reservation")
+    [spend] = ledger.status()
+    task = spend.tasks[0]
+    assert task.finished and 0 < task.spent_epsilon < task.planned_epsilon
+    assert spend.committed_epsilon == pytest.approx(task.spent_epsilon)
+    assert "task cancelled by aggregator" in fed.log_text("agent-site-a") and "wrong cohort" in audit_path.read_text()

@@ -48,10 +48,12 @@ class HelloResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., aggregator_version: _Optional[str] = ..., site_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchWorkRequest(_message.Message):
-    __slots__ = ("protocol_version",)
+    __slots__ = ("protocol_version", "open_tasks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPEN_TASKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
-    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+    open_tasks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., open_tasks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("unix_ms",)
@@ -84,12 +86,14 @@ class Assignment(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_task_pb2.TaskSpec, _Mapping]] = ..., model: _Optional[_Union[_tensors_pb2.ModelManifest, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., send_tensors: _Optional[_Iterable[str]] = ..., downlink_deltas: _Optional[_Iterable[_Union[_tensors_pb2.DownlinkDelta, _Mapping]]] = ..., signed_task: _Optional[_Union[_task_pb2.SignedStatement, _Mapping]] = ..., work: _Optional[str] = ...) -> None: ...
 
 class CancelWork(_message.Message):
-    __slots__ = ("task_id", "reason")
+    __slots__ = ("task_id", "reason", "completed")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     reason: str
-    def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    completed: bool
+    def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ..., completed: _Optional[bool] = ...) -> None: ...
 
 class SecAggSetup(_message.Message):
     __slots__ = ("cohort", "threshold", "degree", "clip", "bits", "rounding", "vector_length", "tensor_order", "model_hash", "nonce", "attempt", "ring_bits", "weight_cap", "metric_names", "metric_clip", "per_tensor_counts", "metric_bits", "index_fraction", "dp_mechanism", "dp_scale", "dp_site_variance", "dp_clip_norm", "dp_rounding_beta")

@@ -202,3 +202,24 @@ def test_a_per_patient_task_refuses_an_update_whose_dp_report_is_not_per_patient
     h.dp.unit = "patient"
     engine.submit_update("s1", h, iter(messages))
     assert store.update_count(task_id, 1) == 1 or store.task(task_id).state == control_pb2.TASK_STATE_COMPLETED
+
+
+def test_a_returning_site_hears_which_of_its_open_tasks_ended_and_nothing_of_others(tmp_path):
+    """WatchWork's ``open_tasks`` (Engine.ended_work): a cancellation for each named task that ended and was assigned
+    to the site (``completed`` for a completed one); a running task, a task of others and an unknown id: nothing."""
+    store, engine = make_engine(tmp_path)
+    pkg = ModelPackage({"w": np.zeros(2, np.float32)})
+    cancelled = submit_task(engine, pkg, min_sites=2, num_rounds=2)
+    assign_sites(engine, ["s1", "s2"])
+    engine.cancel(cancelled, "alice", "wrong cohort")
+    done = submit_task(engine, pkg, key="key-2", min_sites=1, num_rounds=1, sites=["s1"])
+    a = assign_sites(engine, ["s1"])
+    send_update(engine, "s1", a["s1"], {"w": np.ones(2, np.float32)})
+    assert store.task(done).state == control_pb2.TASK_STATE_COMPLETED
+    running = submit_task(engine, pkg, key="key-3", min_sites=2, num_rounds=1, sites=["s1", "s2"])
+    assign_sites(engine, ["s1"])
+    items = engine.ended_work("s1", [cancelled, done, running, "t-unknown", cancelled])
+    assert [(i.cancel.task_id, i.cancel.completed) for i in items] == [(cancelled, False), (done, True)]
+    assert "wrong cohort" in items[0].cancel.reason
+    # s3 was never assigned any of them: a task id is not a capability
+    assert engine.ended_work("s3", [cancelled, done, running]) == []
