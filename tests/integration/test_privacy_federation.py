@@ -124,6 +124,19 @@ def test_privacy_status_command_shows_budget_and_spend(tmp_path):
     assert "privacy.reservation_released" in audit and "t-123" in audit
 
 
+def _charge_round_one_alone(client, ledger: PrivacyLedger):
+    """Submit a 3-round private task that needs 2 sites to the federation of site-a alone and wait until site-a
+    trained and charged round 1 (the round then waits for a second site); the task's status."""
+    st = client.submit(_task(num_rounds=3, min_sites=2, round_timeout_s=600), package=tiny_package("transformer"))
+
+    def charged() -> bool:
+        rows = ledger.status() if ledger.path.exists() else []
+        return bool(rows and rows[0].tasks and rows[0].tasks[0].rounds_charged == 1)
+
+    wait_until(charged, 180, "site-a to train and charge round 1")
+    return st
+
+
 def test_a_cancelled_task_gives_its_unspent_reservation_back(tmp_path):
     """One site trains round 1 of a 3-round private task (charged), the round waits for a second site; the owner
     cancels; the agent hears it on its work stream and releases the rest of the task's reservation."""
@@ -132,14 +145,7 @@ def test_a_cancelled_task_gives_its_unspent_reservation_back(tmp_path):
     with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
         fed.start()
         with fed.client() as client:
-            st = client.submit(_task(num_rounds=3, min_sites=2, round_timeout_s=600),
-                               package=tiny_package("transformer"))
-
-            def charged() -> bool:
-                rows = ledger.status() if ledger.path.exists() else []
-                return bool(rows and rows[0].tasks and rows[0].tasks[0].rounds_charged == 1)
-
-            wait_until(charged, 180, "site-a to train and charge round 1")
+            st = _charge_round_one_alone(client, ledger)
             client.cancel(st.task_id, reason="wrong cohort")
             audit_path = tmp_path / "fed" / "agent-site-a" / "audit.jsonl"
             # the audit line is written after the ledger's release: wait for it, not for the ledger
@@ -164,14 +170,7 @@ def test_an_agent_away_when_its_task_ends_gives_the_reservation_back_when_it_ret
     with LocalFederation(tmp_path / "fed", sites, agent_threads=1) as fed:
         fed.start()
         with fed.client() as client:
-            st = client.submit(_task(num_rounds=3, min_sites=2, round_timeout_s=600),
-                               package=tiny_package("transformer"))
-
-            def charged() -> bool:
-                rows = ledger.status() if ledger.path.exists() else []
-                return bool(rows and rows[0].tasks and rows[0].tasks[0].rounds_charged == 1)
-
-            wait_until(charged, 180, "site-a to train and charge round 1")
+            st = _charge_round_one_alone(client, ledger)
             assert fed.signal_agent("site-a") == 0  # the agent stops: nobody is there to hear the cancellation
             client.cancel(st.task_id, reason="wrong cohort")
             assert not ledger.status()[0].tasks[0].finished  # still reserved while the agent is away

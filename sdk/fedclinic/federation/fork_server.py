@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 #: ``prctl(PR_SET_PDEATHSIG, sig)``: the signal the kernel sends this process when its parent thread dies
 _PR_SET_PDEATHSIG = 1
@@ -190,17 +190,7 @@ class ForkServer:
     def wait_ready(self, timeout: float) -> None:
         """Wait until the server has imported its modules (at once when it has); :class:`ForkServerError` if it
         ended or took longer. Not needed before :meth:`spawn`, which queues its request behind the imports."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not self._ready:
-                left = deadline - time.monotonic()
-                if self._server_gone:
-                    raise ForkServerError(f"the fork server ended (exit status {self._proc.poll()}) before it "
-                                          f"imported its modules; see {self._log_path}")
-                if left <= 0:
-                    raise ForkServerError(f"timed out after {timeout:g} s waiting for the fork server to import its "
-                                          f"modules; see {self._log_path}")
-                self._changed.wait(left)
+        self._await(lambda: self._ready, timeout, "the fork server to import its modules")
 
     def spawn(self, entry: str, args: list[str], *, log: Path, cwd: Path) -> ForkedProcess:
         """Ask for a child that runs ``entry`` (``package.module:function``, called with ``args``; its return value
@@ -239,18 +229,24 @@ class ForkServer:
         self._reader.join(timeout=5)
 
     # replies ---------------------------------------------------------------------------------------------------
-    def _reply(self, timeout: float, what: str) -> dict[str, Any]:
-        """The next answer that belongs to no request of :meth:`spawn` (e.g. the refusal of a malformed line)."""
+    def _await(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        """Wait until ``done()`` (read under the server's condition, which the reader notifies); ForkServerError
+        naming ``what`` when the server ended first or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not self._replies:
+            while not done():
                 left = deadline - time.monotonic()
                 if self._server_gone:
-                    raise ForkServerError(f"the fork server ended (exit status {self._proc.poll()}) before "
-                                          f"{what}; see {self._log_path}")
+                    raise ForkServerError(f"the fork server ended (exit status {self._proc.poll()}) while waiting "
+                                          f"for {what}; see {self._log_path}")
                 if left <= 0:
                     raise ForkServerError(f"timed out after {timeout:g} s waiting for {what}; see {self._log_path}")
                 self._changed.wait(left)
+
+    def _reply(self, timeout: float, what: str) -> dict[str, Any]:
+        """The next answer that belongs to no request of :meth:`spawn` (e.g. the refusal of a malformed line)."""
+        with self._changed:
+            self._await(lambda: bool(self._replies), timeout, what)
             return self._replies.pop(0)
 
     def _read_replies(self) -> None:
@@ -285,16 +281,9 @@ class ForkServer:
             self._changed.notify_all()
 
     def _wait_started(self, child: ForkedProcess, timeout: float) -> None:
-        """Wait until the server answered ``child``'s request (forked it, or could not); ForkServerError after
-        ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while child in self._starting:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ForkServerError(f"timed out after {timeout:g} s waiting for the fork server to start "
-                                          f"{child.args[0]}; see {self._log_path}")
-                self._changed.wait(left)
+        """Wait until the server answered ``child``'s request (forked it, or could not: the reader answers every
+        pending request when the server ends); ForkServerError after ``timeout`` seconds."""
+        self._await(lambda: child not in self._starting, timeout, f"the fork server to start {child.args[0]}")
 
     def _settle(self, child: ForkedProcess) -> None:
         """Without a server to report it, a child that ended gets :data:`UNKNOWN_STATUS`."""

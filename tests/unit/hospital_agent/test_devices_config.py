@@ -7,18 +7,11 @@ import pytest
 from fedclinic.errors import ConfigError
 from hospital_agent.config import AgentConfig
 
-AGENT = '''
-aggregator = "agg:7443"
-work_dir = "work"
-[tls]
-cert = "a.crt"
-key = "a.key"
-ca = "ca.crt"
-'''
+from tests.helpers.agent_toml import AGENT_TOML
 
 
 def _load(tmp_path, top: str) -> AgentConfig:
-    (tmp_path / "agent.toml").write_text(top + AGENT)
+    (tmp_path / "agent.toml").write_text(top + AGENT_TOML)
     return AgentConfig.load(tmp_path / "agent.toml")
 
 
@@ -64,9 +57,9 @@ def test_check_config_says_when_named_gpus_are_not_visible(tmp_path):
     from hospital_agent.cli import check_config
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    (tmp_path / "agent.toml").write_text(f'devices = ["cuda:{count}"]\n' + AGENT)
+    (tmp_path / "agent.toml").write_text(f'devices = ["cuda:{count}"]\n' + AGENT_TOML)
     problems = check_config(str(tmp_path / "agent.toml"))
     assert any(f"cuda:{count}" in p and ("CUDA_VISIBLE_DEVICES" in p or "torch sees none" in p) for p in problems)
-    (tmp_path / "agent.toml").write_text('devices = ["cpu", "cpu"]\n' + AGENT)
+    (tmp_path / "agent.toml").write_text('devices = ["cpu", "cpu"]\n' + AGENT_TOML)
     assert not any("device" in p for p in check_config(str(tmp_path / "agent.toml")))
 

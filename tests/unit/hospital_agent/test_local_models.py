@@ -14,6 +14,8 @@ from fedclinic.transport.package import ModelPackage
 
 from hospital_agent.local_models import INDEX_FILE, LocalModelFolders
 
+from tests.helpers.agent_toml import AGENT_TOML
+
 
 def _folder(tmp_path):
     """A pretrained folder (fp16 encoder, float32 layer norm) and the package a task would build on it: the encoder
@@ -65,20 +67,10 @@ def test_an_index_that_lies_costs_a_download_never_a_wrong_tensor(tmp_path):
     assert LocalModelFolders([folder], index_path).seed(cache, manifest.tensors)[0] == 2
 
 
-AGENT = '''
-aggregator = "agg:7443"
-work_dir = "work"
-[tls]
-cert = "a.crt"
-key = "a.key"
-ca = "ca.crt"
-'''
-
-
 def _config(tmp_path, models: str):
     from hospital_agent.config import AgentConfig
 
-    (tmp_path / "agent.toml").write_text(AGENT + models)
+    (tmp_path / "agent.toml").write_text(AGENT_TOML + models)
     return AgentConfig.load(tmp_path / "agent.toml")
 
 
