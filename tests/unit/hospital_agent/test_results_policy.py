@@ -9,14 +9,9 @@ from fedclinic.errors import ConfigError
 from fedclinic.spec.task import Task
 from hospital_agent.config import AgentConfig
 
-AGENT = '''
-aggregator = "agg:7443"
-work_dir = "work"
-[tls]
-cert = "a.crt"
-key = "a.key"
-ca = "ca.crt"
-[datasets.notes]
+from tests.helpers.agent_toml import AGENT_TOML
+
+AGENT = AGENT_TOML + '''[datasets.notes]
 path = "notes.jsonl"
 '''
 
