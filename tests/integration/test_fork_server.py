@@ -150,7 +150,7 @@ def test_children_asked_for_while_the_server_imports_are_forked_once_it_is_ready
         children = [server.spawn(f"{ENTRY}:report", [str(code)], log=tmp_path / f"q{code}.log", cwd=tmp_path)
                     for code in (0, 4)]
         assert [c.poll() for c in children] == [None, None]
-        assert not (tmp_path / "q0.log").exists()
+        assert (tmp_path / "q0.log").read_text() == ""  # its log exists at once (as a Popen'd process's), still empty
         _open_gate(gate, "go")
         assert [c.wait(60) for c in children] == [0, 4]
         # each handle learnt its own child's pid (answers come in request order)

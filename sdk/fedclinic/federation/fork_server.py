@@ -199,6 +199,8 @@ class ForkServer:
         for that). ForkServerError when the server has already ended."""
         request = {"entry": entry, "args": args, "log": str(log), "cwd": str(cwd)}
         child = ForkedProcess(self, [entry, *args], log)
+        with open(log, "ab"):  # the log exists from now on, as a Popen'd process's does (readers may look at once)
+            pass
         with self._lock:
             if self._proc.stdin is None or self._proc.stdin.closed or self._server_gone:
                 raise ForkServerError(f"the fork server has ended; see {self._log_path}")
