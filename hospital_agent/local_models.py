@@ -25,19 +25,11 @@ import structlog
 
 from fedclinic.errors import IntegrityError
 from fedclinic.runtime.blobstore import BlobStore
-from fedclinic.transport.package import TensorEntry, raw_bytes, tensor_sha256
+from fedclinic.transport.package import TensorEntry, packaged_form, raw_bytes, tensor_sha256
 
 log = structlog.get_logger("fedclinic.agent")
 
 INDEX_FILE = "local-models.json"
-
-
-def packaged_form(array: np.ndarray) -> np.ndarray:
-    """The array as a package holds a checkpoint tensor (fedclinic.models.base.pretrained_tensors): floating point
-    as contiguous float32, anything else contiguous as it is."""
-    if np.issubdtype(array.dtype, np.floating):
-        return np.ascontiguousarray(array, dtype=np.float32)
-    return np.ascontiguousarray(array)
 
 
 class LocalModelFolders:

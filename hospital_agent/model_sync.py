@@ -1,7 +1,8 @@
 """Model sync: bring a task's warm model to an assignment's global weights, fetching only unknown tensors.
 
-Tensors are content-addressed in the site's cache (fedclinic.runtime.blobstore). ``sync`` first copies in the tensors
-the site's pretrained folders hold (hospital_agent.local_models), then fetches the manifest's tensors the cache lacks (``FetchModel`` with the hashes held), those with a usable encoded change (compressed downlink:
+Tensors are content-addressed in the site's cache (fedclinic.runtime.blobstore). ``sync`` first copies in the
+tensors the site's pretrained folders hold (hospital_agent.local_models), then fetches the manifest's tensors the
+cache lacks (``FetchModel`` with the hashes held), those with a usable encoded change (compressed downlink:
 base held, a downlink codec this agent knows) as that change, rebuilt on the base and checked against the
 manifest's sha256 — a change that does not rebuild the tensor exactly is fetched again in full. The first
 round builds the model and encodes the site's data once; later rounds load only the tensors whose hash changed.

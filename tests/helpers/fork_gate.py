@@ -1,16 +1,15 @@
 """A module the fork server's tests make it import (tests/integration/test_fork_server.py): its import holds the server
-in its imports until the file named by ``FORK_GATE`` exists, then goes on, or ends the server (status 3) when the
-file says ``exit``. Waits on the file with a deadline (60 s), never on a fixed sleep."""
+in its imports until the test writes a word into the FIFO named by ``FORK_GATE``, then goes on, or ends the server
+(status 3) when the word is ``exit``. It waits on the FIFO with select and a deadline (60 s), never on a sleep."""
 
 from __future__ import annotations
 
 import os
-import time
+import select
 
-_path = os.environ["FORK_GATE"]
-_deadline = time.monotonic() + 60
-while not os.path.exists(_path) and time.monotonic() < _deadline:
-    time.sleep(0.02)
-with open(_path) as _fh:
-    if _fh.read().strip() == "exit":
-        os._exit(3)
+_fd = os.open(os.environ["FORK_GATE"], os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: readable once the test writes
+_readable, _, _ = select.select([_fd], [], [], 60)
+_word = os.read(_fd, 64).decode().strip() if _readable else ""
+os.close(_fd)
+if _word == "exit":
+    os._exit(3)

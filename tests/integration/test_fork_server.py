@@ -131,16 +131,17 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
 
 
 def _gated_server(tmp_path) -> tuple[ForkServer, Path]:
-    """A server held in its imports until the returned gate file exists (tests/helpers/fork_gate.py)."""
+    """A server held in its imports until a word is written into the returned FIFO (tests/helpers/fork_gate.py)."""
     gate = tmp_path / "gate"
+    os.mkfifo(gate)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FORK_GATE": str(gate)}
     return ForkServer(["tests.helpers.fork_gate"], env=env, log=tmp_path / "fork-server.log", cwd=tmp_path), gate
 
 
 def _open_gate(gate: Path, word: str) -> None:
-    """Create the gate file with ``word`` in it at once (a rename: the server never reads it half written)."""
-    (gate.parent / "gate.tmp").write_text(word)
-    (gate.parent / "gate.tmp").rename(gate)
+    """Write ``word`` into the gate (the open waits until the server's import holds the FIFO's other end)."""
+    with open(gate, "w") as fh:
+        fh.write(word)
 
 
 def test_children_asked_for_while_the_server_imports_are_forked_once_it_is_ready(tmp_path):

@@ -33,7 +33,7 @@ import numpy as np
 from fedclinic.errors import ConfigError, IntegrityError
 from fedclinic.models.meta import ModelMeta
 from fedclinic.runtime.array_blocks import flat_blocks
-from fedclinic.transport.package import WEIGHTS_FILE
+from fedclinic.transport.package import WEIGHTS_FILE, packaged_form
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -528,13 +528,8 @@ def pretrained_tensors(build: Callable[[], "torch.nn.Module"], checkpoint: Mappi
                     fresh[f"{path}.{local}" if path else local] = (
                         t.detach().float() if t.is_floating_point() else t.detach()).numpy().copy()
     out: dict[str, np.ndarray] = {}
-    for name, t in state.items():
-        if name not in mapped:
-            out[name] = fresh[name]
-        else:
-            arr = np.asarray(mapped[name])
-            out[name] = (np.ascontiguousarray(arr, dtype=np.float32) if t.is_floating_point()
-                         else np.ascontiguousarray(arr))
+    for name in state:
+        out[name] = fresh[name] if name not in mapped else packaged_form(np.asarray(mapped[name]))
     return module, out
 
 
