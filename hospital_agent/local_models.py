@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 import structlog
 
 from fedclinic.errors import IntegrityError
